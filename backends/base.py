@@ -1,0 +1,92 @@
+"""The lifecycle every model kind implements, whatever it serves.
+
+A backend is created for one model version, then `load`ed onto a device. The manager may later
+`offload` it to host memory (weights kept, device memory released), `restore` it onto a device,
+and finally `unload` it, after which no tensor of it stays referenced. `memory_bytes` reports
+what the backend holds on its device right now, measured, not predicted; `predict_memory`
+answers before loading from the safetensors headers and the runtime config.
+
+Each kind adds its own async work method (`generate`/`stream`, `embed`, `rerank`) and owns the
+queue that batches concurrent requests. Backends know nothing about HTTP, the registry or the
+hub: they take tensors, strings and token ids and raise the errors in `backends.errors`.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from prometheus_client import CollectorRegistry
+
+
+class ModelKind(enum.StrEnum):
+    LLM = "llm"
+    EMBEDDER = "embedder"
+    RERANKER = "reranker"
+
+
+@dataclass(frozen=True)
+class BackendContext:
+    """What a backend is told about itself when it is created."""
+
+    # Registered model name and version, used as metric labels and in error messages.
+    model: str
+    version: str
+    # Kind-specific runtime settings from the registry (batch tokens, KV-cache bytes, ...).
+    runtime_config: Mapping[str, Any] = field(default_factory=dict)
+    # Where the backend registers its Prometheus metrics; None disables them.
+    metrics_registry: CollectorRegistry | None = None
+    # Safe loading: pickle checkpoints and remote code are refused unless these allow them.
+    allow_pickle: bool = False
+    trust_remote_code: bool = False
+    # Budget of the device the model is placed on, for settings given as a fraction of it.
+    device_budget_bytes: int | None = None
+
+
+class Backend(abc.ABC):
+    """One model version on one device. Not thread-safe for lifecycle calls: the manager
+    serialises `load`/`offload`/`restore`/`unload` and never calls them with work in flight."""
+
+    kind: ClassVar[ModelKind]
+
+    def __init__(self, context: BackendContext) -> None:
+        self.context = context
+        self._device: str | None = None
+
+    @property
+    def device(self) -> str | None:
+        """The device the weights live on now; "cpu" while offloaded, None when unloaded."""
+        return self._device
+
+    @classmethod
+    @abc.abstractmethod
+    def predict_memory(cls, artifact_dir: Path, runtime_config: Mapping[str, Any]) -> int:
+        """Bytes the model will take on its device once loaded, before loading anything."""
+
+    @abc.abstractmethod
+    def load(self, artifact_dir: Path, device: str, dtype: torch.dtype | None = None) -> None:
+        """Read the weights from a verified folder and place them on `device`."""
+
+    @abc.abstractmethod
+    def memory_bytes(self) -> int:
+        """Bytes of parameters, buffers and caches held on the model's device, measured."""
+
+    @abc.abstractmethod
+    def offload(self) -> None:
+        """Move the weights to host memory and release device memory; work must be idle."""
+
+    @abc.abstractmethod
+    def restore(self, device: str) -> None:
+        """Bring offloaded weights back onto `device`."""
+
+    @abc.abstractmethod
+    def unload(self) -> None:
+        """Drop every reference to the weights; later work raises BackendClosedError."""
+
+    async def aclose(self) -> None:  # noqa: B027 - optional hook, most backends need nothing
+        """Stop background workers (queues, threads) before `unload`; default: nothing."""

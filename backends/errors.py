@@ -1,0 +1,35 @@
+"""Errors raised by backends, each carrying what the caller needs to act on it.
+
+The hub maps them onto HTTP: `InputError` is the caller's mistake (400), `CapacityError` means
+"try again later" (503 with `Retry-After`), `LoadError` means the model could not be brought up.
+"""
+
+from __future__ import annotations
+
+
+class BackendError(Exception):
+    """Base class of every error a backend raises on purpose."""
+
+
+class InputError(BackendError):
+    """The request cannot be served as asked (too long, wrong shape, unsupported option)."""
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class CapacityError(BackendError):
+    """The backend is saturated (queue full); the caller should retry after `retry_after` s."""
+
+    def __init__(self, message: str, *, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class LoadError(BackendError):
+    """A model could not be loaded: unsafe weights, missing files, unsupported architecture."""
+
+
+class BackendClosedError(BackendError):
+    """Work was submitted to a backend that has been unloaded or is shutting down."""

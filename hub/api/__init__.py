@@ -1,0 +1,1 @@
+"""HTTP routes. Routers are thin: they validate, route, acquire, call the backend, shape."""

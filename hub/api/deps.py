@@ -1,0 +1,36 @@
+"""FastAPI dependencies shared by the routers."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, Header, Request
+
+from hub.state import Hub
+
+
+def get_hub(request: Request) -> Hub:
+    hub: Hub = request.app.state.hub
+    return hub
+
+
+HubDep = Annotated[Hub, Depends(get_hub)]
+
+
+async def require_user(
+    hub: HubDep,
+    authorization: Annotated[str | None, Header()] = None,
+    x_api_key: Annotated[str | None, Header()] = None,
+) -> None:
+    await hub.auth.check(authorization, x_api_key, admin=False)
+
+
+async def require_admin(
+    hub: HubDep,
+    authorization: Annotated[str | None, Header()] = None,
+    x_api_key: Annotated[str | None, Header()] = None,
+) -> None:
+    await hub.auth.check(authorization, x_api_key, admin=True)
+
+
+RouteKey = Annotated[str | None, Header(alias="X-Hub-Route-Key")]

@@ -1,0 +1,82 @@
+"""Every error leaves the hub in OpenAI's shape: {"error": {message, type, param, code}}."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from backends.errors import BackendClosedError, CapacityError, InputError, LoadError
+from hub.errors import HubError
+from registry.errors import (
+    ConflictError,
+    IntegrityError,
+    InvalidSourceError,
+    NotFoundError,
+    RegistryError,
+)
+
+log = logging.getLogger(__name__)
+
+
+def error_body(message: str, error_type: str, param: str | None = None, code: Any = None) -> dict:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def _json(status: int, message: str, error_type: str, param: str | None = None,
+          code: Any = None, headers: dict[str, str] | None = None) -> JSONResponse:  # fmt: skip
+    return JSONResponse(error_body(message, error_type, param, code), status, headers=headers)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(HubError)
+    async def _hub(_: Request, e: HubError) -> JSONResponse:
+        return _json(e.status_code, e.message, e.error_type, e.param, e.code, e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, e: RequestValidationError) -> JSONResponse:
+        problems = []
+        first_param = None
+        for err in e.errors():
+            loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+            field = ".".join(loc) or "body"
+            first_param = first_param or field
+            problems.append(f"{field}: {err.get('msg')}")
+        return _json(422, "; ".join(problems), "invalid_request_error", first_param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        headers = dict(e.headers) if e.headers else None
+        return _json(e.status_code, str(e.detail), "invalid_request_error", headers=headers)
+
+    @app.exception_handler(InputError)
+    async def _input(_: Request, e: InputError) -> JSONResponse:
+        return _json(400, str(e), "invalid_request_error", e.param)
+
+    @app.exception_handler(CapacityError)
+    async def _capacity(_: Request, e: CapacityError) -> JSONResponse:
+        headers = {"Retry-After": str(max(1, round(e.retry_after)))}
+        return _json(503, str(e), "service_unavailable", headers=headers)
+
+    @app.exception_handler(BackendClosedError)
+    async def _closed(_: Request, e: BackendClosedError) -> JSONResponse:
+        return _json(503, str(e), "service_unavailable", headers={"Retry-After": "1"})
+
+    @app.exception_handler(LoadError)
+    async def _load(_: Request, e: LoadError) -> JSONResponse:
+        return _json(503, f"model failed to load: {e}", "service_unavailable",
+                     headers={"Retry-After": "5"})  # fmt: skip
+
+    @app.exception_handler(RegistryError)
+    async def _registry(_: Request, e: RegistryError) -> JSONResponse:
+        status = {
+            NotFoundError: 404,
+            InvalidSourceError: 400,
+            ConflictError: 409,
+            IntegrityError: 500,
+        }.get(type(e), 500)
+        return _json(status, str(e), "invalid_request_error" if status < 500 else "server_error")

@@ -1,0 +1,36 @@
+"""Probes and metrics: liveness, readiness (migrated and the registry answers), Prometheus."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from hub.api.deps import HubDep
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/health/live")
+async def live() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.get("/health/ready")
+async def ready(hub: HubDep) -> JSONResponse:
+    if not hub.ready:
+        return JSONResponse({"status": "starting"}, 503, headers={"Retry-After": "2"})
+    try:
+        await asyncio.wait_for(asyncio.to_thread(hub.registry.ping), timeout=5)
+    except Exception as e:
+        return JSONResponse(
+            {"status": "registry unavailable", "reason": str(e)}, 503, headers={"Retry-After": "5"}
+        )
+    return JSONResponse({"status": "ready", "models": len(hub.catalog.snapshot.models)})
+
+
+@router.get("/metrics")
+async def metrics(hub: HubDep) -> Response:
+    return Response(generate_latest(hub.metrics.registry), media_type=CONTENT_TYPE_LATEST)

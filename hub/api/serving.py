@@ -1,0 +1,53 @@
+"""The request path shared by every inference route: route, check kind, acquire, measure."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import Response
+
+from backends.base import Backend
+from backends.errors import InputError
+from hub.errors import BadRequest, HubError
+from hub.routing import Route
+from hub.state import Hub
+
+VERSION_HEADER = "X-Hub-Model-Version"
+
+
+def require_kind(route: Route, kind: str, endpoint: str) -> None:
+    if route.kind != kind:
+        raise BadRequest(
+            f"model {route.name!r} is a {route.kind}; {endpoint} needs a {kind}",
+            param="model",
+            code="wrong_model_kind",
+        )
+
+
+@contextlib.asynccontextmanager
+async def serve(
+    hub: Hub, route: Route, endpoint: str, response: Response | None = None
+) -> AsyncIterator[Backend]:
+    """Acquire the routed version's backend for one request and record its outcome."""
+    if response is not None:
+        response.headers[VERSION_HEADER] = str(route.version)
+    labels = (route.name, str(route.version), endpoint)
+    start = time.perf_counter()
+    status = "200"
+    try:
+        async with hub.manager.acquire(route.name, route.version, route.kind) as backend:
+            yield backend
+    except HubError as e:
+        status = str(e.status_code)
+        raise
+    except InputError:
+        status = "400"
+        raise
+    except BaseException:
+        status = "500"
+        raise
+    finally:
+        hub.metrics.requests.labels(*labels, status).inc()
+        hub.metrics.request_seconds.labels(*labels).observe(time.perf_counter() - start)

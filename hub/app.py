@@ -1,0 +1,61 @@
+"""The application factory. `create_app(settings)` does no I/O: the lifespan migrates the
+database, reaches the registry, registers configured models and starts background tasks;
+readiness flips only after all of that succeeded."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from hub import __version__
+from hub.api import admin_models, dashboard, embeddings, health, models, registry
+from hub.api.errors import install_error_handlers
+from hub.settings import HubSettings
+from hub.state import Hub
+
+log = logging.getLogger(__name__)
+
+
+def _announce(hub: Hub) -> None:
+    host = hub.settings.host if hub.settings.host not in ("0.0.0.0", "::") else "127.0.0.1"
+    base = f"http://{host}:{hub.settings.port}"
+    embedders = [m.name for m in hub.catalog.snapshot.models.values() if m.kind == "embedder"]
+    lines = [f"Model Hub is serving at {base}  (dashboard: {base}/)"]
+    if embedders:
+        lines.append("Try:")
+        lines.append(
+            f"  curl -s {base}/v1/embeddings -H 'Content-Type: application/json' "
+            f'-d \'{{"model": "{embedders[0]}", "input": ["hello world"]}}\''
+        )
+    print("\n".join(lines), flush=True)
+
+
+def create_app(settings: HubSettings, *, announce: bool = False) -> FastAPI:
+    """The hub as an ASGI app; `announce` prints the URL and a curl to try once ready."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        hub = Hub.build(settings)
+        app.state.hub = hub
+        await hub.start()
+        log.info("hub ready: %d models registered", len(hub.catalog.snapshot.models))
+        if announce:
+            _announce(hub)
+        try:
+            yield
+        finally:
+            await hub.stop()
+
+    app = FastAPI(
+        title="Model Hub",
+        version=__version__,
+        summary="Many models, one pool of accelerator memory",
+        lifespan=lifespan,
+    )
+    install_error_handlers(app)
+    for module in (health, models, embeddings, admin_models, registry, dashboard):
+        app.include_router(module.router)
+    return app

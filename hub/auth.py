@@ -1,0 +1,54 @@
+"""Bearer-key authentication: admin paths need an admin key, inference paths a user (or
+admin) key, when `auth.enabled`. Verified keys are cached briefly to keep SQL off the hot
+path; a revoked key stops working within that time."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+
+from hub.errors import Forbidden, Unauthorized
+from hub.settings import AuthSettings
+from registry.keys import ApiKeys, hash_key
+
+CACHE_SECONDS = 30.0
+
+
+class Authenticator:
+    def __init__(self, settings: AuthSettings, keys: ApiKeys) -> None:
+        self.settings = settings
+        self.keys = keys
+        self._cache: dict[str, tuple[str | None, float]] = {}
+
+    async def check(self, authorization: str | None, api_key: str | None, *, admin: bool) -> None:
+        if not self.settings.enabled:
+            return
+        key = api_key
+        if authorization:
+            scheme, _, token = authorization.partition(" ")
+            if scheme.lower() == "bearer" and token:
+                key = token.strip()
+        if not key:
+            raise Unauthorized(
+                "an API key is required: send `Authorization: Bearer <key>`",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        role = await self._role(key)
+        if role is None:
+            raise Unauthorized("invalid or revoked API key", headers={"WWW-Authenticate": "Bearer"})
+        if admin and role != "admin":
+            raise Forbidden("this path needs an admin key")
+
+    async def _role(self, key: str) -> str | None:
+        bootstrap = self.settings.bootstrap_admin_key
+        if bootstrap is not None and hmac.compare_digest(key, bootstrap.get_secret_value()):
+            return "admin"
+        digest = hash_key(key)
+        cached = self._cache.get(digest)
+        now = time.monotonic()
+        if cached is not None and now - cached[1] < CACHE_SECONDS:
+            return cached[0]
+        role = await asyncio.to_thread(self.keys.verify, key)
+        self._cache[digest] = (role, now)
+        return role

@@ -1,0 +1,37 @@
+"""Devices the manager may place models on, with their budgets resolved to bytes."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from hub.settings import DeviceSettings
+
+
+def total_memory(device: str) -> int:
+    """Physical memory of a device: system RAM for `cpu`, device memory for `cuda:N`."""
+    if device == "cpu":
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"device {device} is configured but CUDA is not available")
+    index = int(device.split(":", 1)[1])
+    if index >= torch.cuda.device_count():
+        raise RuntimeError(
+            f"device {device} is configured but only {torch.cuda.device_count()} CUDA devices exist"
+        )
+    return int(torch.cuda.get_device_properties(index).total_memory)
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    budget_bytes: int
+
+    @classmethod
+    def from_settings(cls, settings: DeviceSettings) -> Device:
+        budget = settings.memory_budget
+        if isinstance(budget, float):
+            budget = int(total_memory(settings.name) * budget)
+        return cls(settings.name, int(budget))

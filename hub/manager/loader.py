@@ -1,0 +1,73 @@
+"""Turns a model version into a loaded backend: look up, materialise, construct, load."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry
+
+from backends.base import Backend, BackendContext
+from backends.kinds import backend_class
+from backends.loading import parse_dtype
+from hub.manager.state import ModelKey
+from registry.service import Registry
+from registry.views import VersionView
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PreparedVersion:
+    """A version whose files are verified locally, ready to be loaded onto a device."""
+
+    view: VersionView
+    artifact_dir: Path
+    backend_cls: type[Backend]
+
+    def predict_memory(self) -> int:
+        return self.backend_cls.predict_memory(self.artifact_dir, self.view.runtime_config)
+
+
+class VersionLoader:
+    """Blocking steps of a load; the manager runs them in a worker thread."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        *,
+        metrics_registry: CollectorRegistry | None = None,
+        allow_pickle: bool = False,
+        trust_remote_code: bool = False,
+    ) -> None:
+        self.registry = registry
+        self.metrics_registry = metrics_registry
+        self.allow_pickle = allow_pickle
+        self.trust_remote_code = trust_remote_code
+
+    def prepare(self, key: ModelKey) -> PreparedVersion:
+        view = self.registry.get_version(key.name, key.version)
+        artifact_dir = self.registry.materialise(view)
+        return PreparedVersion(view, artifact_dir, backend_class(view.kind))
+
+    def load(
+        self, prepared: PreparedVersion, device: str, device_budget: int | None = None
+    ) -> Backend:
+        view = prepared.view
+        context = BackendContext(
+            model=view.name,
+            version=str(view.version),
+            runtime_config=view.runtime_config,
+            metrics_registry=self.metrics_registry,
+            allow_pickle=self.allow_pickle,
+            trust_remote_code=self.trust_remote_code,
+            device_budget_bytes=device_budget,
+        )
+        backend = prepared.backend_cls(context)
+        start = time.perf_counter()
+        backend.load(prepared.artifact_dir, device, parse_dtype(view.runtime_config.get("dtype")))
+        log.info("loaded %s v%d on %s in %.2fs", view.name, view.version, device,
+                 time.perf_counter() - start)  # fmt: skip
+        return backend

@@ -1,0 +1,59 @@
+"""Prometheus metrics of the hub itself (requests, model loads); one registry per app, so
+several apps in one process (tests) never collide. Backends register theirs on the same
+registry through their BackendContext."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class HubMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "hub_requests_total",
+            "Inference requests by model, version, endpoint and HTTP status",
+            ["model", "version", "endpoint", "status"],
+            registry=r,
+        )
+        self.request_seconds = Histogram(
+            "hub_request_seconds",
+            "End-to-end inference request latency",
+            ["model", "version", "endpoint"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.loads = Counter(
+            "hub_model_loads_total",
+            "Model loads by outcome and source (cold: from disk, warm: from the host tier)",
+            ["model", "version", "outcome", "source"],
+            registry=r,
+        )
+        self.load_seconds = Histogram(
+            "hub_model_load_seconds",
+            "Time to bring a model onto its device",
+            ["source"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.evictions = Counter(
+            "hub_model_evictions_total",
+            "Models moved off their device, by reason",
+            ["model", "version", "reason"],
+            registry=r,
+        )
+        self.load_wait_seconds = Histogram(
+            "hub_load_wait_seconds",
+            "Time requests waited for their model to load",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.resident_bytes = Gauge(
+            "hub_resident_bytes", "Bytes of models resident per device", ["device"], registry=r
+        )
+        self.loaded_models = Gauge(
+            "hub_loaded_models", "Models loaded per device", ["device"], registry=r
+        )

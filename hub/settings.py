@@ -1,0 +1,210 @@
+"""Hub settings: a YAML file plus `HUB_` environment overrides, read once at start.
+
+`load_settings(path)` is the only reader. An unknown key or a bad value raises
+`SettingsError` with one line per problem naming the key and where it came from (the file or
+the environment variable); the CLI prints it and exits with code 2. Nothing below `hub/` reads
+the environment: subsystems receive these frozen objects.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, ValidationError
+from pydantic import field_validator as validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from hub.units import parse_bytes, parse_duration
+
+ENV_PREFIX = "HUB_"
+CONFIG_ENV = "HUB_CONFIG"
+
+
+class SettingsError(Exception):
+    """Settings that cannot be used; the message names every offending key."""
+
+
+def _budget(value: Any) -> int | float:
+    """A memory budget: bytes (`4GiB`, 4294967296) or a fraction of the device (`0.8`, `80%`)."""
+    if isinstance(value, str) and value.strip().endswith("%"):
+        value = float(value.strip()[:-1]) / 100
+    elif isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            return parse_bytes(value)
+    if isinstance(value, float) and 0 < value <= 1:
+        return value
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    raise ValueError(f"{value!r} is neither a byte size (4GiB) nor a fraction in (0, 1] (0.8, 80%)")
+
+
+ByteSize = Annotated[int, BeforeValidator(parse_bytes)]
+Budget = Annotated[int | float, BeforeValidator(_budget)]
+Seconds = Annotated[float, BeforeValidator(parse_duration)]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DeviceSettings(_Section):
+    name: str
+    # Bytes, or a fraction of the device's total memory.
+    memory_budget: Budget = 0.9
+
+    @validator("name")
+    @classmethod
+    def _device_name(cls, v: str) -> str:
+        if v != "cpu" and not re.fullmatch(r"cuda:\d+", v):
+            raise ValueError(f"{v!r} is not a device; use 'cpu' or 'cuda:N'")
+        return v
+
+
+class AuthSettings(_Section):
+    enabled: bool = False
+    # Optional key accepted as an admin key, for bootstrapping before any key is created.
+    bootstrap_admin_key: SecretStr | None = None
+
+
+class ModelSpec(_Section):
+    """A model the hub registers (if not yet registered) and optionally preloads at start."""
+
+    name: str
+    kind: Literal["llm", "embedder", "reranker"]
+    # A folder, hf://org/name[@rev], an MLflow URI, or builtin:<demo model>.
+    source: str
+    aliases: list[str] = Field(default_factory=list)
+    config: dict[str, Any] = Field(default_factory=dict)
+    description: str = ""
+    preload: bool = False
+    pin: bool = False
+
+
+class ManagerSettings(_Section):
+    # How long a request waits for its model to load (including room being made) before 503.
+    load_timeout: Seconds = 120.0
+    # Requests allowed to wait on one model's load; more get 503 with Retry-After.
+    max_waiting_per_model: int = Field(default=256, ge=1)
+    # Ollama's keep_alive: how long an idle model stays resident; -1 forever, 0 unload at once.
+    keep_alive: Seconds = 300.0
+    # Seconds suggested to clients in Retry-After when capacity is short.
+    retry_after: Seconds = 2.0
+
+
+class RegistrySettings(_Section):
+    # How often the hub re-reads the registry (aliases, versions) to follow changes.
+    poll_interval: Seconds = Field(default=2.0, gt=0)
+
+
+class HubSettings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        env_nested_delimiter="__",
+        extra="forbid",
+        frozen=True,
+    )
+
+    database_url: str = "sqlite:///.hub/hub.db"
+    mlflow_tracking_uri: str = "sqlite:///.hub/mlflow.db"
+    # Where embedded MLflow stores artifacts; default: `mlartifacts/` beside its database.
+    mlflow_artifact_location: str | None = None
+    cache_dir: Path = Path(".hub/cache")
+    devices: list[DeviceSettings] = Field(
+        default_factory=lambda: [DeviceSettings(name="cpu", memory_budget=4 * 2**30)]
+    )
+    host_cache_budget: ByteSize = 8 * 2**30
+    auth: AuthSettings = AuthSettings()
+    models: list[ModelSpec] = Field(default_factory=list)
+    manager: ManagerSettings = ManagerSettings()
+    registry: RegistrySettings = RegistrySettings()
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=1, le=65535)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # Safe loading: refuse pickle checkpoints and remote code unless explicitly allowed.
+    allow_pickle: bool = False
+    trust_remote_code: bool = False
+    # Where builtin:<name> demo models are built.
+    demo_dir: Path = Path(".hub/demo")
+
+    @validator("devices")
+    @classmethod
+    def _unique_devices(cls, v: list[DeviceSettings]) -> list[DeviceSettings]:
+        names = [d.name for d in v]
+        if len(set(names)) != len(names):
+            raise ValueError(f"devices are listed twice: {names}")
+        if not v:
+            raise ValueError("at least one device is required")
+        return v
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # The file's values arrive as init kwargs; HUB_ variables override single keys of it.
+        return env_settings, init_settings
+
+
+def _env_keys(environ: dict[str, str]) -> dict[str, str]:
+    """{top-level settings key: environment variable} for every HUB_ variable."""
+    out = {}
+    for var in environ:
+        if var.startswith(ENV_PREFIX) and var != CONFIG_ENV:
+            out[var[len(ENV_PREFIX) :].lower().split("__", 1)[0]] = var
+    return out
+
+
+def load_settings(path: str | Path | None = None) -> HubSettings:
+    """Settings from `path` (or $HUB_CONFIG, or defaults) with HUB_ overrides applied."""
+    path = path or os.environ.get(CONFIG_ENV)
+    where = str(path) if path else "defaults"
+    data: dict[str, Any] = {}
+    if path:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except OSError as e:
+            raise SettingsError(f"{path}: cannot read the config file: {e.strerror}") from e
+        except yaml.YAMLError as e:
+            raise SettingsError(f"{path}: not valid YAML: {e}") from e
+        if loaded is not None and not isinstance(loaded, dict):
+            raise SettingsError(f"{path}: the top level must be a mapping of keys to values")
+        data = loaded or {}
+    env_keys = _env_keys(dict(os.environ))
+    known = set(HubSettings.model_fields)
+    unknown_env = sorted(var for key, var in env_keys.items() if key not in known)
+    if unknown_env:
+        raise SettingsError(
+            f"environment: unknown setting {', '.join(unknown_env)} "
+            f"(known keys: {', '.join(sorted(known))})"
+        )
+    try:
+        return HubSettings(**data)
+    except ValidationError as e:
+        raise SettingsError(_describe(e, where, env_keys)) from None
+
+
+def _describe(error: ValidationError, where: str, env_keys: dict[str, str]) -> str:
+    lines = []
+    known = ", ".join(sorted(HubSettings.model_fields))
+    for err in error.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        top = str(err["loc"][0]) if err["loc"] else ""
+        source = f"environment variable {env_keys[top]}" if top in env_keys else where
+        if err["type"] == "extra_forbidden":
+            hint = f" (known keys: {known})" if len(err["loc"]) == 1 else ""
+            lines.append(f"{source}: unknown key '{loc}'{hint}")
+        else:
+            lines.append(f"{source}: key '{loc}': {err['msg']}")
+    return "invalid settings:\n  " + "\n  ".join(lines)

@@ -1,0 +1,115 @@
+"""Everything one running hub holds, created in the app's lifespan and torn down with it."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+from hub.auth import Authenticator
+from hub.catalog import Catalog
+from hub.demo import is_builtin, materialise_builtin
+from hub.manager import Device, ModelManager, VersionLoader
+from hub.metrics import HubMetrics
+from hub.routing import Router
+from hub.settings import HubSettings
+from registry.cache import ArtifactCache
+from registry.db import Database, upgrade
+from registry.keys import ApiKeys
+from registry.mlflow_store import MlflowStore
+from registry.service import Registry
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Hub:
+    settings: HubSettings
+    db: Database
+    registry: Registry
+    catalog: Catalog
+    router: Router
+    manager: ModelManager
+    auth: Authenticator
+    metrics: HubMetrics
+    ready: bool = False
+    background: list[asyncio.Task[None]] = field(default_factory=list)
+
+    @classmethod
+    def build(cls, settings: HubSettings) -> Hub:
+        """Wire the parts together; does no I/O (see `start`)."""
+        db = Database(settings.database_url)
+        mlflow = MlflowStore(settings.mlflow_tracking_uri, settings.mlflow_artifact_location)
+        cache = ArtifactCache(settings.cache_dir, mlflow)
+        registry = Registry(db, mlflow, cache, allow_pickle=settings.allow_pickle)
+        metrics = HubMetrics()
+        catalog = Catalog(registry, settings.registry.poll_interval)
+        loader = VersionLoader(
+            registry,
+            metrics_registry=metrics.registry,
+            allow_pickle=settings.allow_pickle,
+            trust_remote_code=settings.trust_remote_code,
+        )
+        devices = [Device.from_settings(d) for d in settings.devices]
+        manager = ModelManager(settings.manager, devices, loader, metrics)
+        return cls(
+            settings=settings,
+            db=db,
+            registry=registry,
+            catalog=catalog,
+            router=Router(catalog),
+            manager=manager,
+            auth=Authenticator(settings.auth, ApiKeys(db)),
+            metrics=metrics,
+        )
+
+    async def start(self) -> None:
+        """Migrate, reach the registry, register configured models, then serve."""
+        await asyncio.to_thread(upgrade, self.settings.database_url)
+        await asyncio.to_thread(self.registry.ping)
+        await asyncio.to_thread(self._register_configured_models)
+        await self.catalog.refresh()
+        self.catalog.start()
+        self.ready = True
+        preload = [m for m in self.settings.models if m.preload or m.pin]
+        if preload:
+            self.background.append(asyncio.create_task(self._preload(), name="preload"))
+
+    async def stop(self) -> None:
+        self.ready = False
+        for task in self.background:
+            task.cancel()
+        await asyncio.gather(*self.background, return_exceptions=True)
+        await self.catalog.stop()
+        await self.manager.close()
+        self.db.dispose()
+
+    def _register_configured_models(self) -> None:
+        snapshot = self.registry.snapshot()
+        for spec in self.settings.models:
+            existing = snapshot.models.get(spec.name)
+            if existing is not None and existing.versions:
+                continue  # a later start reuses what is registered
+            source = spec.source
+            if is_builtin(source):
+                source = str(materialise_builtin(source, self.settings.demo_dir))
+            log.info("registering configured model %s from %s", spec.name, spec.source)
+            self.registry.register(
+                spec.name,
+                spec.kind,
+                source,
+                aliases=spec.aliases,
+                config=spec.config,
+                description=spec.description,
+                actor="config",
+            )
+
+    async def _preload(self) -> None:
+        for spec in self.settings.models:
+            if not (spec.preload or spec.pin):
+                continue
+            try:
+                route = self.router.route(spec.name)
+                await self.manager.load(route.name, route.version)
+            except Exception as e:
+                log.error("preloading %s failed: %s", spec.name, e)

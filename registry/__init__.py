@@ -1,0 +1,1 @@
+"""The registry: what the hub should serve (SQL metadata + MLflow model registry)."""

@@ -1,0 +1,23 @@
+"""Registry errors; each message names what is wrong and, where it helps, what exists."""
+
+from __future__ import annotations
+
+
+class RegistryError(Exception):
+    """Base class of registry errors."""
+
+
+class NotFoundError(RegistryError):
+    """A model, version or alias that does not exist."""
+
+
+class InvalidSourceError(RegistryError):
+    """A register source that cannot become a model version (missing, unsafe, wrong kind)."""
+
+
+class ConflictError(RegistryError):
+    """The request contradicts the registry's current state."""
+
+
+class IntegrityError(RegistryError):
+    """Materialised files do not match the version's sha256 manifest."""

@@ -1,0 +1,134 @@
+"""The MLflow side of the registry: artifacts, model versions and aliases.
+
+Embedded by default (a SQLite tracking store with a local artifact folder); an MLflow server
+when the tracking URI is http(s). Nothing here touches the process-global MLflow state, so
+several stores (tests, replicas) can live in one process.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from typing import Any
+
+from registry.db import sqlite_path
+from registry.errors import NotFoundError, RegistryError
+
+EXPERIMENT_NAME = "model-hub"
+ARTIFACT_SUBDIR = "model"
+
+log = logging.getLogger(__name__)
+
+
+def default_artifact_location(tracking_uri: str) -> str | None:
+    """Embedded MLflow keeps artifacts beside its database file; a server decides itself."""
+    path = sqlite_path(tracking_uri)
+    if path is None:
+        return None
+    return (path.resolve().parent / "mlartifacts").as_uri()
+
+
+class MlflowStore:
+    def __init__(self, tracking_uri: str, artifact_location: str | None = None) -> None:
+        self.tracking_uri = tracking_uri
+        self.artifact_location = artifact_location or default_artifact_location(tracking_uri)
+        self._client: Any = None
+        self._experiment_id: str | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def client(self) -> Any:
+        """The MlflowClient; created on first use (it migrates an embedded database)."""
+        with self._lock:
+            if self._client is None:
+                from mlflow import MlflowClient
+
+                path = sqlite_path(self.tracking_uri)
+                if path is not None:
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                self._client = MlflowClient(
+                    tracking_uri=self.tracking_uri, registry_uri=self.tracking_uri
+                )
+            return self._client
+
+    def ping(self) -> None:
+        self.client.search_registered_models(max_results=1)
+
+    def _experiment(self) -> str:
+        if self._experiment_id is None:
+            exp = self.client.get_experiment_by_name(EXPERIMENT_NAME)
+            if exp is not None:
+                self._experiment_id = exp.experiment_id
+            else:
+                self._experiment_id = self.client.create_experiment(
+                    EXPERIMENT_NAME, artifact_location=self.artifact_location
+                )
+        return self._experiment_id
+
+    def log_version(
+        self, name: str, folder: Path, *, description: str = "", tags: dict[str, str]
+    ) -> tuple[int, str]:
+        """Log `folder` as artifacts of a new run and create a model version from them.
+        Returns (version number, artifact URI of the files)."""
+        from mlflow.exceptions import MlflowException
+
+        client = self.client
+        run = client.create_run(self._experiment(), tags={"hub.model": name, **tags})
+        run_id = run.info.run_id
+        try:
+            client.log_artifacts(run_id, str(folder), ARTIFACT_SUBDIR)
+            client.set_terminated(run_id)
+        except Exception:
+            client.set_terminated(run_id, status="FAILED")
+            raise
+        try:
+            client.create_registered_model(name, description=description)
+        except MlflowException as e:
+            if e.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+        artifact_uri = f"{run.info.artifact_uri.rstrip('/')}/{ARTIFACT_SUBDIR}"
+        mv = client.create_model_version(name, source=artifact_uri, run_id=run_id, tags=tags)
+        return int(mv.version), artifact_uri
+
+    def download(self, artifact_uri: str, dst: Path) -> Path:
+        from mlflow.artifacts import download_artifacts
+
+        return Path(
+            download_artifacts(
+                artifact_uri=artifact_uri, dst_path=str(dst), tracking_uri=self.tracking_uri
+            )
+        )
+
+    def delete_version(self, name: str, version: int) -> None:
+        self.client.delete_model_version(name, str(version))
+
+    def aliases(self, name: str) -> dict[str, int]:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            model = self.client.get_registered_model(name)
+        except MlflowException as e:
+            raise NotFoundError(f"MLflow has no registered model {name!r}") from e
+        return {alias: int(v) for alias, v in (model.aliases or {}).items()}
+
+    def all_aliases(self) -> dict[str, dict[str, int]]:
+        """{model name: {alias: version}} for every registered model, paging through."""
+        out: dict[str, dict[str, int]] = {}
+        token = None
+        while True:
+            page = self.client.search_registered_models(max_results=500, page_token=token)
+            for model in page:
+                out[model.name] = {a: int(v) for a, v in (model.aliases or {}).items()}
+            token = page.token
+            if not token:
+                return out
+
+    def set_alias(self, name: str, alias: str, version: int) -> None:
+        try:
+            self.client.set_registered_model_alias(name, alias, str(version))
+        except Exception as e:
+            raise RegistryError(f"MLflow refused alias {alias!r} -> {name} v{version}: {e}") from e
+
+    def delete_alias(self, name: str, alias: str) -> None:
+        self.client.delete_registered_model_alias(name, alias)

@@ -1,0 +1,138 @@
+"""The hub's own SQL tables (SQLAlchemy 2.0 typed ORM), all prefixed `hub_`.
+
+MLflow holds the artifacts, model versions and aliases; these tables hold what MLflow does
+not: the model kind, the verified file manifest, runtime configuration, validation results,
+the audit log of alias moves, traffic splits and API keys. The prefix keeps them apart from
+MLflow's own `registered_models` and `model_versions` when both share one database.
+Constraint names follow a naming convention so migrations can alter them on SQLite too.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any, ClassVar
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    Float,
+    ForeignKey,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+def utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map: ClassVar[dict[Any, Any]] = {
+        dict[str, Any]: JSON,
+        dt.datetime: DateTime(timezone=True),
+    }
+
+
+class RegisteredModel(Base):
+    __tablename__ = "hub_models"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(200), unique=True)
+    kind: Mapped[str] = mapped_column(String(16))
+    description: Mapped[str] = mapped_column(Text, default="")
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+    versions: Mapped[list[ModelVersion]] = relationship(
+        back_populates="model", cascade="all, delete-orphan", order_by="ModelVersion.version"
+    )
+
+
+class ModelVersion(Base):
+    __tablename__ = "hub_model_versions"
+    __table_args__ = (UniqueConstraint("model_id", "version"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    model_id: Mapped[int] = mapped_column(ForeignKey("hub_models.id", ondelete="CASCADE"))
+    # Same number as the MLflow model version, so both registries speak of one version.
+    version: Mapped[int] = mapped_column(Integer)
+    source_uri: Mapped[str] = mapped_column(Text)
+    mlflow_model_uri: Mapped[str] = mapped_column(Text)
+    mlflow_version: Mapped[str] = mapped_column(String(32))
+    # Artifact location of the files in MLflow (what the cache downloads from).
+    artifact_uri: Mapped[str] = mapped_column(Text)
+    # {relative path: sha256 hex} of every file of the version.
+    manifest: Mapped[dict[str, Any]] = mapped_column(JSON)
+    total_bytes: Mapped[int] = mapped_column(BigInteger)
+    dtype: Mapped[str] = mapped_column(String(16))
+    runtime_config: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    # registered -> (validated | failed)
+    status: Mapped[str] = mapped_column(String(16), default="registered")
+    validation: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+    model: Mapped[RegisteredModel] = relationship(back_populates="versions")
+
+
+class AliasEvent(Base):
+    """One alias move (set, moved, removed, rollback); the audit log of the registry."""
+
+    __tablename__ = "hub_alias_events"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    model_id: Mapped[int] = mapped_column(
+        ForeignKey("hub_models.id", ondelete="CASCADE"), index=True
+    )
+    alias: Mapped[str] = mapped_column(String(64))
+    action: Mapped[str] = mapped_column(String(16))
+    # The version the alias points to after the event (None when removed) and before it.
+    version: Mapped[int | None] = mapped_column(Integer)
+    from_version: Mapped[int | None] = mapped_column(Integer)
+    actor: Mapped[str] = mapped_column(String(200))
+    reason: Mapped[str] = mapped_column(Text, default="")
+    validation: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow, index=True)
+
+    model: Mapped[RegisteredModel] = relationship()
+
+
+class TrafficSplit(Base):
+    """Share of a model's routed traffic (percent) that one version receives."""
+
+    __tablename__ = "hub_traffic_splits"
+    __table_args__ = (UniqueConstraint("model_id", "version"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    model_id: Mapped[int] = mapped_column(ForeignKey("hub_models.id", ondelete="CASCADE"))
+    version: Mapped[int] = mapped_column(Integer)
+    weight: Mapped[float] = mapped_column(Float)
+    updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+
+class ApiKey(Base):
+    """An API key, stored as a sha256 hash; the plain key is shown once at creation."""
+
+    __tablename__ = "hub_api_keys"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    name: Mapped[str] = mapped_column(String(200), unique=True)
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    # First characters of the key, to tell keys apart in listings without revealing them.
+    prefix: Mapped[str] = mapped_column(String(16))
+    role: Mapped[str] = mapped_column(String(16))  # admin | user
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    revoked_at: Mapped[dt.datetime | None] = mapped_column(default=None)

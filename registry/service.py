@@ -1,0 +1,289 @@
+"""The registry service: register versions, read models, versions and aliases, audit moves.
+
+SQL and MLflow are written together; when the second write fails the first is undone, so a
+refused or failed registration leaves nothing behind in either store.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session, selectinload
+
+from registry.cache import ArtifactCache
+from registry.db import Database
+from registry.errors import ConflictError, InvalidSourceError, NotFoundError
+from registry.mlflow_store import MlflowStore
+from registry.schema import AliasEvent, ModelVersion, RegisteredModel
+from registry.sources import inspect_folder
+from registry.views import EventView, ModelView, RegistrySnapshot, VersionView
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+ALIAS_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,63}$")
+# MLflow reserves these forms: `latest` and `v<number>` would be ambiguous with versions.
+RESERVED_ALIAS_RE = re.compile(r"^(latest|v\d+)$", re.IGNORECASE)
+
+log = logging.getLogger(__name__)
+
+
+def check_name(name: str) -> None:
+    if not NAME_RE.match(name):
+        raise InvalidSourceError(
+            f"invalid model name {name!r}: use letters, digits, '.', '_' and '-' "
+            "(at most 200, starting with a letter or digit)"
+        )
+
+
+def check_alias(alias: str) -> None:
+    if not ALIAS_RE.match(alias) or RESERVED_ALIAS_RE.match(alias):
+        raise InvalidSourceError(
+            f"invalid alias {alias!r}: start with a letter, then letters, digits, '_' or '-'; "
+            "'latest' and 'v<number>' are reserved"
+        )
+
+
+def _version_view(
+    row: ModelVersion, model: RegisteredModel, aliases: Mapping[str, int]
+) -> VersionView:
+    return VersionView(
+        name=model.name,
+        kind=model.kind,
+        version=row.version,
+        source_uri=row.source_uri,
+        mlflow_model_uri=row.mlflow_model_uri,
+        artifact_uri=row.artifact_uri,
+        manifest=dict(row.manifest),
+        total_bytes=row.total_bytes,
+        dtype=row.dtype,
+        runtime_config=dict(row.runtime_config or {}),
+        status=row.status,
+        validation=row.validation,
+        created_at=row.created_at,
+        aliases=tuple(sorted(a for a, v in aliases.items() if v == row.version)),
+    )
+
+
+def _model_view(model: RegisteredModel, aliases: Mapping[str, int]) -> ModelView:
+    return ModelView(
+        name=model.name,
+        kind=model.kind,
+        description=model.description,
+        created_at=model.created_at,
+        updated_at=model.updated_at,
+        versions={v.version: _version_view(v, model, aliases) for v in model.versions},
+        aliases=dict(aliases),
+    )
+
+
+def _event_view(row: AliasEvent, model_name: str) -> EventView:
+    return EventView(
+        id=row.id,
+        model=model_name,
+        alias=row.alias,
+        action=row.action,
+        version=row.version,
+        from_version=row.from_version,
+        actor=row.actor,
+        reason=row.reason,
+        validation=row.validation,
+        created_at=row.created_at,
+    )
+
+
+class Registry:
+    """Models, versions and aliases, kept in SQL and MLflow together."""
+
+    def __init__(
+        self, db: Database, mlflow: MlflowStore, cache: ArtifactCache, *, allow_pickle: bool = False
+    ) -> None:
+        self.db = db
+        self.mlflow = mlflow
+        self.cache = cache
+        self.allow_pickle = allow_pickle
+
+    # ---- health -------------------------------------------------------------------------
+    def ping(self) -> None:
+        """Raise unless both SQL (migrated) and MLflow answer."""
+        self.db.ping()
+        self.mlflow.ping()
+
+    # ---- writes -------------------------------------------------------------------------
+    def register(
+        self,
+        name: str,
+        kind: str,
+        source: str,
+        *,
+        aliases: Iterable[str] = (),
+        config: Mapping[str, Any] | None = None,
+        description: str = "",
+        actor: str = "system",
+    ) -> VersionView:
+        """Register the files at `source` as a new version of `name` and return it."""
+        check_name(name)
+        aliases = list(aliases)
+        for alias in aliases:
+            check_alias(alias)
+        folder = self._resolve_source(source)
+        inspected = inspect_folder(folder, kind, allow_pickle=self.allow_pickle)
+        with self.db.session() as s:
+            existing = s.scalar(select(RegisteredModel).where(RegisteredModel.name == name))
+            if existing is not None and existing.kind != kind:
+                raise ConflictError(
+                    f"model {name!r} is registered as a {existing.kind}; cannot add a {kind} "
+                    "version to it"
+                )
+        version, artifact_uri = self.mlflow.log_version(
+            name, folder, description=description, tags={"hub.kind": kind, "hub.source": source}
+        )
+        try:
+            with self.db.session() as s:
+                model = s.scalar(select(RegisteredModel).where(RegisteredModel.name == name))
+                if model is None:
+                    model = RegisteredModel(name=name, kind=kind, description=description)
+                    s.add(model)
+                    s.flush()
+                s.add(
+                    ModelVersion(
+                        model_id=model.id,
+                        version=version,
+                        source_uri=source,
+                        mlflow_model_uri=f"models:/{name}/{version}",
+                        mlflow_version=str(version),
+                        artifact_uri=artifact_uri,
+                        manifest=inspected.manifest,
+                        total_bytes=inspected.total_bytes,
+                        dtype=inspected.dtype,
+                        runtime_config={**inspected.runtime_defaults, **(config or {})},
+                        status="registered",
+                    )
+                )
+        except Exception:
+            log.exception("SQL write of %s v%d failed; removing the MLflow version", name, version)
+            self.mlflow.delete_version(name, version)
+            raise
+        for alias in aliases:
+            self.set_alias(name, alias, version, actor=actor, reason="set at registration")
+        log.info("registered %s v%d (%s, %d bytes) from %s", name, version, kind,
+                 inspected.total_bytes, source)  # fmt: skip
+        return self.get_version(name, version)
+
+    def set_alias(
+        self,
+        name: str,
+        alias: str,
+        version: int,
+        *,
+        actor: str,
+        reason: str = "",
+        action: str | None = None,
+        validation: dict[str, Any] | None = None,
+    ) -> EventView:
+        """Point `alias` at `version` in MLflow and record the move in the audit log."""
+        check_alias(alias)
+        self.get_version(name, version)
+        previous = self.mlflow.aliases(name).get(alias)
+        self.mlflow.set_alias(name, alias, version)
+        with self.db.session() as s:
+            model = self._model_row(s, name)
+            event = AliasEvent(
+                model_id=model.id,
+                alias=alias,
+                action=action or ("set" if previous is None else "move"),
+                version=version,
+                from_version=previous,
+                actor=actor,
+                reason=reason,
+                validation=validation,
+            )
+            s.add(event)
+            s.flush()
+            return _event_view(event, name)
+
+    # ---- reads --------------------------------------------------------------------------
+    def snapshot(self) -> RegistrySnapshot:
+        aliases = self.mlflow.all_aliases()
+        with self.db.session() as s:
+            rows = s.scalars(
+                select(RegisteredModel).options(selectinload(RegisteredModel.versions))
+            ).all()
+            return RegistrySnapshot(
+                models={m.name: _model_view(m, aliases.get(m.name, {})) for m in rows}
+            )
+
+    def list_models(self) -> list[ModelView]:
+        snap = self.snapshot()
+        return [snap.models[n] for n in snap.names()]
+
+    def get_model(self, name: str) -> ModelView:
+        with self.db.session() as s:
+            model = self._model_row(s, name)
+            return _model_view(model, self.mlflow.aliases(name))
+
+    def get_version(self, name: str, version: int) -> VersionView:
+        model = self.get_model(name)
+        try:
+            return model.versions[version]
+        except KeyError:
+            known = ", ".join(str(v) for v in sorted(model.versions)) or "none"
+            raise NotFoundError(
+                f"model {name!r} has no version {version} (versions: {known})"
+            ) from None
+
+    def resolve(self, name: str, ref: str | None = None) -> VersionView:
+        """The version `ref` names: a number, an alias, or None for the default version."""
+        model = self.get_model(name)
+        if ref is None:
+            default = model.default_version()
+            if default is None:
+                raise NotFoundError(f"model {name!r} has no versions")
+            return model.versions[default]
+        if ref.isdigit():
+            return self.get_version(name, int(ref))
+        if ref in model.aliases:
+            return model.versions[model.aliases[ref]]
+        raise NotFoundError(
+            f"model {name!r} has no alias {ref!r} (aliases: {', '.join(model.aliases) or 'none'})"
+        )
+
+    def events(self, name: str | None = None, limit: int = 100) -> list[EventView]:
+        with self.db.session() as s:
+            query = select(AliasEvent, RegisteredModel.name).join(RegisteredModel)
+            if name is not None:
+                query = query.where(RegisteredModel.name == name)
+            query = query.order_by(AliasEvent.id.desc()).limit(limit)
+            return [_event_view(event, model_name) for event, model_name in s.execute(query)]
+
+    def materialise(self, version: VersionView) -> Path:
+        """The verified local folder of a version (downloaded on first use)."""
+        return self.cache.materialise(
+            version.name, version.version, version.artifact_uri, version.manifest
+        )
+
+    # ---- helpers ------------------------------------------------------------------------
+    def _model_row(self, s: Session, name: str) -> RegisteredModel:
+        model = s.scalar(
+            select(RegisteredModel)
+            .where(RegisteredModel.name == name)
+            .options(selectinload(RegisteredModel.versions))
+        )
+        if model is None:
+            known = s.scalars(select(RegisteredModel.name).order_by(RegisteredModel.name)).all()
+            raise NotFoundError(
+                f"model {name!r} is not registered (known: {', '.join(known) or 'none'})"
+            )
+        return model
+
+    def _resolve_source(self, source: str) -> Path:
+        if source.startswith(("hf://", "models:/", "runs:/")):
+            raise InvalidSourceError(
+                f"source {source!r}: registering from Hugging Face or MLflow URIs is not "
+                "available in this build; give a local folder"
+            )
+        path = source.removeprefix("file://")
+        return Path(path).expanduser().resolve()

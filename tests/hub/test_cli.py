@@ -1,0 +1,72 @@
+"""The `hub` command line against the registry: migrate, register, list, keys."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from hub.cli import app
+
+runner = CliRunner()
+
+
+@pytest.fixture
+def config(tmp_path: Path, mlflow_template: Path) -> Path:
+    import shutil
+
+    shutil.copy(mlflow_template, tmp_path / "mlflow.db")
+    path = tmp_path / "hub.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "database_url": f"sqlite:///{tmp_path / 'hub.db'}",
+                "mlflow_tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}",
+                "cache_dir": str(tmp_path / "cache"),
+            }
+        )
+    )
+    return path
+
+
+def test_db_upgrade_and_current(config: Path) -> None:
+    result = runner.invoke(app, ["db", "upgrade", "--config", str(config)])
+    assert result.exit_code == 0, result.output
+    assert "revision 0001" in result.output
+    assert runner.invoke(app, ["db", "current", "--config", str(config)]).output.strip() == "0001"
+
+
+def test_register_versions_events(config: Path, tiny_embedder_dir: Path) -> None:
+    args = ["register", "--name", "emb", "--kind", "embedder", "--source", str(tiny_embedder_dir)]
+    result = runner.invoke(app, [*args, "--alias", "production", "--config", str(config)])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output.strip().splitlines()[-1]) == {"name": "emb", "version": 1}
+    out = runner.invoke(app, ["versions", "emb", "--config", str(config)]).output
+    assert "v1" in out and "production" in out
+    out = runner.invoke(app, ["events", "--config", str(config)]).output
+    assert "emb production set - -> 1" in out
+
+
+def test_register_refusal_exits_nonzero(config: Path, tmp_path: Path) -> None:
+    result = runner.invoke(
+        app,
+        ["register", "--name", "x", "--kind", "embedder", "--source", str(tmp_path / "missing"),
+         "--config", str(config)],
+    )  # fmt: skip
+    assert result.exit_code == 1
+    assert "does not exist" in result.output
+
+
+def test_keys_create_list_revoke(config: Path) -> None:
+    created = runner.invoke(
+        app, ["keys", "create", "ops", "--role", "admin", "--config", str(config)]
+    )
+    key = created.output.strip()
+    assert created.exit_code == 0 and key.startswith("hub-")
+    listing = runner.invoke(app, ["keys", "list", "--config", str(config)]).output
+    assert "ops" in listing and key not in listing  # only a prefix is ever shown
+    assert runner.invoke(app, ["keys", "revoke", "ops", "--config", str(config)]).exit_code == 0
+    assert "revoked" in runner.invoke(app, ["keys", "list", "--config", str(config)]).output

@@ -1,0 +1,63 @@
+"""Building hub settings and apps for tests: every hub gets its own databases, MLflow store
+and cache under a temp folder. MLflow's schema migration costs seconds, so a migrated empty
+MLflow database is made once per session and copied."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+from fastapi import FastAPI
+
+from hub.app import create_app
+from hub.settings import HubSettings
+
+
+def make_settings(root: Path, mlflow_template: Path | None = None, **overrides: Any) -> HubSettings:
+    root.mkdir(parents=True, exist_ok=True)
+    mlflow_db = root / "mlflow.db"
+    if mlflow_template is not None and not mlflow_db.exists():
+        shutil.copy(mlflow_template, mlflow_db)
+    values: dict[str, Any] = {
+        "database_url": f"sqlite:///{root / 'hub.db'}",
+        "mlflow_tracking_uri": f"sqlite:///{mlflow_db}",
+        "cache_dir": root / "cache",
+        "demo_dir": root / "demo",
+        "devices": [{"name": "cpu", "memory_budget": "2GiB"}],
+        "host_cache_budget": "1GiB",
+        "registry": {"poll_interval": 0.5},
+    }
+    values.update(overrides)
+    return HubSettings(**values)
+
+
+def make_mlflow_template(folder: Path) -> Path:
+    """A migrated, empty MLflow database, made in a child process so the file is complete."""
+    db = folder / "mlflow-template.db"
+    code = f"from registry.mlflow_store import MlflowStore; MlflowStore('sqlite:///{db}').ping()"
+    repo = str(Path(__file__).resolve().parents[2])
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])),
+    }
+    subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, timeout=120, env=env
+    )
+    return db
+
+
+@contextlib.asynccontextmanager
+async def running_app(settings: HubSettings) -> AsyncIterator[tuple[FastAPI, httpx.AsyncClient]]:
+    """The app with its lifespan run, and an async client talking to it in-process."""
+    app = create_app(settings)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://hub") as client:
+            yield app, client

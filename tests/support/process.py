@@ -1,0 +1,66 @@
+"""Running `hub serve` as a real process on a loopback port, as a user would."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+from tests.support.postgres import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@contextlib.contextmanager
+def hub_process(
+    config: Path, cwd: Path, env: dict[str, str] | None = None, timeout: float = 180
+) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+    """Start `hub serve --config CONFIG` in CWD on a free port; yield (base URL, process)."""
+    port = free_port()
+    full_env = {
+        **os.environ,
+        "HUB_PORT": str(port),
+        "HF_HUB_OFFLINE": "1",
+        # This checkout's code, whatever is installed and wherever the hub starts.
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        **(env or {}),
+    }
+    log = (cwd / f"hub-{port}.log").open("w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hub.cli", "serve", "--config", str(config)],
+        cwd=cwd, env=full_env, stdout=log, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"hub exited with {proc.returncode}:\n{read_log(log.name)}")
+            try:
+                if httpx.get(f"{base}/health/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"hub not ready after {timeout}s:\n{read_log(log.name)}")
+            time.sleep(0.3)
+        yield base, proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        log.close()
+
+
+def read_log(path: str) -> str:
+    return Path(path).read_text()[-4000:]
