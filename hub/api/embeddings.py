@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from backends.embedder import EmbedderBackend
 from hub.api.deps import HubDep, RouteKey, require_user
-from hub.api.serving import require_kind, serve
+from hub.api.serving import KeepAlive, require_kind, serve
 from hub.errors import BadRequest
 from hub.routing import Route
 from hub.state import Hub
@@ -30,8 +30,9 @@ class EmbedBody(BaseModel):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[int, Field(gt=0)] | None = None
     user: str | None = None
-    # Extension: refuse over-long inputs instead of truncating them.
+    # Extensions: refuse over-long inputs instead of truncating them; Ollama's keep_alive.
     truncate: bool = True
+    keep_alive: KeepAlive = None
 
     @field_validator("input")
     @classmethod
@@ -85,7 +86,7 @@ def _encode(vector: np.ndarray, encoding_format: str) -> list[float] | str:
 async def _embed(hub: Hub, route: Route, body: EmbedBody, response: Response) -> EmbeddingPublic:
     require_kind(route, "embedder", "embeddings")
     texts = _texts(body.input)
-    async with serve(hub, route, "embeddings", response) as backend:
+    async with serve(hub, route, "embeddings", response, keep_alive=body.keep_alive) as backend:
         assert isinstance(backend, EmbedderBackend)
         result = await backend.embed(texts, truncate=body.truncate, dimensions=body.dimensions)
     data = [

@@ -5,14 +5,17 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from typing import Annotated, Any
 
 from fastapi import Response
+from pydantic import BeforeValidator
 
 from backends.base import Backend
 from backends.errors import InputError
 from hub.errors import BadRequest, HubError
 from hub.routing import Route
 from hub.state import Hub
+from hub.units import parse_duration
 
 VERSION_HEADER = "X-Hub-Model-Version"
 
@@ -26,9 +29,23 @@ def require_kind(route: Route, kind: str, endpoint: str) -> None:
         )
 
 
+def _keep_alive(value: Any) -> float | None:
+    return None if value is None else parse_duration(value)
+
+
+# Ollama's keep_alive on a request: a duration ("5m", 30), -1 to keep forever, 0 to unload
+# right after the request.
+KeepAlive = Annotated[float | None, BeforeValidator(_keep_alive)]
+
+
 @contextlib.asynccontextmanager
 async def serve(
-    hub: Hub, route: Route, endpoint: str, response: Response | None = None
+    hub: Hub,
+    route: Route,
+    endpoint: str,
+    response: Response | None = None,
+    *,
+    keep_alive: float | None = None,
 ) -> AsyncIterator[Backend]:
     """Acquire the routed version's backend for one request and record its outcome."""
     if response is not None:
@@ -37,7 +54,9 @@ async def serve(
     start = time.perf_counter()
     status = "200"
     try:
-        async with hub.manager.acquire(route.name, route.version, route.kind) as backend:
+        async with hub.manager.acquire(
+            route.name, route.version, route.kind, keep_alive=keep_alive
+        ) as backend:
             yield backend
     except HubError as e:
         status = str(e.status_code)

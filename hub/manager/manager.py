@@ -45,7 +45,12 @@ class ModelManager:
 
     # ---- request path ---------------------------------------------------------------------
     @contextlib.asynccontextmanager
-    async def acquire(self, name: str, version: int, kind: str = "") -> AsyncIterator[Backend]:
+    async def acquire(
+        self, name: str, version: int, kind: str = "", *, keep_alive: float | None = None
+    ) -> AsyncIterator[Backend]:
+        """Hold the loaded backend of `name`@`version` for one request. `keep_alive` (seconds;
+        -1 forever, 0 unload after this request) overrides how long the model then stays
+        resident, with Ollama's meaning."""
         entry = self._entry(ModelKey(name, version), kind)
         await self._ensure_loaded(entry)
         assert entry.backend is not None  # guaranteed by _ensure_loaded
