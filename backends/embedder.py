@@ -1,15 +1,20 @@
-"""Sentence-transformers embedder behind the `Backend` contract.
+"""Sentence-transformers embedder behind the `Backend` contract, with dynamic batching.
 
 Pooling and normalisation are whatever the model folder's own modules say (`modules.json`):
-the backend runs the same module pipeline as `SentenceTransformer.encode`, so vectors match
-it. This version serves one request at a time; the dynamic batcher replaces `_run` without
-changing `embed`'s contract.
+each batch runs the loaded `SentenceTransformer`'s module pipeline (Transformer -> Pooling ->
+Normalize ...) on inputs tokenized as its `encode` tokenizes them, so vectors equal `encode`'s
+up to float noise from padding. Concurrent requests share batches (`backends.batching`); one
+request's inputs may span several batches and come back in order.
+
+Runtime config (a version's `config` at registration; all optional): the batching keys of
+`BatchLimits` (`max_batch_tokens`, `max_batch_size`, `batch_wait_ms`, `max_queue`),
+`max_seq_length` (lower the model's maximum input tokens) and `matryoshka_dims` (the
+`dimensions` a request may ask for, e.g. `[256, 128, 64]`, for models trained to be truncated).
 """
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,17 +22,22 @@ from typing import Any
 import numpy as np
 import torch
 
-from backends.base import Backend, ModelKind
-from backends.errors import BackendClosedError, InputError, LoadError
-from backends.loading import module_bytes, require_safe_weights, tensor_bytes_from_headers
+from backends.base import BackendContext, ModelKind
+from backends.encoder import BatchedEncoderBackend, model_max_length, sentence_transformers_kwargs
+from backends.errors import InputError, LoadError
+from backends.loading import require_safe_weights
+from backends.tokenization import Encoded, EncoderTokenizer
 
-# Activations and the tokenizer on top of the weights: a small fixed allowance.
-_RUNTIME_OVERHEAD_BYTES = 32 * 1024 * 1024
+# One input: a text, or content token ids (no special tokens).
+EmbedInput = str | Sequence[int]
+# One input's result: its vector and the tokens it used.
+_Row = tuple[np.ndarray, int]
 
 
 @dataclass(frozen=True)
 class Embeddings:
-    """One vector per input, in input order, and the tokens each input used."""
+    """One vector per input, in input order, and the tokens each input used (special tokens
+    included, after truncation)."""
 
     vectors: np.ndarray  # (n_inputs, dim) float32
     token_counts: list[int]
@@ -37,101 +47,167 @@ class Embeddings:
         return sum(self.token_counts)
 
 
-class EmbedderBackend(Backend):
+@dataclass(frozen=True)
+class _EmbedRequest:
+    inputs: Sequence[EmbedInput]
+    truncate: bool
+
+
+class _EmbedStages:
+    """Tokenize requests' inputs; run a padded batch through the module pipeline."""
+
+    def __init__(self, model: Any, tokenizer: EncoderTokenizer, device: str) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = device
+
+    def tokenize(self, payloads: Sequence[_EmbedRequest]) -> list[list[Encoded] | BaseException]:
+        # The texts of every request that arrived together go through one tokenizer call.
+        texts = [x for p in payloads for x in p.inputs if isinstance(x, str)]
+        encoded = iter(self.tokenizer.encode(texts) if texts else ())
+        out: list[list[Encoded] | BaseException] = []
+        for request in payloads:
+            mine = [next(encoded) if isinstance(x, str) else None for x in request.inputs]
+            try:
+                out.append(self._finish(request, mine))
+            except InputError as e:
+                out.append(e)
+        return out
+
+    def _finish(self, request: _EmbedRequest, encoded: list[Encoded | None]) -> list[Encoded]:
+        """Wrap token-id inputs, then refuse or truncate what is too long."""
+        tok = self.tokenizer
+        items: list[Encoded] = []
+        cut_texts: list[int] = []
+        for i, (value, e) in enumerate(zip(request.inputs, encoded, strict=True)):
+            if e is None:
+                ids = value  # a token-id input
+                assert not isinstance(ids, str)
+                bad = tok.first_invalid_id(ids)
+                if bad is not None:
+                    raise InputError(
+                        f"input[{i}] holds token id {bad}, outside the model's vocabulary of "
+                        f"{tok.vocab_size} ids",
+                        param="input",
+                    )
+                e = tok.wrap_ids(ids)
+            if e.length > tok.max_length:
+                if not request.truncate:
+                    raise InputError(
+                        f"input[{i}] has {e.length} tokens, more than the model's maximum of "
+                        f"{tok.max_length}, and truncate is false; shorten it or allow "
+                        "truncation",
+                        param="input",
+                    )
+                if isinstance(value, str):
+                    cut_texts.append(i)
+                else:
+                    e = tok.wrap_ids(value, truncate=True)
+            items.append(e)
+        if cut_texts:
+            cut = tok.encode_truncated([request.inputs[i] for i in cut_texts])  # type: ignore[misc]
+            for i, e in zip(cut_texts, cut, strict=True):
+                items[i] = e
+        return items
+
+    def forward(self, items: Sequence[Encoded]) -> list[_Row]:
+        features = self.tokenizer.pad(items)
+        features = {k: v.to(self.device) for k, v in features.items()}
+        with torch.inference_mode():
+            out = self.model(features)["sentence_embedding"]  # (n, dim)
+        vectors = out.float().cpu().numpy()
+        return [(vectors[i], item.length) for i, item in enumerate(items)]
+
+
+class EmbedderBackend(BatchedEncoderBackend[_EmbedRequest, _Row]):
+    """A sentence-transformers embedder; `embed` batches concurrent requests together."""
+
     kind = ModelKind.EMBEDDER
 
-    def __init__(self, context: Any) -> None:
+    def __init__(self, context: BackendContext) -> None:
         super().__init__(context)
-        self._model: Any = None  # sentence_transformers.SentenceTransformer
-        self._lock = asyncio.Lock()
-
-    @classmethod
-    def predict_memory(cls, artifact_dir: Path, runtime_config: Mapping[str, Any]) -> int:
-        files = require_safe_weights(artifact_dir)
-        return tensor_bytes_from_headers(files) + _RUNTIME_OVERHEAD_BYTES
+        try:
+            self._matryoshka = _dims(context.runtime_config.get("matryoshka_dims"))
+        except ValueError as e:
+            raise LoadError(f"{context.model} v{context.version}: {e}") from e
+        self._dimension = 0
+        self._normalized = False
 
     def load(self, artifact_dir: Path, device: str, dtype: torch.dtype | None = None) -> None:
         from sentence_transformers import SentenceTransformer
 
         require_safe_weights(artifact_dir, allow_pickle=self.context.allow_pickle)
-        model_kwargs: dict[str, Any] = {"use_safetensors": not self.context.allow_pickle}
-        if dtype is not None:
-            model_kwargs["dtype"] = dtype
         try:
             model = SentenceTransformer(
-                str(artifact_dir),
-                device=device,
-                local_files_only=True,
-                trust_remote_code=self.context.trust_remote_code,
-                model_kwargs=model_kwargs,
+                str(artifact_dir), device=device, **sentence_transformers_kwargs(self, dtype)
             )
         except Exception as e:
             raise LoadError(f"cannot load embedder from {artifact_dir}: {e}") from e
         model.eval()
-        self._model = model
-        self._device = device
+        dim = model.get_embedding_dimension()
+        if dim is None:
+            raise LoadError(f"{artifact_dir}: the model does not report its embedding dimension")
+        too_wide = [d for d in self._matryoshka if d > dim]
+        if too_wide:
+            raise LoadError(
+                f"runtime config matryoshka_dims {too_wide} exceed the model's {dim} dimensions"
+            )
+        transformer: Any = model[0]
+        tokenizer = EncoderTokenizer(
+            transformer.tokenizer,
+            max_length=model_max_length(model, self.context.runtime_config.get("max_seq_length")),
+            vocab_size=transformer.auto_model.get_input_embeddings().num_embeddings,
+        )
+        self._dimension = int(dim)
+        self._normalized = any(type(m).__name__ == "Normalize" for m in model)
+        self._start(_EmbedStages(model, tokenizer, device), device)
 
     @property
     def dimension(self) -> int:
-        dim = self._require().get_embedding_dimension()
-        if dim is None:
-            raise LoadError("the model does not report its embedding dimension")
-        return int(dim)
-
-    @property
-    def max_tokens(self) -> int:
-        return int(self._require().max_seq_length)
-
-    def memory_bytes(self) -> int:
-        return module_bytes(self._model) if self._model is not None else 0
-
-    def offload(self) -> None:
-        self._require().to("cpu")
-        self._device = "cpu"
-
-    def restore(self, device: str) -> None:
-        self._require().to(device)
-        self._device = device
-
-    def unload(self) -> None:
-        self._model = None
-        self._device = None
+        """Dimensions of the model's vectors."""
+        self._require()
+        return self._dimension
 
     async def embed(
-        self, inputs: Sequence[str], *, truncate: bool = True, dimensions: int | None = None
+        self,
+        inputs: Sequence[EmbedInput],
+        *,
+        truncate: bool = True,
+        dimensions: int | None = None,
     ) -> Embeddings:
-        """Embed each input string; `truncate=False` refuses inputs longer than the model's
-        maximum instead of cutting them."""
+        """Embed each input: a text, or content token ids (the model's special tokens are
+        added). `truncate=False` refuses inputs longer than the model's maximum instead of
+        cutting them; `dimensions` keeps the first that many dimensions (renormalised when the
+        model normalises), allowed for the model's `matryoshka_dims`. Raises InputError naming
+        the offending input, CapacityError when the queue is full."""
         if not inputs:
             raise InputError("input must not be empty", param="input")
-        if dimensions is not None:
+        self._require()
+        if dimensions not in (None, self._dimension, *self._matryoshka):
+            allowed = ", ".join(str(d) for d in self._matryoshka) or "none"
             raise InputError(
-                f"model {self.context.model} does not support `dimensions`", param="dimensions"
+                f"model {self.context.model} gives {self._dimension}-dimensional vectors and "
+                f"cannot be truncated to {dimensions} (dimensions it allows: {allowed}, set by "
+                "the runtime config key matryoshka_dims)",
+                param="dimensions",
             )
-        async with self._lock:
-            return await asyncio.to_thread(self._run, list(inputs), truncate)
+        rows = await self._submit(_EmbedRequest(inputs, truncate), len(inputs))
+        vectors = np.stack([vector for vector, _ in rows])
+        if dimensions is not None and dimensions != self._dimension:
+            vectors = vectors[:, :dimensions]
+            if self._normalized:
+                norms = np.linalg.norm(vectors, axis=1, keepdims=True)
+                vectors = vectors / np.maximum(norms, 1e-12)
+        return Embeddings(vectors=vectors, token_counts=[n for _, n in rows])
 
-    def _require(self) -> Any:
-        if self._model is None:
-            raise BackendClosedError(f"embedder {self.context.model} is not loaded")
-        return self._model
 
-    def _run(self, texts: list[str], truncate: bool) -> Embeddings:
-        model = self._require()
-        if not truncate:
-            lengths = [len(ids) for ids in model.tokenizer(texts)["input_ids"]]
-            for i, n in enumerate(lengths):
-                if n > model.max_seq_length:
-                    raise InputError(
-                        f"input[{i}] has {n} tokens, more than the model's maximum of "
-                        f"{model.max_seq_length}, and truncate is false",
-                        param="input",
-                    )
-        features = model.tokenize(texts)
-        token_counts = [int(n) for n in features["attention_mask"].sum(dim=1)]
-        device = self._device or "cpu"
-        features = {k: v.to(device) if torch.is_tensor(v) else v for k, v in features.items()}
-        with torch.inference_mode():
-            out = model(features)["sentence_embedding"]  # (n, dim)
-        vectors = out.float().cpu().numpy()
-        return Embeddings(vectors=vectors, token_counts=token_counts)
+def _dims(value: Any) -> tuple[int, ...]:
+    """The runtime config's `matryoshka_dims`: a list of positive integers, or nothing."""
+    if value is None:
+        return ()
+    if not isinstance(value, list | tuple) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in value
+    ):
+        raise ValueError(f"runtime config matryoshka_dims={value!r}: expected a list of "
+                         "positive integers, e.g. [256, 128, 64]")  # fmt: skip
+    return tuple(sorted(set(value), reverse=True))

@@ -1,0 +1,419 @@
+"""Token-budget dynamic batching, shared by the encoder backends (embedder, reranker).
+
+Contract: `await batcher.submit(payload, size)` returns one result per input of the payload, in
+input order, whatever batches its inputs ran in. The batcher knows nothing about models: a
+`BatchStages` object turns payloads into tokenized items (`tokenize`) and runs a list of items
+through the model (`forward`).
+
+    submit() --payloads--> [tokenizer thread] --items, kept sorted by length--> pool
+    pool --one batch under the token budget--> [forward thread] --results--> futures
+
+The tokenizer thread tokenizes everything that has arrived in one call while the forward thread
+runs the batch in flight, so tokenizing overlaps the forward pass (torch releases the GIL in its
+kernels, the Rust tokenizer in its batch encode). A payload the stages refuse (an input too long,
+a token id out of range) fails as a whole, before any of it reaches the model.
+
+Batches. Whenever the forward thread is free it takes the oldest pooled input and grows a batch
+around it in length order, each step adding the neighbour that adds the least padding, while
+`size * longest <= max_batch_tokens` and `size <= max_batch_size`. Starting from the oldest
+input means no input starves; growing in length order keeps padding small. One payload's inputs
+may land in several batches and are reassembled in order. An idle model waits up to
+`batch_wait_s` after the oldest input arrived, but only while the pool is smaller than the
+previous batch: a steady stream of concurrent requests gets full batches, a lone client pays
+no wait.
+
+Capacity. At most `max_queue` inputs wait (not yet in a forward pass); beyond that `submit`
+raises `CapacityError`. A cancelled `submit` (the client went away) drops its inputs that have
+not run yet. Results resolve on the submitting event loop via `call_soon_threadsafe`, once per
+batch and loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import contextlib
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, Protocol, TypeVar
+
+from backends.batch_metrics import BatchMetrics
+from backends.errors import BackendClosedError, CapacityError, InputError
+
+log = logging.getLogger(__name__)
+
+P = TypeVar("P")  # a request's payload, as the backend's async method received it
+I = TypeVar("I", bound="Tokenized")  # noqa: E741 - one tokenized input
+R = TypeVar("R")  # the model's result for one input
+P_contra = TypeVar("P_contra", contravariant=True)
+R_co = TypeVar("R_co", covariant=True)
+
+
+class Tokenized(Protocol):
+    @property
+    def length(self) -> int:
+        """Tokens this input takes in a batch (before padding)."""
+        ...
+
+
+class BatchStages(Protocol[P_contra, I, R_co]):
+    """The model-specific half of batching; both methods run in the batcher's threads."""
+
+    def tokenize(self, payloads: Sequence[P_contra]) -> list[list[I] | BaseException]:
+        """For each payload its inputs, tokenized (exactly as many as it was submitted with),
+        or the error that refuses it (an `InputError` naming the input)."""
+        ...
+
+    def forward(self, items: Sequence[I]) -> Sequence[R_co]:
+        """Run one batch through the model: one result per item, in order."""
+        ...
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    """How a model's batches are formed; read from a version's runtime config."""
+
+    # Padded tokens per batch (batch size times its longest input).
+    max_batch_tokens: int = 16384
+    # Inputs per batch.
+    max_batch_size: int = 32
+    # How long an idle model waits for a batch to fill, after the oldest input arrived.
+    batch_wait_s: float = 0.002
+    # Inputs allowed to wait for a forward pass; more get CapacityError (HTTP 503).
+    max_queue: int = 4096
+    # Seconds suggested to callers refused for capacity.
+    retry_after_s: float = 1.0
+
+    @classmethod
+    def from_runtime_config(cls, config: Mapping[str, Any]) -> BatchLimits:
+        """Limits from the runtime-config keys `max_batch_tokens`, `max_batch_size`,
+        `batch_wait_ms` and `max_queue`; absent keys keep their defaults. Raises ValueError
+        naming the key when a value is not usable."""
+        default = cls()
+        values: dict[str, Any] = {}
+        for key in ("max_batch_tokens", "max_batch_size", "max_queue"):
+            value = config.get(key, getattr(default, key))
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"runtime config {key}={value!r}: expected an integer >= 1")
+            values[key] = value
+        wait_ms = config.get("batch_wait_ms", default.batch_wait_s * 1000)
+        if isinstance(wait_ms, bool) or not isinstance(wait_ms, int | float) or wait_ms < 0:
+            raise ValueError(f"runtime config batch_wait_ms={wait_ms!r}: expected a number >= 0")
+        return cls(**values, batch_wait_s=float(wait_ms) / 1000)
+
+
+class _Request(Generic[P, R]):
+    """One submitted payload: where its results go, and how many are still missing."""
+
+    __slots__ = ("cancelled", "failed", "future", "loop", "missing", "payload", "results",
+                 "size", "started_at", "submitted_at")  # fmt: skip
+
+    def __init__(self, payload: P, size: int, loop: asyncio.AbstractEventLoop) -> None:
+        self.payload = payload
+        self.size = size
+        self.loop = loop
+        self.future: asyncio.Future[list[R]] = loop.create_future()
+        self.submitted_at = time.perf_counter()
+        self.started_at: float | None = None
+        self.results: list[R | None] = []
+        self.missing = 0
+        self.cancelled = False
+        self.failed = False
+
+
+class _Slot(Generic[I]):
+    """One tokenized input waiting in the pool."""
+
+    __slots__ = ("index", "item", "key", "request", "taken")
+
+    def __init__(self, request: _Request[Any, Any], index: int, item: I, seq: int) -> None:
+        self.request = request
+        self.index = index
+        self.item = item
+        self.key = (item.length, seq)  # pool order: by length, then arrival
+        self.taken = False
+
+
+def _slot_key(slot: _Slot[Any]) -> tuple[int, int]:
+    return slot.key
+
+
+class DynamicBatcher(Generic[P, I, R]):
+    """A queue, a tokenizer thread and a forward thread for one loaded model."""
+
+    def __init__(
+        self,
+        stages: BatchStages[P, I, R],
+        limits: BatchLimits,
+        *,
+        name: str,
+        metrics: BatchMetrics | None = None,
+    ) -> None:
+        self.stages = stages
+        self.limits = limits
+        self.name = name
+        self._metrics = metrics
+        self._cond = threading.Condition()
+        self._incoming: deque[_Request[P, R]] = deque()  # submitted, not yet tokenized
+        self._pool: list[_Slot[I]] = []  # tokenized, sorted by (length, arrival)
+        self._fifo: deque[_Slot[I]] = deque()  # the same slots in arrival order
+        self._queued = 0  # inputs submitted and not yet in a forward pass
+        self._last_batch_size = 1
+        self._seq = itertools.count()
+        self._closed = False
+        self._threads = [
+            threading.Thread(target=self._tokenize_loop, name=f"{name} tokenize", daemon=True),
+            threading.Thread(target=self._forward_loop, name=f"{name} forward", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    @property
+    def queued(self) -> int:
+        """Inputs waiting for a forward pass."""
+        return self._queued
+
+    async def submit(self, payload: P, size: int) -> list[R]:
+        """Results for the `size` inputs of `payload`, in order. Raises the stages' error for a
+        refused payload, InputError when `size` exceeds `max_queue`, CapacityError when the
+        queue has no room for it now, BackendClosedError once closed."""
+        if size < 1:
+            raise ValueError("a request needs at least one input")
+        if size > self.limits.max_queue:
+            raise InputError(
+                f"{size} inputs in one request is more than {self.name} queues "
+                f"({self.limits.max_queue}, runtime config max_queue); split the request"
+            )
+        request: _Request[P, R] = _Request(payload, size, asyncio.get_running_loop())
+        with self._cond:
+            if self._closed:
+                raise BackendClosedError(f"{self.name} is shut down")
+            if self._queued + size > self.limits.max_queue:
+                raise CapacityError(
+                    f"{self.name}: {self._queued} inputs already wait and this request adds "
+                    f"{size} (max_queue {self.limits.max_queue}); retry later",
+                    retry_after=self.limits.retry_after_s,
+                )
+            self._queued += size
+            self._incoming.append(request)
+            self._cond.notify_all()
+        try:
+            return await request.future
+        except asyncio.CancelledError:
+            self._cancel(request)
+            raise
+
+    def close(self) -> None:
+        """Stop both threads; requests not finished fail with BackendClosedError. Idempotent."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.notify_all()
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout=30)
+        error = BackendClosedError(f"{self.name} was shut down before this request finished")
+        with self._cond:
+            pending = {id(r): r for r in self._incoming}
+            pending.update((id(s.request), s.request) for s in self._pool)
+            self._incoming.clear()
+            self._pool.clear()
+            self._fifo.clear()
+            self._queued = 0
+        self._deliver([(r, error) for r in pending.values()])
+
+    # ---- tokenizer thread -------------------------------------------------------------------
+    def _tokenize_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._incoming and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                requests = [r for r in self._incoming if not r.cancelled]
+                self._incoming.clear()
+            if not requests:
+                continue
+            try:
+                tokenized = self.stages.tokenize([r.payload for r in requests])
+                for request, items in zip(requests, tokenized, strict=True):
+                    if isinstance(items, list) and len(items) != request.size:
+                        raise RuntimeError(f"tokenize gave {len(items)} inputs for {request.size}")
+            except Exception as e:  # a bug in the stages fails these requests, not the thread
+                log.exception("%s: tokenizing failed", self.name)
+                tokenized = [e] * len(requests)
+            refused: list[tuple[_Request[P, R], BaseException]] = []
+            with self._cond:
+                for request, items in zip(requests, tokenized, strict=True):
+                    if request.cancelled or isinstance(items, BaseException):
+                        # Cancelled while being tokenized: _cancel found nothing to return.
+                        self._queued -= request.size
+                        if isinstance(items, BaseException):
+                            refused.append((request, items))
+                        continue
+                    request.results = [None] * len(items)
+                    request.missing = len(items)
+                    for index, item in enumerate(items):
+                        slot = _Slot(request, index, item, next(self._seq))
+                        bisect.insort(self._pool, slot, key=_slot_key)
+                        self._fifo.append(slot)
+                self._cond.notify_all()
+            self._deliver(refused)
+
+    # ---- forward thread ---------------------------------------------------------------------
+    def _forward_loop(self) -> None:
+        while True:
+            with self._cond:
+                batch = self._next_batch()
+                if batch is None:
+                    return
+            self._run(batch)
+
+    def _next_batch(self) -> list[_Slot[I]] | None:
+        """Wait for inputs (holding the condition's lock), then take one batch from the pool."""
+        while True:
+            while not self._fifo and not self._closed:
+                self._cond.wait()
+            if self._closed:
+                return None
+            oldest = self._oldest()
+            if oldest is None:
+                continue
+            deadline = oldest.request.submitted_at + self.limits.batch_wait_s
+            target = min(self._last_batch_size, self.limits.max_batch_size)
+            now = time.perf_counter()
+            # Wait for a fuller batch only while more is plausibly on its way: inputs still
+            # being tokenized, or fewer pooled than the previous batch held.
+            if now < deadline and (self._incoming or len(self._pool) < target):
+                self._cond.wait(deadline - now)
+                continue
+            return self._take_batch(oldest)
+
+    def _oldest(self) -> _Slot[I] | None:
+        while self._fifo and self._fifo[0].taken:
+            self._fifo.popleft()
+        return self._fifo[0] if self._fifo else None
+
+    def _take_batch(self, oldest: _Slot[I]) -> list[_Slot[I]]:
+        """Grow a batch around `oldest` in length order under the token and size budgets."""
+        pool = self._pool
+        lo = bisect.bisect_left(pool, oldest.key, key=_slot_key)
+        hi = lo + 1  # the batch is pool[lo:hi]
+        longest = oldest.item.length
+        max_tokens, max_size = self.limits.max_batch_tokens, self.limits.max_batch_size
+        while hi - lo < max_size:
+            size = hi - lo + 1
+            # Padding each candidate adds: a shorter one pads itself up to `longest`; a longer
+            # one pads every input already in the batch up to its own length.
+            left_waste: int | None = None
+            if lo > 0 and size * longest <= max_tokens:
+                left_waste = longest - pool[lo - 1].item.length
+            right_waste: int | None = None
+            right_len = pool[hi].item.length if hi < len(pool) else 0
+            if hi < len(pool) and size * right_len <= max_tokens:
+                right_waste = (right_len - longest) * (hi - lo)
+            if left_waste is not None and (right_waste is None or left_waste <= right_waste):
+                lo -= 1
+            elif right_waste is not None:
+                hi += 1
+                longest = right_len
+            else:
+                break
+        batch = pool[lo:hi]
+        del pool[lo:hi]
+        for slot in batch:
+            slot.taken = True
+        self._queued -= len(batch)
+        self._last_batch_size = len(batch)
+        return batch
+
+    def _run(self, batch: list[_Slot[I]]) -> None:
+        start = time.perf_counter()
+        for slot in batch:
+            if slot.request.started_at is None:
+                slot.request.started_at = start
+        try:
+            results = self.stages.forward([s.item for s in batch])
+            if len(results) != len(batch):
+                raise RuntimeError(f"forward gave {len(results)} results for {len(batch)} inputs")
+        except Exception as e:
+            log.exception("%s: forward pass over %d inputs failed", self.name, len(batch))
+            self._fail_requests({id(s.request): s.request for s in batch}.values(), e)
+            return
+        done: list[tuple[_Request[P, R], list[R] | BaseException]] = []
+        for slot, result in zip(batch, results, strict=True):
+            request = slot.request
+            if request.failed or request.cancelled:
+                continue
+            request.results[slot.index] = result
+            request.missing -= 1
+            if request.missing == 0:
+                done.append((request, request.results))  # type: ignore[arg-type]  # all set
+        if self._metrics is not None:
+            end = time.perf_counter()
+            lengths = [s.item.length for s in batch]
+            self._metrics.observe_batch(lengths, end - start, self._queued)
+            for request, _ in done:
+                started = request.started_at if request.started_at is not None else start
+                self._metrics.observe_request(started - request.submitted_at,
+                                              end - request.submitted_at)  # fmt: skip
+        self._deliver(done)
+
+    def _fail_requests(self, requests: Any, error: BaseException) -> None:
+        failed = []
+        with self._cond:
+            for request in requests:
+                if request.failed or request.cancelled:
+                    continue
+                request.failed = True
+                failed.append(request)
+            self._drop_slots(lambda s: s.request.failed)
+        self._deliver([(r, error) for r in failed])
+
+    def _cancel(self, request: _Request[P, R]) -> None:
+        with self._cond:
+            if request.cancelled:
+                return
+            request.cancelled = True
+            if request in self._incoming:
+                self._incoming.remove(request)
+                self._queued -= request.size
+                return
+            self._drop_slots(lambda s: s.request is request)
+
+    def _drop_slots(self, dead: Callable[[_Slot[I]], bool]) -> None:
+        """Remove pooled slots of requests that will never use their results (lock held)."""
+        kept = []
+        for slot in self._pool:
+            if dead(slot):
+                slot.taken = True
+                self._queued -= 1
+            else:
+                kept.append(slot)
+        self._pool[:] = kept
+
+    def _deliver(self, outcomes: Sequence[tuple[_Request[P, R], Any]]) -> None:
+        """Resolve futures on their event loops: one thread-safe call per loop."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Request[P, R], Any]]] = {}
+        for request, outcome in outcomes:
+            by_loop.setdefault(request.loop, []).append((request, outcome))
+        for loop, items in by_loop.items():
+            # A closed loop raises RuntimeError: nobody is waiting for these results any more.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_resolve, items)
+
+
+def _resolve(outcomes: list[tuple[_Request[Any, Any], Any]]) -> None:
+    for request, outcome in outcomes:
+        if request.future.done():
+            continue
+        if isinstance(outcome, BaseException):
+            request.future.set_exception(outcome)
+        else:
+            request.future.set_result(outcome)

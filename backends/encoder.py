@@ -1,0 +1,147 @@
+"""The lifecycle shared by the batched encoder backends (embedder, reranker).
+
+An encoder backend is a sentence-transformers model (its module pipeline), an
+`EncoderTokenizer` and a `DynamicBatcher` whose threads run the two. Subclasses load the model
+and build their stages; this base class starts the batcher and implements the rest of the
+`Backend` lifecycle: measured memory, offload and restore (the batcher's threads stay up, idle,
+and the next batch runs on the new device), `aclose` and `unload` (the threads stop and work
+still queued fails with BackendClosedError).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Generic, Protocol, TypeVar
+
+import torch
+
+from backends.base import Backend, BackendContext
+from backends.batch_metrics import BatchMetrics
+from backends.batching import BatchLimits, DynamicBatcher
+from backends.errors import BackendClosedError, LoadError
+from backends.loading import module_bytes, require_safe_weights, tensor_bytes_from_headers
+from backends.tokenization import Encoded, EncoderTokenizer
+
+# Activations and the tokenizer on top of the weights: a small fixed allowance.
+_RUNTIME_OVERHEAD_BYTES = 32 * 1024 * 1024
+
+P = TypeVar("P")  # the payload of one request
+R = TypeVar("R")  # the result for one input
+P_contra = TypeVar("P_contra", contravariant=True)
+R_co = TypeVar("R_co", covariant=True)
+
+
+class EncoderStages(Protocol[P_contra, R_co]):
+    """What the batcher runs for one loaded encoder; `device` follows offload and restore."""
+
+    model: torch.nn.Module
+    tokenizer: EncoderTokenizer
+    device: str
+
+    def tokenize(self, payloads: Sequence[P_contra]) -> list[list[Encoded] | BaseException]: ...
+
+    def forward(self, items: Sequence[Encoded]) -> Sequence[R_co]: ...
+
+
+class BatchedEncoderBackend(Backend, Generic[P, R]):
+    """A loaded encoder behind a dynamic batcher; subclasses implement `load` and call
+    `_start` at its end, and submit work through `_submit`."""
+
+    def __init__(self, context: BackendContext) -> None:
+        super().__init__(context)
+        try:
+            self.limits = BatchLimits.from_runtime_config(context.runtime_config)
+        except ValueError as e:
+            raise LoadError(f"{context.model} v{context.version}: {e}") from e
+        self._stages: EncoderStages[P, R] | None = None
+        self._batcher: DynamicBatcher[P, Encoded, R] | None = None
+
+    @classmethod
+    def predict_memory(cls, artifact_dir: Path, runtime_config: Mapping[str, Any]) -> int:
+        files = require_safe_weights(artifact_dir)
+        return tensor_bytes_from_headers(files) + _RUNTIME_OVERHEAD_BYTES
+
+    @property
+    def max_tokens(self) -> int:
+        """Tokens one input may have, special tokens included, before it is truncated."""
+        return self._require().tokenizer.max_length
+
+    def memory_bytes(self) -> int:
+        return module_bytes(self._stages.model) if self._stages is not None else 0
+
+    def offload(self) -> None:
+        stages = self._require()
+        stages.model.to("cpu")
+        self._device = stages.device = "cpu"
+
+    def restore(self, device: str) -> None:
+        stages = self._require()
+        stages.model.to(device)
+        self._device = stages.device = device
+
+    async def aclose(self) -> None:
+        """Stop the batcher's threads; requests still queued fail with BackendClosedError."""
+        if self._batcher is not None:
+            await asyncio.to_thread(self._batcher.close)
+
+    def unload(self) -> None:
+        if self._batcher is not None:
+            self._batcher.close()
+        self._batcher = None
+        self._stages = None
+        self._device = None
+
+    def _start(self, stages: EncoderStages[P, R], device: str) -> None:
+        """Make the loaded model servable: start its batcher."""
+        registry = self.context.metrics_registry
+        metrics = None
+        if registry is not None:
+            metrics = BatchMetrics(registry, self.context.model, self.context.version)
+        self._batcher = DynamicBatcher(
+            stages,
+            self.limits,
+            name=f"{self.kind.value} {self.context.model} v{self.context.version}",
+            metrics=metrics,
+        )
+        self._stages = stages
+        self._device = device
+
+    async def _submit(self, payload: P, size: int) -> list[R]:
+        batcher = self._batcher
+        if batcher is None:
+            raise BackendClosedError(f"{self.kind.value} {self.context.model} is not loaded")
+        return await batcher.submit(payload, size)
+
+    def _require(self) -> EncoderStages[P, R]:
+        if self._stages is None:
+            raise BackendClosedError(f"{self.kind.value} {self.context.model} is not loaded")
+        return self._stages
+
+
+def model_max_length(model: Any, configured: Any) -> int:
+    """The model's maximum input tokens (sentence-transformers' `max_seq_length`), lowered to
+    the runtime config's `max_seq_length` when that is smaller."""
+    length = model.max_seq_length
+    if not length:
+        raise LoadError("the model reports no maximum sequence length")
+    if configured is not None:
+        if isinstance(configured, bool) or not isinstance(configured, int) or configured < 1:
+            raise LoadError(
+                f"runtime config max_seq_length={configured!r}: expected an integer >= 1"
+            )
+        return min(int(length), configured)
+    return int(length)
+
+
+def sentence_transformers_kwargs(backend: Backend, dtype: torch.dtype | None) -> dict[str, Any]:
+    """Loading arguments shared by SentenceTransformer and CrossEncoder: offline, safe."""
+    model_kwargs: dict[str, Any] = {"use_safetensors": not backend.context.allow_pickle}
+    if dtype is not None:
+        model_kwargs["dtype"] = dtype
+    return {
+        "local_files_only": True,
+        "trust_remote_code": backend.context.trust_remote_code,
+        "model_kwargs": model_kwargs,
+    }

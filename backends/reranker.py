@@ -1,0 +1,163 @@
+"""Sentence-transformers cross-encoder reranker behind the `Backend` contract, with dynamic
+batching.
+
+Each (query, document) pair is tokenized as one sequence the way `CrossEncoder.predict`
+tokenizes it (`longest_first` truncation at the model's maximum), batches run the loaded
+`CrossEncoder`'s module pipeline, and its own activation turns logits into scores (the one in
+the model's config, else sigmoid for a one-label model, as sentence-transformers decides), so
+scores equal `predict`'s. Pairs of concurrent requests share batches; one request's documents
+may span several batches and come back in order.
+
+Runtime config (all optional): the batching keys of `BatchLimits`, `max_seq_length`, and
+`max_documents` (documents one request may rank; default 1000).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from backends.base import BackendContext, ModelKind
+from backends.encoder import BatchedEncoderBackend, model_max_length, sentence_transformers_kwargs
+from backends.errors import InputError, LoadError
+from backends.loading import require_safe_weights
+from backends.tokenization import Encoded, EncoderTokenizer
+
+DEFAULT_MAX_DOCUMENTS = 1000
+# One pair's result: its score and the tokens it used.
+_Scored = tuple[float, int]
+
+
+@dataclass(frozen=True)
+class Scores:
+    """One relevance score per document, in document order, and the tokens each pair used."""
+
+    scores: list[float]
+    token_counts: list[int]
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.token_counts)
+
+
+@dataclass(frozen=True)
+class _RerankRequest:
+    query: str
+    documents: Sequence[str]
+    truncate: bool
+
+
+class _RerankStages:
+    """Tokenize (query, document) pairs; score a padded batch with the model's activation."""
+
+    def __init__(self, model: Any, tokenizer: EncoderTokenizer, device: str) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = device
+        self.activation = model.activation_fn
+
+    def tokenize(self, payloads: Sequence[_RerankRequest]) -> list[list[Encoded] | BaseException]:
+        # The pairs of every request that arrived together go through one tokenizer call.
+        pairs = [(p.query, d) for p in payloads for d in p.documents]
+        encoded = iter(self.tokenizer.encode(pairs))
+        out: list[list[Encoded] | BaseException] = []
+        for request in payloads:
+            mine = [next(encoded) for _ in request.documents]
+            try:
+                out.append(self._finish(request, mine))
+            except InputError as e:
+                out.append(e)
+        return out
+
+    def _finish(self, request: _RerankRequest, encoded: list[Encoded]) -> list[Encoded]:
+        limit = self.tokenizer.max_length
+        too_long = [i for i, e in enumerate(encoded) if e.length > limit]
+        if too_long and not request.truncate:
+            i = too_long[0]
+            raise InputError(
+                f"documents[{i}] with the query has {encoded[i].length} tokens, more than the "
+                f"model's maximum of {limit}, and truncate is false; shorten it or allow "
+                "truncation",
+                param="documents",
+            )
+        if too_long:
+            cut = self.tokenizer.encode_truncated(
+                [(request.query, request.documents[i]) for i in too_long]
+            )
+            for i, e in zip(too_long, cut, strict=True):
+                encoded[i] = e
+        return encoded
+
+    def forward(self, items: Sequence[Encoded]) -> list[_Scored]:
+        features = self.tokenizer.pad(items)
+        features = {k: v.to(self.device) for k, v in features.items()}
+        with torch.inference_mode():
+            logits = self.model(features)["scores"]  # (n, 1)
+            scores = self.activation(logits.float()).reshape(-1)  # (n,)
+        return [(float(s), item.length) for s, item in zip(scores.tolist(), items, strict=True)]
+
+
+class RerankerBackend(BatchedEncoderBackend[_RerankRequest, _Scored]):
+    """A one-label cross-encoder; `rerank` scores documents against a query, batching the
+    pairs of concurrent requests together."""
+
+    kind = ModelKind.RERANKER
+
+    def __init__(self, context: BackendContext) -> None:
+        super().__init__(context)
+        value = context.runtime_config.get("max_documents", DEFAULT_MAX_DOCUMENTS)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise LoadError(
+                f"{context.model} v{context.version}: runtime config max_documents={value!r}: "
+                "expected an integer >= 1"
+            )
+        self.max_documents: int = value
+
+    def load(self, artifact_dir: Path, device: str, dtype: torch.dtype | None = None) -> None:
+        from sentence_transformers import CrossEncoder
+
+        require_safe_weights(artifact_dir, allow_pickle=self.context.allow_pickle)
+        try:
+            model = CrossEncoder(
+                str(artifact_dir), device=device, **sentence_transformers_kwargs(self, dtype)
+            )
+        except Exception as e:
+            raise LoadError(f"cannot load reranker from {artifact_dir}: {e}") from e
+        if model.num_labels != 1:
+            raise LoadError(
+                f"{artifact_dir}: a reranker needs one relevance score per pair, but this "
+                f"cross-encoder has {model.num_labels} labels"
+            )
+        model.eval()
+        transformer: Any = model[0]
+        tokenizer = EncoderTokenizer(
+            transformer.tokenizer,
+            max_length=model_max_length(model, self.context.runtime_config.get("max_seq_length")),
+            vocab_size=transformer.auto_model.get_input_embeddings().num_embeddings,
+        )
+        self._start(_RerankStages(model, tokenizer, device), device)
+
+    async def rerank(
+        self, query: str, documents: Sequence[str], *, truncate: bool = True
+    ) -> Scores:
+        """Score each document against `query`, in document order. A pair longer than the
+        model's maximum is truncated (`longest_first`) unless `truncate=False`, which refuses
+        it. Raises InputError for an empty query, no documents or more than `max_documents`,
+        CapacityError when the queue is full."""
+        if not query.strip():
+            raise InputError("query must not be empty", param="query")
+        if not documents:
+            raise InputError("documents must not be empty", param="documents")
+        if len(documents) > self.max_documents:
+            raise InputError(
+                f"{len(documents)} documents is more than model {self.context.model} ranks in "
+                f"one request ({self.max_documents}, runtime config max_documents); split them",
+                param="documents",
+            )
+        self._require()
+        scored = await self._submit(_RerankRequest(query, documents, truncate), len(documents))
+        return Scores(scores=[s for s, _ in scored], token_counts=[n for _, n in scored])
