@@ -1,24 +1,77 @@
-"""Embeddings: OpenAI's `POST /v1/embeddings` and the per-model `/embed` routes."""
+"""Embeddings: OpenAI's `POST /v1/embeddings` and the per-model `/embed` routes.
+
+`input` is a string, a list of strings, one list of token ids or a list of token-id lists
+(content ids, as `tokenizer.encode(text, add_special_tokens=False)` gives them; the model's
+special tokens are added). The response is OpenAI's; its JSON is written directly from the
+vectors rather than through a response model, which would validate every float of every vector.
+"""
 
 from __future__ import annotations
 
 import base64
-from typing import Annotated, Literal
+import json
+from typing import Annotated, Any, Literal
 
 import numpy as np
 from fastapi import APIRouter, Depends, Response
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from backends.embedder import EmbedderBackend
+from backends.embedder import EmbedderBackend, Embeddings
 from hub.api.deps import HubDep, RouteKey, require_user
-from hub.api.serving import KeepAlive, require_kind, serve
-from hub.errors import BadRequest
+from hub.api.serving import VERSION_HEADER, KeepAlive, require_kind, serve
 from hub.routing import Route
 from hub.state import Hub
 
 router = APIRouter(tags=["embeddings"], dependencies=[Depends(require_user)])
 
-EmbeddingInput = str | list[str] | list[int] | list[list[int]]
+_SHAPES = "a string, a list of strings, a list of token ids or a list of token-id lists"
+
+
+def _kind(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _is_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_input(value: Any) -> Any:
+    """Refuse a malformed `input` with a message naming the offending item."""
+    if isinstance(value, str):
+        if not value:
+            raise ValueError("input must not be an empty string")
+        return value
+    if not isinstance(value, list):
+        raise ValueError(f"input must be {_SHAPES}, not {_kind(value)}")
+    if not value:
+        raise ValueError("input must not be an empty list")
+    first = value[0]
+    if isinstance(first, str):
+        for i, item in enumerate(value):
+            if not isinstance(item, str):
+                raise ValueError(f"input[{i}] is {_kind(item)}; every item must be a string")
+            if not item:
+                raise ValueError(f"input[{i}] is an empty string")
+    elif _is_id(first):
+        for i, item in enumerate(value):
+            if not _is_id(item):
+                raise ValueError(f"input[{i}] is {_kind(item)}; token ids must be integers")
+    elif isinstance(first, list):
+        for i, item in enumerate(value):
+            if not isinstance(item, list) or not item:
+                what = "an empty list" if isinstance(item, list) else _kind(item)
+                raise ValueError(f"input[{i}] is {what}; expected a non-empty token-id list")
+            bad = next((t for t in item if not _is_id(t)), None)
+            if bad is not None:
+                raise ValueError(f"input[{i}] holds {_kind(bad)}; token ids must be integers")
+    else:
+        raise ValueError(f"input[0] is {_kind(first)}; input must be {_SHAPES}")
+    return value
+
+
+EmbeddingInput = Annotated[
+    str | list[str] | list[int] | list[list[int]], BeforeValidator(_check_input)
+]
 
 
 class EmbedBody(BaseModel):
@@ -33,15 +86,6 @@ class EmbedBody(BaseModel):
     # Extensions: refuse over-long inputs instead of truncating them; Ollama's keep_alive.
     truncate: bool = True
     keep_alive: KeepAlive = None
-
-    @field_validator("input")
-    @classmethod
-    def _not_empty(cls, v: EmbeddingInput) -> EmbeddingInput:
-        if isinstance(v, list) and not v:
-            raise ValueError("input must not be an empty list")
-        if isinstance(v, list) and any(isinstance(x, list) and not x for x in v):
-            raise ValueError("input must not contain an empty token list")
-        return v
 
 
 class EmbeddingCreate(EmbedBody):
@@ -60,62 +104,72 @@ class EmbeddingUsage(BaseModel):
 
 
 class EmbeddingPublic(BaseModel):
+    """The response (documented; written by `_response_bytes`)."""
+
     object: Literal["list"] = "list"
     data: list[EmbeddingData]
     model: str
     usage: EmbeddingUsage
 
 
-def _texts(value: EmbeddingInput) -> list[str]:
+def _inputs(value: str | list[str] | list[int] | list[list[int]]) -> list[Any]:
+    """One entry per input: a string or a list of token ids."""
     if isinstance(value, str):
         return [value]
-    if all(isinstance(x, str) for x in value):
-        return list(value)  # type: ignore[arg-type]
-    raise BadRequest(
-        "token-id input is not supported by this model's backend; send strings",
-        param="input",
-    )
+    if _is_id(value[0]):
+        return [value]
+    return value
 
 
-def _encode(vector: np.ndarray, encoding_format: str) -> list[float] | str:
+def _response_bytes(result: Embeddings, model: str, encoding_format: str) -> bytes:
+    """OpenAI's embeddings response as JSON, written directly from the float32 vectors."""
+    vectors = np.asarray(result.vectors, dtype="<f4")
     if encoding_format == "base64":
-        return base64.b64encode(vector.astype("<f4").tobytes()).decode()
-    return vector.astype(np.float32).tolist()
+        encoded = ['"' + base64.b64encode(v.tobytes()).decode() + '"' for v in vectors]
+    else:
+        # float32 -> float64 is exact, and repr of a float is valid JSON for finite values.
+        encoded = [json.dumps(v.tolist()) for v in vectors]
+    data = ",".join(
+        f'{{"object":"embedding","index":{i},"embedding":{e}}}' for i, e in enumerate(encoded)
+    )
+    tokens = result.total_tokens
+    return (
+        f'{{"object":"list","data":[{data}],"model":{json.dumps(model)},'
+        f'"usage":{{"prompt_tokens":{tokens},"total_tokens":{tokens}}}}}'
+    ).encode()
 
 
-async def _embed(hub: Hub, route: Route, body: EmbedBody, response: Response) -> EmbeddingPublic:
+async def _embed(hub: Hub, route: Route, body: EmbedBody) -> Response:
     require_kind(route, "embedder", "embeddings")
-    texts = _texts(body.input)
-    async with serve(hub, route, "embeddings", response, keep_alive=body.keep_alive) as backend:
+    async with serve(hub, route, "embeddings", keep_alive=body.keep_alive) as backend:
         assert isinstance(backend, EmbedderBackend)
-        result = await backend.embed(texts, truncate=body.truncate, dimensions=body.dimensions)
-    data = [
-        EmbeddingData(index=i, embedding=_encode(v, body.encoding_format))
-        for i, v in enumerate(result.vectors)
-    ]
-    usage = EmbeddingUsage(prompt_tokens=result.total_tokens, total_tokens=result.total_tokens)
-    return EmbeddingPublic(data=data, model=route.name, usage=usage)
+        result = await backend.embed(
+            _inputs(body.input), truncate=body.truncate, dimensions=body.dimensions
+        )
+    return Response(
+        _response_bytes(result, route.name, body.encoding_format),
+        media_type="application/json",
+        headers={VERSION_HEADER: str(route.version)},
+    )
 
 
 @router.post("/v1/embeddings", response_model=EmbeddingPublic)
 async def create_embeddings(
-    body: EmbeddingCreate, hub: HubDep, response: Response, route_key: RouteKey = None
-) -> EmbeddingPublic:
+    body: EmbeddingCreate, hub: HubDep, route_key: RouteKey = None
+) -> Response:
     route = hub.router.route(body.model, route_key=route_key or body.user)
-    return await _embed(hub, route, body, response)
+    return await _embed(hub, route, body)
 
 
 @router.post("/models/{name}/embed", response_model=EmbeddingPublic)
 async def embed_routed(
-    name: str, body: EmbedBody, hub: HubDep, response: Response, route_key: RouteKey = None
-) -> EmbeddingPublic:
+    name: str, body: EmbedBody, hub: HubDep, route_key: RouteKey = None
+) -> Response:
     route = hub.router.route(name, route_key=route_key or body.user)
-    return await _embed(hub, route, body, response)
+    return await _embed(hub, route, body)
 
 
 @router.post("/models/{name}/versions/{version}/embed", response_model=EmbeddingPublic)
-async def embed_version(
-    name: str, version: str, body: EmbedBody, hub: HubDep, response: Response
-) -> EmbeddingPublic:
+async def embed_version(name: str, version: str, body: EmbedBody, hub: HubDep) -> Response:
     route = hub.router.route_version(name, version)
-    return await _embed(hub, route, body, response)
+    return await _embed(hub, route, body)

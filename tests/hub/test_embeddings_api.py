@@ -1,12 +1,19 @@
-"""The walking skeleton: registry -> manager -> embedder backend -> HTTP, with bad input."""
+"""Embeddings over HTTP: registry -> manager -> batched embedder backend -> OpenAI's shape,
+with token-id inputs, `dimensions`, bad input, a full queue and the official openai client."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
+import httpx
 import numpy as np
 import pytest
+from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 SENTENCES = ["a short one", "a much longer sentence about paged attention and memory budgets", "x"]
@@ -103,6 +110,13 @@ def test_embeddings_of_a_non_embedder_is_400(client: TestClient, tiny_reranker_d
         ({"model": "emb", "input": "hi", "encoding_format": "hex"}, "encoding_format"),
         ({"model": "emb", "input": "hi", "dimensions": 0}, "dimensions"),
         ({"model": "emb", "input": [1.5]}, "input"),
+        ({"model": "emb", "input": ["a", 3]}, "input[1] is int; every item must be a string"),
+        ({"model": "emb", "input": ["a", ""]}, "input[1] is an empty string"),
+        ({"model": "emb", "input": ""}, "input must not be an empty string"),
+        ({"model": "emb", "input": [[1, 2], []]}, "input[1] is an empty list"),
+        ({"model": "emb", "input": [[1, 2], [3, "x"]]}, "input[1] holds str"),
+        ({"model": "emb", "input": [1, True]}, "input[1] is bool; token ids must be integers"),
+        ({"model": "emb", "input": {"text": "hi"}}, "input must be a string, a list of strings"),
     ],
 )
 def test_malformed_bodies_get_422_naming_the_field(
@@ -163,4 +177,116 @@ def test_health_and_metrics(client: TestClient, tiny_embedder_dir: Path) -> None
     assert (
         'hub_requests_total{endpoint="embeddings",model="emb",status="200",version="1"} 1.0' in text
     )
+    # The batcher's own metrics, per model and version.
+    assert 'hub_batch_size_count{model="emb",version="1"} 1.0' in text
+    assert 'hub_batch_queue_seconds_count{model="emb",version="1"} 1.0' in text
     assert "Model Hub" in client.get("/").text
+
+
+def test_token_id_inputs_embed_like_their_text(client: TestClient, tiny_embedder_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    register(client, "emb", "embedder", tiny_embedder_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_embedder_dir)
+    ids = [tokenizer.encode(t, add_special_tokens=False) for t in SENTENCES]
+    texts = client.post("/v1/embeddings", json={"model": "emb", "input": SENTENCES}).json()
+    lists = client.post("/v1/embeddings", json={"model": "emb", "input": ids}).json()
+    one = client.post("/v1/embeddings", json={"model": "emb", "input": ids[1]}).json()
+    want = np.array([d["embedding"] for d in texts["data"]])
+    assert cosine(np.array([d["embedding"] for d in lists["data"]]), want).min() >= 0.9999
+    assert cosine(np.array([one["data"][0]["embedding"]]), want[1:2]).min() >= 0.9999
+    assert lists["usage"] == texts["usage"]
+    r = client.post("/v1/embeddings", json={"model": "emb", "input": [[1, 2], [3, 10**6]]})
+    assert r.status_code == 400
+    assert "input[1] holds token id 1000000" in r.json()["error"]["message"]
+
+
+def test_dimensions_where_the_model_allows_else_400(
+    client: TestClient, tiny_embedder_dir: Path
+) -> None:
+    register(client, "plain", "embedder", tiny_embedder_dir)
+    register(client, "nested", "embedder", tiny_embedder_dir, config={"matryoshka_dims": [16]})
+    r = client.post("/v1/embeddings", json={"model": "plain", "input": "hi", "dimensions": 16})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "dimensions" and "16" in r.json()["error"]["message"]
+    full = client.post("/v1/embeddings", json={"model": "nested", "input": "hi"}).json()
+    r = client.post("/v1/embeddings", json={"model": "nested", "input": "hi", "dimensions": 16})
+    short = np.array(r.json()["data"][0]["embedding"])
+    head = np.array(full["data"][0]["embedding"][:16])
+    np.testing.assert_allclose(short, head / np.linalg.norm(head), rtol=1e-5)
+
+
+async def test_full_queue_is_503_with_retry_after(
+    app_client: tuple[FastAPI, httpx.AsyncClient], tiny_embedder_dir: Path
+) -> None:
+    app, client = app_client
+    body = {"name": "emb", "kind": "embedder", "source": str(tiny_embedder_dir),
+            "config": {"max_queue": 3, "max_batch_size": 1}}  # fmt: skip
+    assert (await client.post("/admin/registry/models", json=body)).status_code == 201
+    assert (await client.post("/models/emb/embed", json={"input": "warm"})).status_code == 200
+    async with app.state.hub.manager.acquire("emb", 1) as backend:
+        parked = ParkedForward(backend)
+        try:
+            first = asyncio.create_task(client.post("/models/emb/embed", json={"input": "a"}))
+            await asyncio.to_thread(parked.entered.wait, 30)
+            waiting = asyncio.create_task(
+                client.post("/models/emb/embed", json={"input": ["b", "c"]})
+            )
+            await until_queued(backend, 2)
+            r = await client.post("/v1/embeddings", json={"model": "emb", "input": ["d", "e"]})
+            assert r.status_code == 503 and int(r.headers["Retry-After"]) >= 1
+            assert "2 inputs already wait" in r.json()["error"]["message"]
+            r = await client.post("/v1/embeddings", json={"model": "emb", "input": ["x"] * 4})
+            assert r.status_code == 400 and "max_queue" in r.json()["error"]["message"]
+        finally:
+            parked.release()
+    assert (await first).status_code == 200 and (await waiting).status_code == 200
+
+
+async def test_official_openai_client(
+    app_client: tuple[FastAPI, httpx.AsyncClient], tiny_embedder_dir: Path
+) -> None:
+    import openai
+
+    _, client = app_client
+    body = {"name": "emb", "kind": "embedder", "source": str(tiny_embedder_dir)}
+    assert (await client.post("/admin/registry/models", json=body)).status_code == 201
+    oai = openai.AsyncOpenAI(base_url="http://hub/v1", api_key="unused", http_client=client)
+    # The client asks for base64 by default and decodes it; concurrent calls share batches.
+    results = await asyncio.gather(
+        *(oai.embeddings.create(model="emb", input=[s]) for s in SENTENCES)
+    )
+    got = np.array([r.data[0].embedding for r in results], dtype=np.float32)
+    assert cosine(got, st_encode(tiny_embedder_dir, SENTENCES)).min() >= 0.9999
+    floats = await oai.embeddings.create(model="emb", input=SENTENCES, encoding_format="float")
+    assert [d.index for d in floats.data] == [0, 1, 2] and floats.usage.total_tokens > 3
+    with pytest.raises(openai.BadRequestError, match="cannot be truncated to 3"):
+        await oai.embeddings.create(model="emb", input="hi", dimensions=3)
+
+
+class ParkedForward:
+    """Parks the backend's forward passes until `release()`; `entered` is set once one is."""
+
+    def __init__(self, backend: Any) -> None:
+        self._stages = backend._stages
+        self._forward = self._stages.forward
+        self.entered = threading.Event()
+        self._released = threading.Event()
+        self._stages.forward = self._parked
+
+    def _parked(self, items: Any) -> Any:
+        self.entered.set()
+        self._released.wait(30)
+        return self._forward(items)
+
+    def release(self) -> None:
+        self._stages.forward = self._forward
+        self._released.set()
+
+
+async def until_queued(backend: Any, n: int) -> None:
+    def poll() -> None:
+        while backend._batcher.queued < n:
+            time.sleep(0.005)
+
+    await asyncio.wait_for(asyncio.to_thread(poll), 30)

@@ -1,0 +1,150 @@
+"""Rerank, Cohere-style: `POST /v1/rerank` and the per-model `/rerank` routes.
+
+`{model, query, documents, top_n?, return_documents?}` -> `{id, model, results, usage}` where
+`results` holds, most relevant first, `{index, relevance_score}` for the `top_n` best documents
+(all of them without `top_n`), plus `document: {text}` with `return_documents`. `index` is the
+document's position in the request. Documents are strings or `{"text": ...}` objects.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Response
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+from backends.reranker import RerankerBackend
+from hub.api.deps import HubDep, RouteKey, require_user
+from hub.api.serving import KeepAlive, require_kind, serve
+from hub.routing import Route
+from hub.state import Hub
+
+router = APIRouter(tags=["rerank"], dependencies=[Depends(require_user)])
+
+
+def _check_query(value: Any) -> Any:
+    if isinstance(value, str) and not value.strip():
+        raise ValueError("query must not be empty")
+    return value
+
+
+def _check_documents(value: Any) -> Any:
+    """Refuse malformed documents with a message naming the offending one."""
+    if not isinstance(value, list):
+        raise ValueError("documents must be a list of strings or {text} objects")
+    if not value:
+        raise ValueError("documents must not be an empty list")
+    for i, doc in enumerate(value):
+        if isinstance(doc, str):
+            continue
+        if isinstance(doc, dict) and isinstance(doc.get("text"), str):
+            continue
+        what = "an object without a string `text`" if isinstance(doc, dict) else type(doc).__name__
+        raise ValueError(f'documents[{i}] is {what}; expected a string or {{"text": string}}')
+    return value
+
+
+class RerankDocument(BaseModel):
+    """A document as an object; fields other than `text` are accepted and ignored."""
+
+    model_config = ConfigDict(extra="allow")
+
+    text: str
+
+
+class RerankBody(BaseModel):
+    """The body of the per-model routes: the Cohere request without `model`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    query: Annotated[str, BeforeValidator(_check_query)]
+    documents: Annotated[list[str | RerankDocument], BeforeValidator(_check_documents)]
+    top_n: Annotated[int, Field(gt=0)] | None = None
+    return_documents: bool = False
+    # Extensions: refuse over-long pairs instead of truncating them; Ollama's keep_alive.
+    truncate: bool = True
+    keep_alive: KeepAlive = None
+
+
+class RerankCreate(RerankBody):
+    model: str
+
+
+class RerankResultDocument(BaseModel):
+    text: str
+
+
+class RerankResult(BaseModel):
+    index: int
+    relevance_score: float
+    document: RerankResultDocument | None = None
+
+
+class RerankUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class RerankPublic(BaseModel):
+    id: str
+    model: str
+    results: list[RerankResult]
+    usage: RerankUsage
+
+
+def _text(document: str | RerankDocument) -> str:
+    return document if isinstance(document, str) else document.text
+
+
+async def _rerank(hub: Hub, route: Route, body: RerankBody, response: Response) -> RerankPublic:
+    require_kind(route, "reranker", "rerank")
+    texts = [_text(d) for d in body.documents]
+    async with serve(hub, route, "rerank", response, keep_alive=body.keep_alive) as backend:
+        assert isinstance(backend, RerankerBackend)
+        scored = await backend.rerank(body.query, texts, truncate=body.truncate)
+    # Most relevant first; equal scores keep document order, as a stable sort does.
+    order = sorted(range(len(texts)), key=lambda i: -scored.scores[i])[: body.top_n]
+    results = [
+        RerankResult(
+            index=i,
+            relevance_score=scored.scores[i],
+            document=RerankResultDocument(text=texts[i]) if body.return_documents else None,
+        )
+        for i in order
+    ]
+    tokens = scored.total_tokens
+    return RerankPublic(
+        id=str(uuid.uuid4()),
+        model=route.name,
+        results=results,
+        usage=RerankUsage(prompt_tokens=tokens, total_tokens=tokens),
+    )
+
+
+@router.post("/v1/rerank", response_model=RerankPublic, response_model_exclude_none=True)
+async def create_rerank(
+    body: RerankCreate, hub: HubDep, response: Response, route_key: RouteKey = None
+) -> RerankPublic:
+    route = hub.router.route(body.model, route_key=route_key)
+    return await _rerank(hub, route, body, response)
+
+
+@router.post("/models/{name}/rerank", response_model=RerankPublic, response_model_exclude_none=True)
+async def rerank_routed(
+    name: str, body: RerankBody, hub: HubDep, response: Response, route_key: RouteKey = None
+) -> RerankPublic:
+    route = hub.router.route(name, route_key=route_key)
+    return await _rerank(hub, route, body, response)
+
+
+@router.post(
+    "/models/{name}/versions/{version}/rerank",
+    response_model=RerankPublic,
+    response_model_exclude_none=True,
+)
+async def rerank_version(
+    name: str, version: str, body: RerankBody, hub: HubDep, response: Response
+) -> RerankPublic:
+    route = hub.router.route_version(name, version)
+    return await _rerank(hub, route, body, response)
