@@ -6,21 +6,23 @@ input order, whatever batches its inputs ran in. The batcher knows nothing about
 through the model (`forward`).
 
     submit() --payloads--> [tokenizer thread] --items, kept sorted by length--> pool
-    pool --one batch under the token budget--> [forward thread] --results--> futures
+    pool --one batch under the token budget--> [forward thread(s)] --results--> futures
 
 The tokenizer thread tokenizes everything that has arrived in one call while the forward thread
 runs the batch in flight, so tokenizing overlaps the forward pass (torch releases the GIL in its
 kernels, the Rust tokenizer in its batch encode). A payload the stages refuse (an input too long,
 a token id out of range) fails as a whole, before any of it reaches the model.
 
-Batches. Whenever the forward thread is free it takes the oldest pooled input and grows a batch
-around it in length order, each step adding the neighbour that adds the least padding, while
-`size * longest <= max_batch_tokens` and `size <= max_batch_size`. Starting from the oldest
-input means no input starves; growing in length order keeps padding small. One payload's inputs
-may land in several batches and are reassembled in order. An idle model waits up to
-`batch_wait_s` after the oldest input arrived, but only while the pool is smaller than the
-previous batch: a steady stream of concurrent requests gets full batches, a lone client pays
-no wait.
+Batches. Whenever a forward thread is free it takes the oldest pooled input and grows a batch
+around it in length order while the batch's cost per real token falls, the cost being a fixed
+`batch_overhead_tokens` per forward pass plus `size * longest` padded tokens; `size * longest
+<= max_batch_tokens` and `size <= max_batch_size` bound it. Starting from the oldest input means
+no input starves; the cost rule groups similar lengths (padding is paid for) unless a pass is
+dear enough that one big batch wins. One payload's inputs may land in several batches and are
+reassembled in order. An idle model waits up to `batch_wait_s` after the oldest input arrived,
+but only while the pool is smaller than the previous batch: a steady stream of concurrent
+requests gets full batches, a lone client pays no wait. With several forward threads
+(`forward_workers`) each runs its own batch.
 
 Capacity. At most `max_queue` inputs wait (not yet in a forward pass); beyond that `submit`
 raises `CapacityError`. A cancelled `submit` (the client went away) drops its inputs that have
@@ -38,10 +40,10 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
+from backends.batch_limits import BatchLimits
 from backends.batch_metrics import BatchMetrics
 from backends.errors import BackendClosedError, CapacityError, InputError
 
@@ -72,39 +74,6 @@ class BatchStages(Protocol[P_contra, I, R_co]):
     def forward(self, items: Sequence[I]) -> Sequence[R_co]:
         """Run one batch through the model: one result per item, in order."""
         ...
-
-
-@dataclass(frozen=True)
-class BatchLimits:
-    """How a model's batches are formed; read from a version's runtime config."""
-
-    # Padded tokens per batch (batch size times its longest input).
-    max_batch_tokens: int = 16384
-    # Inputs per batch.
-    max_batch_size: int = 32
-    # How long an idle model waits for a batch to fill, after the oldest input arrived.
-    batch_wait_s: float = 0.002
-    # Inputs allowed to wait for a forward pass; more get CapacityError (HTTP 503).
-    max_queue: int = 4096
-    # Seconds suggested to callers refused for capacity.
-    retry_after_s: float = 1.0
-
-    @classmethod
-    def from_runtime_config(cls, config: Mapping[str, Any]) -> BatchLimits:
-        """Limits from the runtime-config keys `max_batch_tokens`, `max_batch_size`,
-        `batch_wait_ms` and `max_queue`; absent keys keep their defaults. Raises ValueError
-        naming the key when a value is not usable."""
-        default = cls()
-        values: dict[str, Any] = {}
-        for key in ("max_batch_tokens", "max_batch_size", "max_queue"):
-            value = config.get(key, getattr(default, key))
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"runtime config {key}={value!r}: expected an integer >= 1")
-            values[key] = value
-        wait_ms = config.get("batch_wait_ms", default.batch_wait_s * 1000)
-        if isinstance(wait_ms, bool) or not isinstance(wait_ms, int | float) or wait_ms < 0:
-            raise ValueError(f"runtime config batch_wait_ms={wait_ms!r}: expected a number >= 0")
-        return cls(**values, batch_wait_s=float(wait_ms) / 1000)
 
 
 class _Request(Generic[P, R]):
@@ -153,12 +122,20 @@ class DynamicBatcher(Generic[P, I, R]):
         *,
         name: str,
         metrics: BatchMetrics | None = None,
+        on_worker_start: Callable[[], None] | None = None,
     ) -> None:
+        """Start the threads; `on_worker_start` runs first thing in each forward thread (to
+        set per-thread state such as torch's intra-op thread count)."""
         self.stages = stages
+        self._on_worker_start = on_worker_start
         self.limits = limits
         self.name = name
         self._metrics = metrics
-        self._cond = threading.Condition()
+        # One lock; the tokenizer thread waits for arrivals, forward threads for pooled inputs
+        # (separate conditions, so an arrival does not wake every forward thread).
+        self._lock = threading.Lock()
+        self._arrived = threading.Condition(self._lock)
+        self._pooled = threading.Condition(self._lock)
         self._incoming: deque[_Request[P, R]] = deque()  # submitted, not yet tokenized
         self._pool: list[_Slot[I]] = []  # tokenized, sorted by (length, arrival)
         self._fifo: deque[_Slot[I]] = deque()  # the same slots in arrival order
@@ -168,7 +145,10 @@ class DynamicBatcher(Generic[P, I, R]):
         self._closed = False
         self._threads = [
             threading.Thread(target=self._tokenize_loop, name=f"{name} tokenize", daemon=True),
-            threading.Thread(target=self._forward_loop, name=f"{name} forward", daemon=True),
+        ]
+        self._threads += [
+            threading.Thread(target=self._forward_loop, name=f"{name} forward {i}", daemon=True)
+            for i in range(limits.forward_workers)
         ]
         for thread in self._threads:
             thread.start()
@@ -190,7 +170,7 @@ class DynamicBatcher(Generic[P, I, R]):
                 f"({self.limits.max_queue}, runtime config max_queue); split the request"
             )
         request: _Request[P, R] = _Request(payload, size, asyncio.get_running_loop())
-        with self._cond:
+        with self._lock:
             if self._closed:
                 raise BackendClosedError(f"{self.name} is shut down")
             if self._queued + size > self.limits.max_queue:
@@ -201,7 +181,7 @@ class DynamicBatcher(Generic[P, I, R]):
                 )
             self._queued += size
             self._incoming.append(request)
-            self._cond.notify_all()
+            self._arrived.notify()
         try:
             return await request.future
         except asyncio.CancelledError:
@@ -210,16 +190,17 @@ class DynamicBatcher(Generic[P, I, R]):
 
     def close(self) -> None:
         """Stop both threads; requests not finished fail with BackendClosedError. Idempotent."""
-        with self._cond:
+        with self._lock:
             if self._closed:
                 return
             self._closed = True
-            self._cond.notify_all()
+            self._arrived.notify_all()
+            self._pooled.notify_all()
         for thread in self._threads:
             if thread is not threading.current_thread():
                 thread.join(timeout=30)
         error = BackendClosedError(f"{self.name} was shut down before this request finished")
-        with self._cond:
+        with self._lock:
             pending = {id(r): r for r in self._incoming}
             pending.update((id(s.request), s.request) for s in self._pool)
             self._incoming.clear()
@@ -231,9 +212,9 @@ class DynamicBatcher(Generic[P, I, R]):
     # ---- tokenizer thread -------------------------------------------------------------------
     def _tokenize_loop(self) -> None:
         while True:
-            with self._cond:
+            with self._lock:
                 while not self._incoming and not self._closed:
-                    self._cond.wait()
+                    self._arrived.wait()
                 if self._closed:
                     return
                 requests = [r for r in self._incoming if not r.cancelled]
@@ -249,7 +230,7 @@ class DynamicBatcher(Generic[P, I, R]):
                 log.exception("%s: tokenizing failed", self.name)
                 tokenized = [e] * len(requests)
             refused: list[tuple[_Request[P, R], BaseException]] = []
-            with self._cond:
+            with self._lock:
                 for request, items in zip(requests, tokenized, strict=True):
                     if request.cancelled or isinstance(items, BaseException):
                         # Cancelled while being tokenized: _cancel found nothing to return.
@@ -263,13 +244,15 @@ class DynamicBatcher(Generic[P, I, R]):
                         slot = _Slot(request, index, item, next(self._seq))
                         bisect.insort(self._pool, slot, key=_slot_key)
                         self._fifo.append(slot)
-                self._cond.notify_all()
+                self._pooled.notify_all()
             self._deliver(refused)
 
     # ---- forward thread ---------------------------------------------------------------------
     def _forward_loop(self) -> None:
+        if self._on_worker_start is not None:
+            self._on_worker_start()
         while True:
-            with self._cond:
+            with self._lock:
                 batch = self._next_batch()
                 if batch is None:
                     return
@@ -279,7 +262,7 @@ class DynamicBatcher(Generic[P, I, R]):
         """Wait for inputs (holding the condition's lock), then take one batch from the pool."""
         while True:
             while not self._fifo and not self._closed:
-                self._cond.wait()
+                self._pooled.wait()
             if self._closed:
                 return None
             oldest = self._oldest()
@@ -291,7 +274,7 @@ class DynamicBatcher(Generic[P, I, R]):
             # Wait for a fuller batch only while more is plausibly on its way: inputs still
             # being tokenized, or fewer pooled than the previous batch held.
             if now < deadline and (self._incoming or len(self._pool) < target):
-                self._cond.wait(deadline - now)
+                self._pooled.wait(deadline - now)
                 continue
             return self._take_batch(oldest)
 
@@ -301,30 +284,37 @@ class DynamicBatcher(Generic[P, I, R]):
         return self._fifo[0] if self._fifo else None
 
     def _take_batch(self, oldest: _Slot[I]) -> list[_Slot[I]]:
-        """Grow a batch around `oldest` in length order under the token and size budgets."""
+        """Grow a batch around `oldest` in length order while its cost per real token falls,
+        under the token and size budgets."""
         pool = self._pool
         lo = bisect.bisect_left(pool, oldest.key, key=_slot_key)
         hi = lo + 1  # the batch is pool[lo:hi]
         longest = oldest.item.length
+        real = max(1, longest)
+        overhead = self.limits.batch_overhead_tokens
         max_tokens, max_size = self.limits.max_batch_tokens, self.limits.max_batch_size
+        cost = (overhead + longest) / real
         while hi - lo < max_size:
             size = hi - lo + 1
-            # Padding each candidate adds: a shorter one pads itself up to `longest`; a longer
-            # one pads every input already in the batch up to its own length.
-            left_waste: int | None = None
+            # A shorter neighbour (left) is padded up to `longest`; a longer one (right) pads
+            # every input already in the batch up to its own length.
+            left = right = float("inf")
             if lo > 0 and size * longest <= max_tokens:
-                left_waste = longest - pool[lo - 1].item.length
-            right_waste: int | None = None
+                left = (overhead + size * longest) / (real + pool[lo - 1].item.length)
             right_len = pool[hi].item.length if hi < len(pool) else 0
             if hi < len(pool) and size * right_len <= max_tokens:
-                right_waste = (right_len - longest) * (hi - lo)
-            if left_waste is not None and (right_waste is None or left_waste <= right_waste):
+                right = (overhead + size * right_len) / (real + right_len)
+            if min(left, right) > cost:
+                break  # any neighbour would cost more per token than it brings
+            if left <= right:
                 lo -= 1
-            elif right_waste is not None:
-                hi += 1
-                longest = right_len
+                real += pool[lo].item.length
+                cost = left
             else:
-                break
+                hi += 1
+                real += right_len
+                longest = right_len
+                cost = right
         batch = pool[lo:hi]
         del pool[lo:hi]
         for slot in batch:
@@ -367,7 +357,7 @@ class DynamicBatcher(Generic[P, I, R]):
 
     def _fail_requests(self, requests: Any, error: BaseException) -> None:
         failed = []
-        with self._cond:
+        with self._lock:
             for request in requests:
                 if request.failed or request.cancelled:
                     continue
@@ -377,7 +367,7 @@ class DynamicBatcher(Generic[P, I, R]):
         self._deliver([(r, error) for r in failed])
 
     def _cancel(self, request: _Request[P, R]) -> None:
-        with self._cond:
+        with self._lock:
             if request.cancelled:
                 return
             request.cancelled = True

@@ -11,21 +11,28 @@ still queued fails with BackendClosedError).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 
 from backends.base import Backend, BackendContext
+from backends.batch_limits import BatchLimits
 from backends.batch_metrics import BatchMetrics
-from backends.batching import BatchLimits, DynamicBatcher
+from backends.batching import DynamicBatcher
 from backends.errors import BackendClosedError, LoadError
 from backends.loading import module_bytes, require_safe_weights, tensor_bytes_from_headers
 from backends.tokenization import Encoded, EncoderTokenizer
 
 # Activations and the tokenizer on top of the weights: a small fixed allowance.
 _RUNTIME_OVERHEAD_BYTES = 32 * 1024 * 1024
+# Forward workers on a CPU unless the runtime config says `forward_workers`.
+DEFAULT_CPU_WORKERS = 2
+# `batch_overhead_tokens` on an accelerator unless the runtime config says otherwise.
+ACCELERATOR_OVERHEAD_TOKENS = 4096
 
 P = TypeVar("P")  # the payload of one request
 R = TypeVar("R")  # the result for one input
@@ -99,14 +106,37 @@ class BatchedEncoderBackend(Backend, Generic[P, R]):
         metrics = None
         if registry is not None:
             metrics = BatchMetrics(registry, self.context.model, self.context.version)
+        limits, on_worker_start = self._execution(device)
         self._batcher = DynamicBatcher(
             stages,
-            self.limits,
+            limits,
             name=f"{self.kind.value} {self.context.model} v{self.context.version}",
             metrics=metrics,
+            on_worker_start=on_worker_start,
         )
         self._stages = stages
         self._device = device
+
+    def _execution(self, device: str) -> tuple[BatchLimits, Callable[[], None] | None]:
+        """Forward workers, their intra-op threads and the per-pass overhead, by device unless
+        the runtime config sets them. On a CPU, several single-threaded workers (each running
+        its own batch) lose less than one multi-threaded worker when the cores are shared with
+        HTTP, tokenizing and clients: an OpenMP team stalls at every barrier whenever one of its
+        threads is descheduled. A GPU pass costs about the same for any small batch, so there
+        batches are split for padding only when they are large."""
+        config = self.context.runtime_config
+        limits = self.limits
+        if not device.startswith("cpu"):
+            if "batch_overhead_tokens" not in config:
+                limits = replace(limits, batch_overhead_tokens=ACCELERATOR_OVERHEAD_TOKENS)
+            return limits, None
+        cores = torch.get_num_threads()
+        if "forward_workers" not in config:
+            limits = replace(limits, forward_workers=max(1, min(DEFAULT_CPU_WORKERS, cores)))
+        threads = config.get("worker_threads", max(1, cores // limits.forward_workers))
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise LoadError(f"runtime config worker_threads={threads!r}: expected an integer >= 1")
+        return limits, _intraop_threads(threads)
 
     async def _submit(self, payload: P, size: int) -> list[R]:
         batcher = self._batcher
@@ -118,6 +148,26 @@ class BatchedEncoderBackend(Backend, Generic[P, R]):
         if self._stages is None:
             raise BackendClosedError(f"{self.kind.value} {self.context.model} is not loaded")
         return self._stages
+
+
+_threads_guard = threading.Lock()
+
+
+def _intraop_threads(n: int) -> Callable[[], None]:
+    """A forward thread's start hook: run this thread's torch ops on `n` threads."""
+
+    def start() -> None:
+        # torch.set_num_threads sets the calling thread's OpenMP/MKL thread count, and also
+        # the count every thread starting later begins with; a helper thread puts that default
+        # back, so other models' threads keep theirs.
+        with _threads_guard:
+            default = torch.get_num_threads()
+            torch.set_num_threads(n)
+            helper = threading.Thread(target=torch.set_num_threads, args=(default,))
+            helper.start()
+            helper.join()
+
+    return start
 
 
 def model_max_length(model: Any, configured: Any) -> int:

@@ -9,7 +9,9 @@ from fastapi import Depends, Header, Request
 from hub.state import Hub
 
 
-def get_hub(request: Request) -> Hub:
+async def get_hub(request: Request) -> Hub:
+    # async on purpose: FastAPI runs a plain `def` dependency in its thread pool, a thread
+    # hop on every request for what is an attribute read.
     hub: Hub = request.app.state.hub
     return hub
 

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from backends.batching import BatchLimits, DynamicBatcher
+from backends.batch_limits import BatchLimits
+from backends.batching import DynamicBatcher
 from backends.errors import BackendClosedError, CapacityError, InputError
 
 
@@ -100,7 +101,7 @@ async def test_inputs_split_across_batches_come_back_in_order(model: UpperModel)
 async def test_concurrent_requests_share_batches_under_the_token_budget(
     model: UpperModel,
 ) -> None:
-    b = batcher(model, max_batch_size=64, max_batch_tokens=12)
+    b = batcher(model, max_batch_size=64, max_batch_tokens=12, batch_overhead_tokens=32)
     model.hold()
     first = asyncio.create_task(submit(b, ["x"]))
     await wait_entered(model)
@@ -115,8 +116,25 @@ async def test_concurrent_requests_share_batches_under_the_token_budget(
     # Every batch fits the budget: size x longest <= 12 tokens.
     assert all(len(batch) * max(map(len, batch)) <= 12 for batch in later)
     # The oldest input (length 6) goes first; inputs of different requests share batches,
-    # grouped by length.
+    # grouped by length (each grows while its cost per token, 32 per pass plus padded
+    # tokens, falls).
     assert [sorted(map(len, batch)) for batch in later] == [[5, 6], [1, 2, 3], [4]]
+    b.close()
+
+
+@pytest.mark.parametrize(
+    ("overhead", "batches"),
+    [(2, [["s"] * 5, ["L" * 20] * 5]), (10**6, [["s"] * 5 + ["L" * 20] * 5])],
+)
+async def test_a_batch_grows_while_its_cost_per_token_falls(
+    model: UpperModel, overhead: int, batches: list[list[str]]
+) -> None:
+    # Five short and five long inputs, interleaved. With a small per-pass overhead, mixing
+    # them would pad each short input to 20 tokens: two batches. With a large one, one batch.
+    b = batcher(model, batch_overhead_tokens=overhead, max_batch_size=64)
+    texts = ["L" * 20, "s"] * 5
+    assert await submit(b, texts) == [t.upper() for t in texts]
+    assert sorted(sorted(batch) for batch in model.batches) == sorted(sorted(x) for x in batches)
     b.close()
 
 
@@ -211,11 +229,15 @@ async def test_close_fails_waiting_requests_and_refuses_new_ones(model: UpperMod
 
 def test_limits_come_from_runtime_config_and_bad_values_name_the_key() -> None:
     limits = BatchLimits.from_runtime_config(
-        {"max_batch_tokens": 4096, "max_batch_size": 16, "batch_wait_ms": 5, "max_queue": 100}
-    )
+        {"max_batch_tokens": 4096, "max_batch_size": 16, "batch_wait_ms": 5, "max_queue": 100,
+         "forward_workers": 3, "batch_overhead_tokens": 0}
+    )  # fmt: skip
     assert (limits.max_batch_tokens, limits.max_batch_size) == (4096, 16)
     assert (limits.batch_wait_s, limits.max_queue) == (0.005, 100)
+    assert (limits.forward_workers, limits.batch_overhead_tokens) == (3, 0)
     assert BatchLimits.from_runtime_config({"normalize": True}) == BatchLimits()
-    for key, value in [("max_batch_tokens", 0), ("max_batch_size", "8"), ("batch_wait_ms", -1)]:
+    bad = [("max_batch_tokens", 0), ("max_batch_size", "8"), ("batch_wait_ms", -1),
+           ("forward_workers", 0), ("batch_overhead_tokens", True)]  # fmt: skip
+    for key, value in bad:
         with pytest.raises(ValueError, match=key):
             BatchLimits.from_runtime_config({key: value})
