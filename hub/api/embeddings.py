@@ -13,16 +13,16 @@ import json
 from typing import Annotated, Any, Literal
 
 import numpy as np
-from fastapi import APIRouter, Depends, Response
+from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from backends.embedder import EmbedderBackend, Embeddings
-from hub.api.deps import HubDep, RouteKey, require_user
+from hub.api.bodies import openapi_body, route_key, user_request
 from hub.api.serving import VERSION_HEADER, KeepAlive, require_kind, serve
 from hub.routing import Route
 from hub.state import Hub
 
-router = APIRouter(tags=["embeddings"], dependencies=[Depends(require_user)])
+router = APIRouter(tags=["embeddings"])
 
 _SHAPES = "a string, a list of strings, a list of token ids or a list of token-id lists"
 
@@ -153,23 +153,27 @@ async def _embed(hub: Hub, route: Route, body: EmbedBody) -> Response:
     )
 
 
-@router.post("/v1/embeddings", response_model=EmbeddingPublic)
-async def create_embeddings(
-    body: EmbeddingCreate, hub: HubDep, route_key: RouteKey = None
-) -> Response:
-    route = hub.router.route(body.model, route_key=route_key or body.user)
+# The routes take the bare Request: see hub/api/bodies.py for why.
+_EMBED_ROUTE: dict[str, Any] = {"response_model": EmbeddingPublic,
+                                "openapi_extra": openapi_body(EmbedBody)}  # fmt: skip
+
+
+@router.post("/v1/embeddings", response_model=EmbeddingPublic,
+             openapi_extra=openapi_body(EmbeddingCreate))  # fmt: skip
+async def create_embeddings(request: Request) -> Response:
+    hub, body = await user_request(request, EmbeddingCreate)
+    route = hub.router.route(body.model, route_key=route_key(request) or body.user)
     return await _embed(hub, route, body)
 
 
-@router.post("/models/{name}/embed", response_model=EmbeddingPublic)
-async def embed_routed(
-    name: str, body: EmbedBody, hub: HubDep, route_key: RouteKey = None
-) -> Response:
-    route = hub.router.route(name, route_key=route_key or body.user)
+@router.post("/models/{name}/embed", **_EMBED_ROUTE)
+async def embed_routed(name: str, request: Request) -> Response:
+    hub, body = await user_request(request, EmbedBody)
+    route = hub.router.route(name, route_key=route_key(request) or body.user)
     return await _embed(hub, route, body)
 
 
-@router.post("/models/{name}/versions/{version}/embed", response_model=EmbeddingPublic)
-async def embed_version(name: str, version: str, body: EmbedBody, hub: HubDep) -> Response:
-    route = hub.router.route_version(name, version)
-    return await _embed(hub, route, body)
+@router.post("/models/{name}/versions/{version}/embed", **_EMBED_ROUTE)
+async def embed_version(name: str, version: str, request: Request) -> Response:
+    hub, body = await user_request(request, EmbedBody)
+    return await _embed(hub, hub.router.route_version(name, version), body)

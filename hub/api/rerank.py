@@ -11,16 +11,16 @@ from __future__ import annotations
 import uuid
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Response
+from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from backends.reranker import RerankerBackend
-from hub.api.deps import HubDep, RouteKey, require_user
-from hub.api.serving import KeepAlive, require_kind, serve
+from hub.api.bodies import openapi_body, route_key, user_request
+from hub.api.serving import VERSION_HEADER, KeepAlive, require_kind, serve
 from hub.routing import Route
 from hub.state import Hub
 
-router = APIRouter(tags=["rerank"], dependencies=[Depends(require_user)])
+router = APIRouter(tags=["rerank"])
 
 
 def _check_query(value: Any) -> Any:
@@ -97,10 +97,10 @@ def _text(document: str | RerankDocument) -> str:
     return document if isinstance(document, str) else document.text
 
 
-async def _rerank(hub: Hub, route: Route, body: RerankBody, response: Response) -> RerankPublic:
+async def _rerank(hub: Hub, route: Route, body: RerankBody) -> Response:
     require_kind(route, "reranker", "rerank")
     texts = [_text(d) for d in body.documents]
-    async with serve(hub, route, "rerank", response, keep_alive=body.keep_alive) as backend:
+    async with serve(hub, route, "rerank", keep_alive=body.keep_alive) as backend:
         assert isinstance(backend, RerankerBackend)
         scored = await backend.rerank(body.query, texts, truncate=body.truncate)
     # Most relevant first; equal scores keep document order, as a stable sort does.
@@ -114,37 +114,39 @@ async def _rerank(hub: Hub, route: Route, body: RerankBody, response: Response) 
         for i in order
     ]
     tokens = scored.total_tokens
-    return RerankPublic(
+    public = RerankPublic(
         id=str(uuid.uuid4()),
         model=route.name,
         results=results,
         usage=RerankUsage(prompt_tokens=tokens, total_tokens=tokens),
     )
+    return Response(
+        public.model_dump_json(exclude_none=True),
+        media_type="application/json",
+        headers={VERSION_HEADER: str(route.version)},
+    )
 
 
-@router.post("/v1/rerank", response_model=RerankPublic, response_model_exclude_none=True)
-async def create_rerank(
-    body: RerankCreate, hub: HubDep, response: Response, route_key: RouteKey = None
-) -> RerankPublic:
-    route = hub.router.route(body.model, route_key=route_key)
-    return await _rerank(hub, route, body, response)
+# The routes take the bare Request: see hub/api/bodies.py for why.
+_RERANK_ROUTE: dict[str, Any] = {"response_model": RerankPublic,
+                                 "response_model_exclude_none": True,
+                                 "openapi_extra": openapi_body(RerankBody)}  # fmt: skip
 
 
-@router.post("/models/{name}/rerank", response_model=RerankPublic, response_model_exclude_none=True)
-async def rerank_routed(
-    name: str, body: RerankBody, hub: HubDep, response: Response, route_key: RouteKey = None
-) -> RerankPublic:
-    route = hub.router.route(name, route_key=route_key)
-    return await _rerank(hub, route, body, response)
+@router.post("/v1/rerank", response_model=RerankPublic, response_model_exclude_none=True,
+             openapi_extra=openapi_body(RerankCreate))  # fmt: skip
+async def create_rerank(request: Request) -> Response:
+    hub, body = await user_request(request, RerankCreate)
+    return await _rerank(hub, hub.router.route(body.model, route_key=route_key(request)), body)
 
 
-@router.post(
-    "/models/{name}/versions/{version}/rerank",
-    response_model=RerankPublic,
-    response_model_exclude_none=True,
-)
-async def rerank_version(
-    name: str, version: str, body: RerankBody, hub: HubDep, response: Response
-) -> RerankPublic:
-    route = hub.router.route_version(name, version)
-    return await _rerank(hub, route, body, response)
+@router.post("/models/{name}/rerank", **_RERANK_ROUTE)
+async def rerank_routed(name: str, request: Request) -> Response:
+    hub, body = await user_request(request, RerankBody)
+    return await _rerank(hub, hub.router.route(name, route_key=route_key(request)), body)
+
+
+@router.post("/models/{name}/versions/{version}/rerank", **_RERANK_ROUTE)
+async def rerank_version(name: str, version: str, request: Request) -> Response:
+    hub, body = await user_request(request, RerankBody)
+    return await _rerank(hub, hub.router.route_version(name, version), body)

@@ -290,3 +290,56 @@ async def until_queued(backend: Any, n: int) -> None:
             time.sleep(0.005)
 
     await asyncio.wait_for(asyncio.to_thread(poll), 30)
+
+
+def test_inference_routes_need_a_user_key_when_auth_is_on(
+    tmp_path: Path, mlflow_template: Path, tiny_embedder_dir: Path, tiny_reranker_dir: Path
+) -> None:
+    from hub.app import create_app
+    from registry.db import Database, upgrade
+    from registry.keys import ApiKeys
+    from tests.support.hubs import make_settings
+
+    settings = make_settings(
+        tmp_path / "hub", mlflow_template,
+        auth={"enabled": True, "bootstrap_admin_key": "boot-secret"},
+    )  # fmt: skip
+    upgrade(settings.database_url)
+    user_key, _ = ApiKeys(Database(settings.database_url)).create("app", "user")
+    admin = {"Authorization": "Bearer boot-secret"}
+    with TestClient(create_app(settings)) as client:
+        for name, kind, source in [("emb", "embedder", tiny_embedder_dir),
+                                   ("rr", "reranker", tiny_reranker_dir)]:  # fmt: skip
+            body = {"name": name, "kind": kind, "source": str(source)}
+            r = client.post("/admin/registry/models", json=body, headers=admin)
+            assert r.status_code == 201
+        calls = [
+            ("/v1/embeddings", {"model": "emb", "input": "hi"}),
+            ("/models/emb/embed", {"input": "hi"}),
+            ("/models/emb/versions/1/embed", {"input": "hi"}),
+            ("/v1/rerank", {"model": "rr", "query": "q", "documents": ["d"]}),
+            ("/models/rr/rerank", {"query": "q", "documents": ["d"]}),
+            ("/models/rr/versions/1/rerank", {"query": "q", "documents": ["d"]}),
+        ]
+        for path, body in calls:
+            r = client.post(path, json=body)
+            assert r.status_code == 401 and r.headers["WWW-Authenticate"] == "Bearer", path
+            r = client.post(path, json=body, headers={"Authorization": "Bearer wrong"})
+            assert r.status_code == 401, path
+            r = client.post(path, json=body, headers={"X-API-Key": user_key})
+            assert r.status_code == 200, (path, r.text)
+
+
+def test_openapi_documents_the_request_bodies(client: TestClient) -> None:
+    paths = client.get("/openapi.json").json()["paths"]
+    for path, fields in [
+        ("/v1/embeddings", {"model", "input", "encoding_format", "dimensions", "truncate"}),
+        ("/models/{name}/embed", {"input", "dimensions"}),
+        ("/v1/rerank", {"model", "query", "documents", "top_n", "return_documents"}),
+        ("/models/{name}/versions/{version}/rerank", {"query", "documents"}),
+    ]:
+        post = paths[path]["post"]
+        schema = post["requestBody"]["content"]["application/json"]["schema"]
+        assert fields <= set(schema["properties"]), path
+        assert "$ref" not in str(schema["properties"]), path  # definitions are inlined
+        assert "200" in post["responses"]
