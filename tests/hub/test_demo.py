@@ -1,8 +1,10 @@
 """The README's demo: `hub serve --config configs/demo.yaml` serves the real MiniLM, which the
-official openai client reaches; vectors equal sentence-transformers' own `encode`."""
+official openai client reaches; vectors of sentences of mixed lengths sent concurrently equal
+sentence-transformers' own `encode`. The demo's tiny reranker answers /v1/rerank."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -27,19 +29,39 @@ def test_demo_serves_minilm_to_the_openai_client(tmp_path: Path, minilm_dir: Pat
     from sentence_transformers import SentenceTransformer
 
     config = REPO / "configs" / "demo.yaml"
+    # Every sentence also as one request of its own, all at once, plus longer mixes.
+    singles = SENTENCES + [" ".join(SENTENCES[: i % 4 + 1]) * (i % 3 + 1) for i in range(12)]
     with hub_process(config, tmp_path) as (base, _proc):
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused")
-        assert [m.id for m in client.models.list().data] == ["minilm"]
+        assert [m.id for m in client.models.list().data] == ["minilm", "tiny-reranker"]
         result = client.embeddings.create(model="minilm", input=SENTENCES)
         got = np.array([d.embedding for d in result.data], dtype=np.float32)
         assert got.shape == (len(SENTENCES), 384)
         assert result.usage.prompt_tokens > len(SENTENCES)
+        with ThreadPoolExecutor(len(singles)) as pool:
+            answers = list(
+                pool.map(lambda s: client.embeddings.create(model="minilm", input=s), singles)
+            )
+        each = np.array([a.data[0].embedding for a in answers], dtype=np.float32)
+        reranked = httpx.post(
+            f"{base}/v1/rerank",
+            json={"model": "tiny-reranker", "query": "a fox", "documents": SENTENCES,
+                  "top_n": 2, "return_documents": True},
+            timeout=60,
+        )  # fmt: skip
+        assert reranked.status_code == 200, reranked.text
+        top = reranked.json()["results"]
+        assert len(top) == 2 and top[0]["relevance_score"] >= top[1]["relevance_score"]
+        assert top[0]["document"]["text"] == SENTENCES[top[0]["index"]]
         log = read_log(str(next(tmp_path.glob("hub-*.log"))))
         assert f"Model Hub is serving at {base}" in log and "curl" in log
 
-    want = SentenceTransformer(str(minilm_dir), device="cpu").encode(SENTENCES)
-    cos = np.sum(got * want, axis=1) / (np.linalg.norm(got, axis=1) * np.linalg.norm(want, axis=1))
-    assert cos.min() >= 0.9999, cos
+    model = SentenceTransformer(str(minilm_dir), device="cpu")
+    for vectors, texts in [(got, SENTENCES), (each, singles)]:
+        want = model.encode(texts)
+        norms = np.linalg.norm(vectors, axis=1) * np.linalg.norm(want, axis=1)
+        cos = np.sum(vectors * want, axis=1) / norms
+        assert cos.min() >= 0.9999, cos
 
     # A second start reuses the registered model instead of registering it again.
     with hub_process(config, tmp_path) as (base, _):
