@@ -221,14 +221,7 @@ class DynamicBatcher(Generic[P, I, R]):
                 self._incoming.clear()
             if not requests:
                 continue
-            try:
-                tokenized = self.stages.tokenize([r.payload for r in requests])
-                for request, items in zip(requests, tokenized, strict=True):
-                    if isinstance(items, list) and len(items) != request.size:
-                        raise RuntimeError(f"tokenize gave {len(items)} inputs for {request.size}")
-            except Exception as e:  # a bug in the stages fails these requests, not the thread
-                log.exception("%s: tokenizing failed", self.name)
-                tokenized = [e] * len(requests)
+            tokenized = self._tokenize(requests)
             refused: list[tuple[_Request[P, R], BaseException]] = []
             with self._lock:
                 for request, items in zip(requests, tokenized, strict=True):
@@ -246,6 +239,22 @@ class DynamicBatcher(Generic[P, I, R]):
                         self._fifo.append(slot)
                 self._pooled.notify_all()
             self._deliver(refused)
+
+    def _tokenize(self, requests: list[_Request[P, R]]) -> list[list[I] | BaseException]:
+        """The stages' tokenize over these requests at once. If that raises (rather than
+        refusing a payload), each request is tokenized alone, so that only the one that breaks
+        the tokenizer fails; the thread itself never dies of it."""
+        try:
+            tokenized = self.stages.tokenize([r.payload for r in requests])
+            for request, items in zip(requests, tokenized, strict=True):
+                if isinstance(items, list) and len(items) != request.size:
+                    raise RuntimeError(f"tokenize gave {len(items)} inputs for {request.size}")
+            return tokenized
+        except Exception as e:
+            if len(requests) > 1:
+                return [self._tokenize([r])[0] for r in requests]
+            log.exception("%s: tokenizing a request failed", self.name)
+            return [e]
 
     # ---- forward thread ---------------------------------------------------------------------
     def _forward_loop(self) -> None:

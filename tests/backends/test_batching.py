@@ -34,8 +34,17 @@ class UpperModel:
         self._gate = threading.Event()
         self._gate.set()
         self.entered = threading.Event()
+        self.tokenized: list[list[list[str]]] = []  # payloads of each tokenize call
+        self.tokenizer_gate = threading.Event()
+        self.tokenizer_parked = threading.Event()
 
     def tokenize(self, payloads: Sequence[list[str]]) -> list[list[Item] | BaseException]:
+        self.tokenized.append([list(p) for p in payloads])
+        if any("crash" in texts for texts in payloads):
+            raise RuntimeError("the tokenizer broke")
+        if any("slow" in texts for texts in payloads):
+            self.tokenizer_parked.set()
+            self.tokenizer_gate.wait(30)
         out: list[list[Item] | BaseException] = []
         for texts in payloads:
             if "bad" in texts:
@@ -179,6 +188,23 @@ async def test_a_refused_request_never_reaches_the_model(model: UpperModel) -> N
     assert await submit(b, ["ok"]) == ["OK"]
     assert model.batches == [["ok"]]
     assert b.queued == 0
+    b.close()
+
+
+async def test_a_request_that_breaks_the_tokenizer_fails_alone(model: UpperModel) -> None:
+    b = batcher(model)
+    # Park the tokenizer on a first request, so the next two are tokenized together.
+    slow = asyncio.create_task(submit(b, ["slow"]))
+    await asyncio.to_thread(model.tokenizer_parked.wait, 30)
+    broken = asyncio.create_task(submit(b, ["crash"]))
+    fine = asyncio.create_task(submit(b, ["fine"]))
+    await queued(b, 3)
+    model.tokenizer_gate.set()
+    assert await slow == ["SLOW"] and await fine == ["FINE"]
+    with pytest.raises(RuntimeError, match="the tokenizer broke"):
+        await broken
+    assert model.tokenized[1:] == [[["crash"], ["fine"]], [["crash"]], [["fine"]]]
+    assert await submit(b, ["after"]) == ["AFTER"]
     b.close()
 
 
