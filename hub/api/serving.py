@@ -11,7 +11,7 @@ from fastapi import Response
 from pydantic import BeforeValidator
 
 from backends.base import Backend
-from backends.errors import InputError
+from backends.errors import BackendClosedError, CapacityError, InputError
 from hub.errors import BadRequest, HubError
 from hub.routing import Route
 from hub.state import Hub
@@ -63,6 +63,9 @@ async def serve(
         raise
     except InputError:
         status = "400"
+        raise
+    except (CapacityError, BackendClosedError):
+        status = "503"
         raise
     except BaseException:
         status = "500"

@@ -241,6 +241,8 @@ async def test_full_queue_is_503_with_retry_after(
         finally:
             parked.release()
     assert (await first).status_code == 200 and (await waiting).status_code == 200
+    metrics = (await client.get("/metrics")).text
+    assert 'endpoint="embeddings",model="emb",status="503",version="1"} 1.0' in metrics
 
 
 async def test_official_openai_client(
