@@ -315,7 +315,7 @@ def main() -> None:
     model = SentenceTransformer(folder, device="cpu")
     tokens = [len(ids) for ids in model.tokenizer(sentences)["input_ids"]]
     model.encode(sentences[:256], batch_size=64)  # warm-up
-    single_n = 100 if args.quick else 400
+    single_n = 100 if args.quick else 200
     batched = sentences[:512] if args.quick else sentences
     server_env = dict(kv.split("=", 1) for kv in args.server_env)
 

@@ -1,5 +1,5 @@
-"""Request bodies and the user check for the hot inference routes, without FastAPI's
-per-request dependency solving.
+"""Request bodies, the user check and client disconnects for the hot inference routes,
+without FastAPI's per-request dependency solving.
 
 Embedding and rerank traffic is many small requests; FastAPI's dependency machinery (header
 parameters, sub-dependencies, body fields) costs about as much event-loop time per request as
@@ -10,6 +10,9 @@ gets the same 422, naming the field), and document that model for OpenAPI via `o
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -39,6 +42,38 @@ async def user_request(request: Request, model: type[Body]) -> tuple[Hub, Body]:
             body=raw,
         ) from None
     return hub, body
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready; nobody will read a response."""
+
+
+@contextlib.asynccontextmanager
+async def cancelled_if_client_leaves(request: Request) -> AsyncIterator[None]:
+    """Cancel the block if the client disconnects meanwhile, raising ClientGone: work the
+    block waits for is dropped (a backend's queued inputs never reach the model)."""
+    task = asyncio.current_task()
+    assert task is not None  # always inside a request's task
+    gone = False
+
+    async def watch() -> None:
+        nonlocal gone
+        # The body has been read, so the next message is the disconnect, or none at all.
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        gone = True
+        task.cancel()
+
+    watcher = asyncio.create_task(watch())
+    try:
+        yield
+    except asyncio.CancelledError:
+        if not gone:
+            raise
+        task.uncancel()
+        raise ClientGone(f"client left {request.url.path} before the answer was ready") from None
+    finally:
+        watcher.cancel()
 
 
 def route_key(request: Request) -> str | None:

@@ -17,7 +17,7 @@ from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from backends.embedder import EmbedderBackend, Embeddings
-from hub.api.bodies import openapi_body, route_key, user_request
+from hub.api.bodies import cancelled_if_client_leaves, openapi_body, route_key, user_request
 from hub.api.serving import VERSION_HEADER, KeepAlive, require_kind, serve
 from hub.routing import Route
 from hub.state import Hub
@@ -139,9 +139,12 @@ def _response_bytes(result: Embeddings, model: str, encoding_format: str) -> byt
     ).encode()
 
 
-async def _embed(hub: Hub, route: Route, body: EmbedBody) -> Response:
+async def _embed(request: Request, hub: Hub, route: Route, body: EmbedBody) -> Response:
     require_kind(route, "embedder", "embeddings")
-    async with serve(hub, route, "embeddings", keep_alive=body.keep_alive) as backend:
+    async with (
+        cancelled_if_client_leaves(request),
+        serve(hub, route, "embeddings", keep_alive=body.keep_alive) as backend,
+    ):
         assert isinstance(backend, EmbedderBackend)
         result = await backend.embed(
             _inputs(body.input), truncate=body.truncate, dimensions=body.dimensions
@@ -163,17 +166,17 @@ _EMBED_ROUTE: dict[str, Any] = {"response_model": EmbeddingPublic,
 async def create_embeddings(request: Request) -> Response:
     hub, body = await user_request(request, EmbeddingCreate)
     route = hub.router.route(body.model, route_key=route_key(request) or body.user)
-    return await _embed(hub, route, body)
+    return await _embed(request, hub, route, body)
 
 
 @router.post("/models/{name}/embed", **_EMBED_ROUTE)
 async def embed_routed(name: str, request: Request) -> Response:
     hub, body = await user_request(request, EmbedBody)
     route = hub.router.route(name, route_key=route_key(request) or body.user)
-    return await _embed(hub, route, body)
+    return await _embed(request, hub, route, body)
 
 
 @router.post("/models/{name}/versions/{version}/embed", **_EMBED_ROUTE)
 async def embed_version(name: str, version: str, request: Request) -> Response:
     hub, body = await user_request(request, EmbedBody)
-    return await _embed(hub, hub.router.route_version(name, version), body)
+    return await _embed(request, hub, hub.router.route_version(name, version), body)

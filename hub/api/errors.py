@@ -7,10 +7,11 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from backends.errors import BackendClosedError, CapacityError, InputError, LoadError
+from hub.api.bodies import ClientGone
 from hub.errors import HubError
 from registry.errors import (
     ConflictError,
@@ -52,6 +53,11 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
         headers = dict(e.headers) if e.headers else None
         return _json(e.status_code, str(e.detail), "invalid_request_error", headers=headers)
+
+    @app.exception_handler(ClientGone)
+    async def _gone(_: Request, e: ClientGone) -> Response:
+        # Nobody reads this answer; 499 is nginx's "client closed request", for the logs.
+        return Response(status_code=499)
 
     @app.exception_handler(InputError)
     async def _input(_: Request, e: InputError) -> JSONResponse:

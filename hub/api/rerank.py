@@ -15,7 +15,7 @@ from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from backends.reranker import RerankerBackend
-from hub.api.bodies import openapi_body, route_key, user_request
+from hub.api.bodies import cancelled_if_client_leaves, openapi_body, route_key, user_request
 from hub.api.serving import VERSION_HEADER, KeepAlive, require_kind, serve
 from hub.routing import Route
 from hub.state import Hub
@@ -97,10 +97,13 @@ def _text(document: str | RerankDocument) -> str:
     return document if isinstance(document, str) else document.text
 
 
-async def _rerank(hub: Hub, route: Route, body: RerankBody) -> Response:
+async def _rerank(request: Request, hub: Hub, route: Route, body: RerankBody) -> Response:
     require_kind(route, "reranker", "rerank")
     texts = [_text(d) for d in body.documents]
-    async with serve(hub, route, "rerank", keep_alive=body.keep_alive) as backend:
+    async with (
+        cancelled_if_client_leaves(request),
+        serve(hub, route, "rerank", keep_alive=body.keep_alive) as backend,
+    ):
         assert isinstance(backend, RerankerBackend)
         scored = await backend.rerank(body.query, texts, truncate=body.truncate)
     # Most relevant first; equal scores keep document order, as a stable sort does.
@@ -137,16 +140,18 @@ _RERANK_ROUTE: dict[str, Any] = {"response_model": RerankPublic,
              openapi_extra=openapi_body(RerankCreate))  # fmt: skip
 async def create_rerank(request: Request) -> Response:
     hub, body = await user_request(request, RerankCreate)
-    return await _rerank(hub, hub.router.route(body.model, route_key=route_key(request)), body)
+    return await _rerank(
+        request, hub, hub.router.route(body.model, route_key=route_key(request)), body
+    )
 
 
 @router.post("/models/{name}/rerank", **_RERANK_ROUTE)
 async def rerank_routed(name: str, request: Request) -> Response:
     hub, body = await user_request(request, RerankBody)
-    return await _rerank(hub, hub.router.route(name, route_key=route_key(request)), body)
+    return await _rerank(request, hub, hub.router.route(name, route_key=route_key(request)), body)
 
 
 @router.post("/models/{name}/versions/{version}/rerank", **_RERANK_ROUTE)
 async def rerank_version(name: str, version: str, request: Request) -> Response:
     hub, body = await user_request(request, RerankBody)
-    return await _rerank(hub, hub.router.route_version(name, version), body)
+    return await _rerank(request, hub, hub.router.route_version(name, version), body)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
@@ -66,6 +67,9 @@ async def serve(
         raise
     except (CapacityError, BackendClosedError):
         status = "503"
+        raise
+    except asyncio.CancelledError:
+        status = "499"  # the client went away (nginx's "client closed request")
         raise
     except BaseException:
         status = "500"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import threading
 import time
 from pathlib import Path
@@ -221,7 +222,7 @@ async def test_full_queue_is_503_with_retry_after(
 ) -> None:
     app, client = app_client
     body = {"name": "emb", "kind": "embedder", "source": str(tiny_embedder_dir),
-            "config": {"max_queue": 3, "max_batch_size": 1}}  # fmt: skip
+            "config": {"max_queue": 3, "max_batch_size": 1, "forward_workers": 1}}  # fmt: skip
     assert (await client.post("/admin/registry/models", json=body)).status_code == 201
     assert (await client.post("/models/emb/embed", json={"input": "warm"})).status_code == 200
     async with app.state.hub.manager.acquire("emb", 1) as backend:
@@ -243,6 +244,67 @@ async def test_full_queue_is_503_with_retry_after(
     assert (await first).status_code == 200 and (await waiting).status_code == 200
     metrics = (await client.get("/metrics")).text
     assert 'endpoint="embeddings",model="emb",status="503",version="1"} 1.0' in metrics
+
+
+async def test_a_client_that_leaves_has_its_queued_inputs_dropped(
+    app_client: tuple[FastAPI, httpx.AsyncClient], tiny_embedder_dir: Path
+) -> None:
+    app, client = app_client
+    body = {"name": "emb", "kind": "embedder", "source": str(tiny_embedder_dir),
+            "config": {"max_batch_size": 1, "forward_workers": 1}}  # fmt: skip
+    assert (await client.post("/admin/registry/models", json=body)).status_code == 201
+    assert (await client.post("/models/emb/embed", json={"input": "warm"})).status_code == 200
+    batched_before = batch_inputs(await client.get("/metrics"))
+    async with app.state.hub.manager.acquire("emb", 1) as backend:
+        parked = ParkedForward(backend)
+        try:
+            first = asyncio.create_task(client.post("/models/emb/embed", json={"input": "a"}))
+            await asyncio.to_thread(parked.entered.wait, 30)
+            # A raw ASGI request whose client disconnects while its inputs wait in the queue.
+            leave = asyncio.Event()
+            request_body = json.dumps({"input": ["left", "behind", "here"]}).encode()
+            messages = [{"type": "http.request", "body": request_body, "more_body": False}]
+
+            async def receive() -> dict[str, Any]:
+                if messages:
+                    return messages.pop(0)
+                await leave.wait()
+                return {"type": "http.disconnect"}
+
+            sent: list[dict[str, Any]] = []
+
+            async def send(message: dict[str, Any]) -> None:
+                sent.append(message)
+
+            scope = {
+                "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+                "method": "POST", "scheme": "http", "path": "/models/emb/embed",
+                "raw_path": b"/models/emb/embed", "query_string": b"", "root_path": "",
+                "headers": [(b"content-type", b"application/json")],
+                "client": ("127.0.0.1", 1), "server": ("hub", 80), "state": {},
+            }  # fmt: skip
+            abandoned = asyncio.create_task(app(scope, receive, send))
+            await until_queued(backend, 3)
+            leave.set()
+            await abandoned
+            assert sent[0]["status"] == 499
+            # Dropped from the queue (at once, or as the tokenizer thread hands them over).
+            await until_queued(backend, 0, at_most=True)
+        finally:
+            parked.release()
+    assert (await first).status_code == 200
+    metrics = await client.get("/metrics")
+    # Only "a" ran after the warm-up; the three abandoned inputs never reached the model.
+    assert batch_inputs(metrics) == batched_before + 1
+    assert 'endpoint="embeddings",model="emb",status="499",version="1"} 1.0' in metrics.text
+
+
+def batch_inputs(metrics: httpx.Response) -> float:
+    """Inputs the model `emb` has run, from the hub's batch-size histogram."""
+    for line in metrics.text.splitlines():
+        if line.startswith('hub_batch_size_sum{model="emb",version="1"}'):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("no hub_batch_size_sum for emb")
 
 
 async def test_official_openai_client(
@@ -286,10 +348,14 @@ class ParkedForward:
         self._released.set()
 
 
-async def until_queued(backend: Any, n: int) -> None:
+async def until_queued(backend: Any, n: int, *, at_most: bool = False) -> None:
+    """Until `n` inputs (or, `at_most`, no more than `n`) wait in the backend's batcher."""
+
     def poll() -> None:
-        while backend._batcher.queued < n:
+        queued = backend._batcher.queued
+        while queued > n if at_most else queued < n:
             time.sleep(0.005)
+            queued = backend._batcher.queued
 
     await asyncio.wait_for(asyncio.to_thread(poll), 30)
 
