@@ -14,7 +14,7 @@ Runtime config (a version's `config` at registration; all optional): the batchin
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,30 +67,21 @@ class _EmbedStages:
         encoded = iter(self.tokenizer.encode(texts) if texts else ())
         out: list[list[Encoded] | BaseException] = []
         for request in payloads:
-            mine = [next(encoded) if isinstance(x, str) else None for x in request.inputs]
+            mine = [next(encoded) for x in request.inputs if isinstance(x, str)]
             try:
-                out.append(self._finish(request, mine))
+                out.append(self._finish(request, iter(mine)))
             except InputError as e:
                 out.append(e)
         return out
 
-    def _finish(self, request: _EmbedRequest, encoded: list[Encoded | None]) -> list[Encoded]:
-        """Wrap token-id inputs, then refuse or truncate what is too long."""
+    def _finish(self, request: _EmbedRequest, texts: Iterator[Encoded]) -> list[Encoded]:
+        """The request's inputs in order: its texts (encoded, in order, in `texts`) and its
+        token-id inputs (wrapped here); over-long ones refused or truncated."""
         tok = self.tokenizer
         items: list[Encoded] = []
-        cut_texts: list[int] = []
-        for i, (value, e) in enumerate(zip(request.inputs, encoded, strict=True)):
-            if e is None:
-                ids = value  # a token-id input
-                assert not isinstance(ids, str)
-                bad = tok.first_invalid_id(ids)
-                if bad is not None:
-                    raise InputError(
-                        f"input[{i}] holds token id {bad}, outside the model's vocabulary of "
-                        f"{tok.vocab_size} ids",
-                        param="input",
-                    )
-                e = tok.wrap_ids(ids)
+        cut_texts: list[tuple[int, str]] = []  # over-long texts to encode again, truncated
+        for i, value in enumerate(request.inputs):
+            e = next(texts) if isinstance(value, str) else self._wrap_ids(i, value)
             if e.length > tok.max_length:
                 if not request.truncate:
                     raise InputError(
@@ -100,15 +91,25 @@ class _EmbedStages:
                         param="input",
                     )
                 if isinstance(value, str):
-                    cut_texts.append(i)
+                    cut_texts.append((i, value))
                 else:
                     e = tok.wrap_ids(value, truncate=True)
             items.append(e)
         if cut_texts:
-            cut = tok.encode_truncated([request.inputs[i] for i in cut_texts])  # type: ignore[misc]
-            for i, e in zip(cut_texts, cut, strict=True):
+            cut = tok.encode_truncated([text for _, text in cut_texts])
+            for (i, _), e in zip(cut_texts, cut, strict=True):
                 items[i] = e
         return items
+
+    def _wrap_ids(self, index: int, ids: Sequence[int]) -> Encoded:
+        bad = self.tokenizer.first_invalid_id(ids)
+        if bad is not None:
+            raise InputError(
+                f"input[{index}] holds token id {bad}, outside the model's vocabulary of "
+                f"{self.tokenizer.vocab_size} ids",
+                param="input",
+            )
+        return self.tokenizer.wrap_ids(ids)
 
     def forward(self, items: Sequence[Encoded]) -> list[_Row]:
         features = self.tokenizer.pad(items)

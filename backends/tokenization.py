@@ -14,8 +14,8 @@ other caller's settings leak in. Token-id inputs are content ids, as
 `tokenizer.encode(text, add_special_tokens=False)` gives them; the model's special tokens are
 added around them as for text, so `[ids of "hello"]` embeds like `"hello"`.
 
-Not thread-safe: each backend uses it from its tokenizer thread (encode) and its forward thread
-(`pad`, which touches no tokenizer state).
+Encoding is not thread-safe: a backend encodes from its one tokenizer thread only. `pad`
+touches no tokenizer state and runs in any number of forward threads.
 """
 
 from __future__ import annotations

@@ -252,7 +252,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     levels = [str(h["concurrency"]) for h in hub]
     ceiling = report["baselines"]["encode_batched"]["rps"]
     single = report["baselines"]["encode_one_at_a_time"]["rps"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 5.4))
     bars = left.bar(levels, [h["rps"] for h in hub], color="#4c72b0", label="hub over HTTP")
     for bar, h in zip(bars, hub, strict=True):
         left.annotate(f"{h['ratio_to_ceiling']:.2f}x", (bar.get_x() + bar.get_width() / 2,
@@ -267,14 +267,15 @@ def plot(report: dict[str, Any], path: Path) -> None:
     left.set_xlabel("concurrent HTTP clients (one sentence per request)")
     left.set_ylabel("sentences / s")
     left.set_title(f"Throughput, {report['model']}")
-    left.legend(fontsize=8, loc="lower right")
+    left.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
     right.plot(levels, [h["p50_ms"] for h in hub], marker="o", label="p50")
     right.plot(levels, [h["p99_ms"] for h in hub], marker="o", label="p99")
     right.set_xlabel("concurrent HTTP clients")
     right.set_ylabel("latency per request (ms)")
     right.set_title("Latency")
     right.legend()
-    fig.suptitle(report["machine"]["summary"], fontsize=8)
+    load = ", ".join(f"{x:.1f}" for x in report["machine"]["load_average"])
+    fig.suptitle(f"{report['machine']['summary']}; load average at the end {load}", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -299,8 +300,8 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
-    requests = args.requests or (150 if args.quick else 800)
-    rounds = args.rounds or (1 if args.quick else 2)
+    requests = args.requests or (150 if args.quick else 600)
+    rounds = args.rounds or (1 if args.quick else 3)
 
     import torch
     from sentence_transformers import SentenceTransformer
@@ -315,7 +316,7 @@ def main() -> None:
     model = SentenceTransformer(folder, device="cpu")
     tokens = [len(ids) for ids in model.tokenizer(sentences)["input_ids"]]
     model.encode(sentences[:256], batch_size=64)  # warm-up
-    single_n = 100 if args.quick else 200
+    single_n = 100 if args.quick else 150
     batched = sentences[:512] if args.quick else sentences
     server_env = dict(kv.split("=", 1) for kv in args.server_env)
 
