@@ -6,6 +6,7 @@ Registry commands talk to the database and MLflow named by the config file; `hub
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import sys
@@ -131,9 +132,13 @@ def register(
         str | None, typer.Option("--runtime-config", help="JSON object of runtime settings")
     ] = None,
     description: str = "",
+    eval_set: Annotated[
+        Path | None, typer.Option(help="JSON file: the version's evaluation set")
+    ] = None,
     config: ConfigOpt = None,
 ) -> None:
-    """Register a new version of a model from SOURCE."""
+    """Register a new version of a model from SOURCE (a folder, hf://org/name[@rev],
+    models:/name/3, models:/name@alias or runs:/<run id>/<path>)."""
     from hub.demo import is_builtin, materialise_builtin
     from registry.errors import RegistryError
 
@@ -144,14 +149,117 @@ def register(
         raise _fail(f"--runtime-config is not JSON: {e}", 2) from None
     if is_builtin(source):
         source = str(materialise_builtin(source, settings.demo_dir))
+    evals = None
+    if eval_set is not None:
+        from hub.errors import HubError
+        from hub.validation import parse_eval_set
+
+        try:
+            evals = json.loads(eval_set.read_text())
+            parse_eval_set(kind, evals)
+        except (OSError, ValueError) as e:
+            raise _fail(f"--eval-set {eval_set}: {e}", 2) from None
+        except HubError as e:
+            raise _fail(f"--eval-set {eval_set}: {e.message}", 2) from None
     try:
         view = _registry(settings).register(
             name, kind, source, aliases=alias or [], config=extra, description=description,
-            actor=f"cli:{os.environ.get('USER', 'unknown')}",
+            eval_set=evals,
+            actor=_actor(),
         )  # fmt: skip
     except RegistryError as e:
         raise _fail(str(e)) from None
     typer.echo(json.dumps({"name": view.name, "version": view.version}))
+
+
+def _actor() -> str:
+    return f"cli:{os.environ.get('USER', 'unknown')}"
+
+
+async def _locally(settings: HubSettings, action: Any) -> Any:
+    """Run `action(hub)` against the registry without serving: the gate loads the candidate
+    in this process, on the configured devices."""
+    from hub.state import Hub
+    from registry.db import upgrade
+
+    upgrade(settings.database_url)
+    hub = Hub.build(settings)
+    try:
+        await hub.catalog.refresh()
+        return await action(hub)
+    finally:
+        await hub.manager.close()
+        hub.db.dispose()
+
+
+@app.command()
+def promote(
+    name: str,
+    version: int,
+    to: Annotated[str, typer.Option("--to", help="staging | production")],
+    reason: Annotated[str, typer.Option(help="Why, for the audit log")] = "",
+    url: Annotated[
+        str | None, typer.Option(help="Ask this running hub instead of validating locally")
+    ] = None,
+    key: KeyOpt = None,
+    config: ConfigOpt = None,
+) -> None:
+    """Validate VERSION of NAME (load, smoke test, eval set) and move the alias --to to it."""
+    if url:
+        path = f"/admin/registry/models/{name}/versions/{version}/promote"
+        result = _admin("POST", path, url, key, {"to": to, "reason": reason})
+    else:
+        from hub.errors import HubError
+        from registry.errors import RegistryError
+
+        async def run(hub: Any) -> Any:
+            p = await hub.promoter.promote(name, version, to, actor=_actor(), reason=reason)
+            return {
+                "name": name,
+                "alias": to,
+                "version": version,
+                "from_version": p.event.from_version,
+                "validation": p.validation.as_dict(),
+            }
+
+        try:
+            result = asyncio.run(_locally(_settings(config), run))
+        except HubError as e:
+            raise _fail(e.message) from None
+        except RegistryError as e:
+            raise _fail(str(e)) from None
+    typer.echo(json.dumps(result, indent=2))
+
+
+@app.command()
+def rollback(
+    name: str,
+    reason: Annotated[str, typer.Option(help="Why, for the audit log")] = "",
+    url: Annotated[str | None, typer.Option(help="Ask this running hub instead")] = None,
+    key: KeyOpt = None,
+    config: ConfigOpt = None,
+) -> None:
+    """Move production of NAME back to the version before it."""
+    if url:
+        path = f"/admin/registry/models/{name}/rollback"
+        result = _admin("POST", path, url, key, {"reason": reason})
+    else:
+        from hub.errors import HubError
+
+        async def run(hub: Any) -> Any:
+            e = await hub.promoter.rollback(name, actor=_actor(), reason=reason)
+            return {
+                "name": name,
+                "alias": e.alias,
+                "version": e.version,
+                "from_version": e.from_version,
+            }
+
+        try:
+            result = asyncio.run(_locally(_settings(config), run))
+        except HubError as e:
+            raise _fail(e.message) from None
+    typer.echo(json.dumps(result, indent=2))
 
 
 @app.command("models")
@@ -229,12 +337,14 @@ def keys_revoke(name: str, config: ConfigOpt = None) -> None:
     typer.echo(f"revoked {name}")
 
 
-def _admin(method: str, path: str, url: str, key: str | None) -> Any:
+def _admin(
+    method: str, path: str, url: str, key: str | None, body: dict[str, Any] | None = None
+) -> Any:
     import httpx
 
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     try:
-        r = httpx.request(method, url.rstrip("/") + path, headers=headers, timeout=600)
+        r = httpx.request(method, url.rstrip("/") + path, headers=headers, json=body, timeout=600)
     except httpx.HTTPError as e:
         raise _fail(f"cannot reach the hub at {url}: {e}") from None
     body = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}

@@ -57,3 +57,9 @@ class HubMetrics:
         self.loaded_models = Gauge(
             "hub_loaded_models", "Models loaded per device", ["device"], registry=r
         )
+        self.registry_drift = Gauge(
+            "hub_registry_drift",
+            "Unrepaired differences between MLflow and the hub's SQL metadata",
+            ["kind"],
+            registry=r,
+        )

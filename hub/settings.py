@@ -102,6 +102,19 @@ class ManagerSettings(_Section):
 class RegistrySettings(_Section):
     # How often the hub re-reads the registry (aliases, versions) to follow changes.
     poll_interval: Seconds = Field(default=2.0, gt=0)
+    # Every this many polls, also compare version lists between MLflow and SQL.
+    version_check_every: int = Field(default=10, ge=1)
+    # Production only for versions that passed staging (their gate) first.
+    require_staging: bool = True
+    # Longest a validation gate (load + smoke + evaluation set) may take.
+    gate_timeout: Seconds = Field(default=300.0, gt=0)
+    # MLflow server webhooks: the secret MLflow signs deliveries with, and the URL at which
+    # MLflow reaches this hub (`.../webhooks/mlflow`); with both set, the hub registers the
+    # webhook itself at start.
+    webhook_secret: SecretStr | None = None
+    webhook_url: str | None = None
+    # Hugging Face cache for hf:// sources (default: the huggingface_hub default).
+    hf_cache_dir: Path | None = None
 
 
 class HubSettings(BaseSettings):

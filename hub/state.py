@@ -11,8 +11,12 @@ from hub.catalog import Catalog
 from hub.demo import is_builtin, materialise_builtin
 from hub.manager import Device, ModelManager, VersionLoader
 from hub.metrics import HubMetrics
+from hub.promotion import Promoter
+from hub.reconciler import Reconciler
 from hub.routing import Router
 from hub.settings import HubSettings
+from hub.validation import ValidationGate
+from hub.webhooks import EVENTS, WebhookVerifier
 from registry.cache import ArtifactCache
 from registry.db import Database, upgrade
 from registry.keys import ApiKeys
@@ -32,6 +36,9 @@ class Hub:
     manager: ModelManager
     auth: Authenticator
     metrics: HubMetrics
+    reconciler: Reconciler
+    promoter: Promoter
+    webhooks: WebhookVerifier | None
     ready: bool = False
     background: list[asyncio.Task[None]] = field(default_factory=list)
 
@@ -41,9 +48,15 @@ class Hub:
         db = Database(settings.database_url)
         mlflow = MlflowStore(settings.mlflow_tracking_uri, settings.mlflow_artifact_location)
         cache = ArtifactCache(settings.cache_dir, mlflow)
-        registry = Registry(db, mlflow, cache, allow_pickle=settings.allow_pickle)
+        registry = Registry(
+            db,
+            mlflow,
+            cache,
+            allow_pickle=settings.allow_pickle,
+            hf_cache_dir=settings.registry.hf_cache_dir,
+        )
         metrics = HubMetrics()
-        catalog = Catalog(registry, settings.registry.poll_interval)
+        catalog = Catalog(registry)
         loader = VersionLoader(
             registry,
             metrics_registry=metrics.registry,
@@ -52,6 +65,18 @@ class Hub:
         )
         devices = [Device.from_settings(d) for d in settings.devices]
         manager = ModelManager(settings.manager, devices, loader, metrics)
+        reg = settings.registry
+        reconciler = Reconciler(
+            registry,
+            catalog,
+            manager,
+            metrics,
+            poll_interval=reg.poll_interval,
+            version_check_every=reg.version_check_every,
+            keep_loaded=frozenset(m.name for m in settings.models if m.preload or m.pin),
+        )
+        gate = ValidationGate(manager, reg.gate_timeout)
+        secret = reg.webhook_secret.get_secret_value() if reg.webhook_secret else None
         return cls(
             settings=settings,
             db=db,
@@ -61,6 +86,9 @@ class Hub:
             manager=manager,
             auth=Authenticator(settings.auth, ApiKeys(db)),
             metrics=metrics,
+            reconciler=reconciler,
+            promoter=Promoter(registry, gate, catalog, require_staging=reg.require_staging),
+            webhooks=WebhookVerifier(secret) if secret else None,
         )
 
     async def start(self) -> None:
@@ -68,8 +96,9 @@ class Hub:
         await asyncio.to_thread(upgrade, self.settings.database_url)
         await asyncio.to_thread(self.registry.ping)
         await asyncio.to_thread(self._register_configured_models)
-        await self.catalog.refresh()
-        self.catalog.start()
+        await asyncio.to_thread(self._register_webhook)
+        await self.reconciler.reconcile(check_versions=True)
+        self.reconciler.start()
         self.ready = True
         preload = [m for m in self.settings.models if m.preload or m.pin]
         if preload:
@@ -80,7 +109,7 @@ class Hub:
         for task in self.background:
             task.cancel()
         await asyncio.gather(*self.background, return_exceptions=True)
-        await self.catalog.stop()
+        await self.reconciler.stop()
         await self.manager.close()
         self.db.dispose()
 
@@ -103,6 +132,21 @@ class Hub:
                 description=spec.description,
                 actor="config",
             )
+
+    def _register_webhook(self) -> None:
+        reg = self.settings.registry
+        if not (reg.webhook_url and reg.webhook_secret):
+            return
+        if not self.settings.mlflow_tracking_uri.startswith(("http://", "https://")):
+            log.info("MLflow is embedded; alias moves are followed by polling, not webhooks")
+            return
+        try:
+            self.registry.mlflow.ensure_webhook(
+                "model-hub", reg.webhook_url, reg.webhook_secret.get_secret_value(), EVENTS
+            )
+            log.info("MLflow webhook registered: alias moves are pushed to %s", reg.webhook_url)
+        except Exception as e:  # polling still follows the registry
+            log.warning("could not register the MLflow webhook (%s); polling only", e)
 
     async def _preload(self) -> None:
         for spec in self.settings.models:

@@ -80,9 +80,11 @@ class ModelVersion(Base):
     total_bytes: Mapped[int] = mapped_column(BigInteger)
     dtype: Mapped[str] = mapped_column(String(16))
     runtime_config: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
-    # registered -> (validated | failed)
+    # registered -> (validated | failed), by the last validation gate run
     status: Mapped[str] = mapped_column(String(16), default="registered")
     validation: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+    # The version's own evaluation set, run by the validation gate (see hub.validation).
+    eval_set: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
 
     model: Mapped[RegisteredModel] = relationship(back_populates="versions")

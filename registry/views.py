@@ -21,6 +21,7 @@ class VersionView:
     runtime_config: dict[str, Any]
     status: str
     validation: dict[str, Any] | None
+    eval_set: dict[str, Any] | None
     created_at: dt.datetime
     aliases: tuple[str, ...] = ()
 
