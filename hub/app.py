@@ -12,6 +12,7 @@ from fastapi import FastAPI
 
 from hub import __version__
 from hub.api import admin_models, dashboard, embeddings, health, models, registry, webhooks
+from hub.api import traffic as traffic_api
 from hub.api.errors import install_error_handlers
 from hub.settings import HubSettings
 from hub.state import Hub
@@ -58,4 +59,5 @@ def create_app(settings: HubSettings, *, announce: bool = False) -> FastAPI:
     install_error_handlers(app)
     for module in (health, models, embeddings, admin_models, registry, webhooks, dashboard):
         app.include_router(module.router)
+    app.include_router(traffic_api.router)
     return app
