@@ -16,6 +16,7 @@ from hub.api import traffic as traffic_api
 from hub.api.errors import install_error_handlers
 from hub.settings import HubSettings
 from hub.state import Hub
+from hub.traffic.in_flight import InFlightMiddleware
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ def create_app(settings: HubSettings, *, announce: bool = False) -> FastAPI:
         lifespan=lifespan,
     )
     install_error_handlers(app)
+    app.add_middleware(InFlightMiddleware)  # shadow traffic waits for idle moments
     for module in (health, models, embeddings, admin_models, registry, webhooks, dashboard):
         app.include_router(module.router)
     app.include_router(traffic_api.router)

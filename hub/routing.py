@@ -98,9 +98,11 @@ class Router:
             return self._default(view)
         bucket = bucket_of(name, route_key) if route_key else random_bucket()
         arm = table.arm(bucket)
-        kind = self.catalog.snapshot.models[arm.model].kind
+        target = self.catalog.snapshot.models.get(arm.model)
+        if target is None:  # the table outlived its target's registration: serve the default
+            return self._default(view)
         via = None if arm.model == name else name
-        return Route(arm.model, arm.version, kind, split=True, via=via)
+        return Route(arm.model, arm.version, target.kind, split=True, via=via)
 
     @staticmethod
     def _default(view: ModelView) -> Route:

@@ -125,9 +125,9 @@ class TrafficSettings(_Section):
     shadow_queue_size: int = Field(default=64, ge=1)
     # Concurrent shadow replays.
     shadow_workers: int = Field(default=1, ge=1)
-    # Run a mirror only once the primary model has no requests in flight, so the shadow never
-    # competes with it for cores (CPU hubs); a mirror that waited longer than
-    # shadow_max_wait is dropped (counted).
+    # Run a mirror only in an idle moment of the hub (no request in flight) likely to hold
+    # the whole replay, so the shadow does not compete with primaries for cores (CPU hubs);
+    # a mirror that found none within shadow_max_wait is dropped (counted).
     shadow_when_idle: bool = True
     shadow_max_wait: Seconds = Field(default=5.0, gt=0)
     # Samples kept in memory per model version (latency, error, tokens) for readouts and

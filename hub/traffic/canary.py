@@ -4,13 +4,9 @@ promote it to production after the last step.
 State lives in SQL (`registry.canaries`); this controller only decides. Every `tick(now)`
 (the loop calls it each `traffic.canary_tick` seconds; tests call it with their own clock)
 looks at each running canary. Once the step's interval has elapsed and the canary has at
-least `min_requests` in the step's window, it compares canary and baseline:
-
-- errors: a breach when the canary's error rate is above `max_error_rate` *and* a one-sided
-  two-proportion z-test says it fails more often than the baseline (p < 0.05), so a bad
-  moment shared by both versions (the database, the network) does not blame the canary;
-- latency: a breach when the ratio of p95 latencies (successful requests, canary/baseline)
-  is above `max_latency_ratio`.
+least `min_requests` in the step's window, `judge_step` (hub.traffic.canary_analysis)
+compares it with the baseline: its error rate, significantly worse than the baseline's and
+above `max_error_rate`, or its p95 latency ratio above `max_latency_ratio`, is a breach.
 
 A breach sets the split to 100% baseline and the state to `rolled_back` with the reason.
 Otherwise the canary advances to the next step; after the last one it is promoted through
@@ -38,18 +34,15 @@ from typing import Any
 from hub.catalog import Catalog
 from hub.errors import BadRequest, Conflict, HubError, NotFound
 from hub.promotion import Promoter
+from hub.traffic.canary_analysis import Analysis, judge_step
 from hub.traffic.metrics import TrafficMetrics
-from hub.traffic.significance import percentiles, two_proportions
-from hub.traffic.stats import Sample, TrafficStats
+from hub.traffic.stats import TrafficStats
 from registry.canaries import CanarySpec
 from registry.errors import RegistryError
 from registry.service import Registry
 from registry.views import CanaryView, SplitView
 
 log = logging.getLogger(__name__)
-
-# One-sided significance for "the canary fails more often than the baseline".
-CANARY_ALPHA = 0.05
 
 
 @dataclass
@@ -59,25 +52,6 @@ class _Watch:
     step_index: int
     step_since: int
     canary_since: int
-
-
-@dataclass(frozen=True)
-class Analysis:
-    decision: str  # "wait" | "pass" | "breach"
-    reason: str
-    check: dict[str, Any]
-
-
-def _arm(samples: list[Sample]) -> dict[str, Any]:
-    ok = [s.latency_s for s in samples if not s.error]
-    errors = len(samples) - len(ok)
-    p95 = percentiles(ok)["p95"]
-    return {
-        "requests": len(samples),
-        "errors": errors,
-        "error_rate": round(errors / len(samples), 6) if samples else None,
-        "p95_ms": None if p95 is None else round(p95 * 1000, 3),
-    }
 
 
 class CanaryController:
@@ -314,6 +288,9 @@ class CanaryController:
         cursor = self.stats.cursor()
         if watch is None:  # first seen by this process (a restart, or another replica's)
             watch = self._watches[canary.id] = _Watch(canary.step_index, cursor, cursor)
+            self.metrics.canary_weight.labels(canary.model, str(canary.canary_version)).set(
+                canary.weight
+            )
         elif watch.step_index != canary.step_index:  # another replica advanced it
             watch.step_index, watch.step_since = canary.step_index, cursor
         return watch
@@ -328,53 +305,7 @@ class CanaryController:
         if len(base) < need:
             base = self.stats.since(name, str(canary.baseline_version), watch.canary_since).samples
             scope = "canary" if len(base) >= need else "none"
-        check: dict[str, Any] = {
-            "step_index": canary.step_index,
-            "weight": canary.weight,
-            "canary": _arm(ours),
-            "baseline": {**_arm(base), "window": scope},
-        }
-        if len(ours) < need:
-            return Analysis(
-                "wait",
-                f"canary v{canary.canary_version} has {len(ours)} of "
-                f"{need} requests needed in this step",
-                check,
-            )
-        breaches = []
-        errors = sum(1 for s in ours if s.error)
-        rate = errors / len(ours)
-        if scope == "none":
-            worse = True  # nothing to compare with: the absolute threshold decides alone
-            check["error_test"] = None
-        else:
-            test = two_proportions(
-                errors, len(ours), sum(1 for s in base if s.error), len(base), min_n=need
-            )
-            check["error_test"] = test.as_dict()
-            worse = (test.extra or {}).get("p_worse", 1.0) < CANARY_ALPHA
-        if rate > canary.max_error_rate and worse:
-            breaches.append(
-                f"error rate {rate:.1%} is above {canary.max_error_rate:.1%}"
-                + ("" if scope == "none" else " and significantly above the baseline's")
-            )
-        ours_p95, base_p95 = check["canary"]["p95_ms"], check["baseline"]["p95_ms"]
-        ratio = None
-        if ours_p95 is not None and base_p95 is not None and scope != "none" and base_p95 > 0:
-            ratio = ours_p95 / base_p95
-            if ratio > canary.max_latency_ratio:
-                breaches.append(
-                    f"p95 latency {ours_p95:.1f} ms is {ratio:.2f}x the baseline's "
-                    f"{base_p95:.1f} ms (limit {canary.max_latency_ratio:g}x)"
-                )
-        check["latency_ratio_p95"] = None if ratio is None else round(ratio, 4)
-        at = f"at {canary.weight:g}% (step {canary.step_index + 1} of {len(canary.steps)})"
-        if breaches:
-            return Analysis(
-                "breach", f"canary v{canary.canary_version} {at}: " + "; ".join(breaches), check
-            )
-        latency = "" if ratio is None else f", p95 ratio {ratio:.2f}"
-        return Analysis("pass", f"{at}: error rate {rate:.1%}{latency}", check)
+        return judge_step(canary, ours, base, baseline_window=scope)
 
     # ---- transitions --------------------------------------------------------------------
     @staticmethod

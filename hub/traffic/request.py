@@ -15,7 +15,6 @@ The handle lives in a context variable, so nothing changes in `serve()`'s signat
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -80,43 +79,3 @@ def leave(request: ServedRequest) -> None:
     with contextlib.suppress(ValueError, LookupError):
         if _current.get() is request:
             _current.set(None)
-
-
-class InFlight:
-    """Requests in flight per public model name, and a way to wait until there are none
-    (how shadow mirrors stay out of the primary's way)."""
-
-    def __init__(self) -> None:
-        self._counts: dict[str, int] = {}
-        self._idle: dict[str, asyncio.Event] = {}
-
-    def _event(self, model: str) -> asyncio.Event:
-        event = self._idle.get(model)
-        if event is None:
-            event = self._idle[model] = asyncio.Event()
-            event.set()
-        return event
-
-    def enter(self, model: str) -> None:
-        self._counts[model] = self._counts.get(model, 0) + 1
-        self._event(model).clear()
-
-    def leave(self, model: str) -> None:
-        left = self._counts.get(model, 0) - 1
-        self._counts[model] = max(0, left)
-        if left <= 0:
-            self._event(model).set()
-
-    def count(self, model: str) -> int:
-        return self._counts.get(model, 0)
-
-    async def wait_idle(self, model: str, within: float) -> bool:
-        """True once `model` has no request in flight; False if `within` seconds passed
-        first."""
-        event = self._event(model)
-        try:
-            async with asyncio.timeout(within):
-                await event.wait()
-        except TimeoutError:
-            return False
-        return True

@@ -23,8 +23,9 @@ from hub.settings import TrafficSettings
 from hub.traffic import request as requests
 from hub.traffic.canary import CanaryController
 from hub.traffic.faults import FaultInjector
+from hub.traffic.in_flight import InFlight
 from hub.traffic.metrics import TrafficMetrics
-from hub.traffic.request import InFlight, ServedRequest
+from hub.traffic.request import ServedRequest
 from hub.traffic.shadow import MirrorJob, ShadowMirror
 from hub.traffic.stats import TrafficStats
 from registry.service import Registry
@@ -89,7 +90,7 @@ class TrafficService:
 
     # ---- hooks of serve() ---------------------------------------------------------------
     def begin(self, route: Route) -> ServedRequest:
-        """A request starts: decide whether it is mirrored, count it in flight."""
+        """A request starts: decide whether it is mirrored."""
         public = route.public_name
         policy = self.policy(public)
         shadow = policy.shadow if policy is not None else None
@@ -99,7 +100,6 @@ class TrafficService:
         ):
             shadow = None
         request = ServedRequest(route, shadow=shadow)
-        self.in_flight.enter(public)
         requests.enter(request)
         return request
 
@@ -111,7 +111,6 @@ class TrafficService:
         which says nothing about the model and is not recorded)."""
         requests.leave(request)
         route = request.route
-        self.in_flight.leave(route.public_name)
         if status is None:
             return
         error = status >= 500

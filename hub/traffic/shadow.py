@@ -8,10 +8,14 @@ manager (loading it on first use), replay, compare, and record the shadow's late
 and similarity in the readout and metrics.
 
 On a CPU-only hub the shadow competes with primary requests for cores, so by default
-(`traffic.shadow_when_idle`) a worker starts a job only when the primary model has no
-request in flight, and drops it if that took longer than `traffic.shadow_max_wait`. A replay
-that starts in an idle moment can still overlap a primary request that arrives after it;
-`benchmarks/shadow_overhead.py` measures what that costs.
+(`traffic.shadow_when_idle`) a worker starts a job only in an idle moment of the hub (no HTTP
+request in flight, up to the last byte of its response; see hub.traffic.in_flight) that is
+likely to hold the whole replay: the recent idle gaps between requests are at least as long
+as the shadow's recent replays, or, when requests come closer together than that, the hub has
+stayed idle for a replay's length. A job that found no such moment within
+`traffic.shadow_max_wait` is dropped and counted: a saturated hub sheds its shadow rather
+than slowing its clients. `benchmarks/shadow_overhead.py` measures the primary's latency
+with and without a shadow.
 
 Comparisons (1.0 = identical): embeddings by mean cosine similarity, rerank scores by
 Spearman rank correlation, greedy LLM output by exact match.
@@ -23,8 +27,9 @@ import asyncio
 import contextlib
 import logging
 import math
+import statistics
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -33,6 +38,7 @@ import numpy as np
 
 from backends.base import Backend
 from hub.manager import ModelManager
+from hub.traffic.in_flight import InFlight
 from hub.traffic.metrics import TrafficMetrics
 from hub.traffic.stats import TrafficStats
 from registry.views import ShadowView
@@ -111,7 +117,7 @@ class ShadowMirror:
         manager: ModelManager,
         stats: TrafficStats,
         metrics: TrafficMetrics,
-        in_flight: Any,  # hub.traffic.request.InFlight
+        in_flight: InFlight,
         *,
         queue_size: int,
         workers: int,
@@ -130,6 +136,8 @@ class ShadowMirror:
         # {(model, shadow label, outcome): count}; outcome: ok, error, dropped_full,
         # dropped_stale, incomparable.
         self.outcomes: Counter[tuple[str, str, str]] = Counter()
+        # Recent replay durations per (model, shadow label), seconds.
+        self._replays: dict[tuple[str, str], deque[float]] = {}
 
     def offer(self, job: MirrorJob) -> bool:
         """Queue `job`; False (and counted) if the queue is full."""
@@ -174,20 +182,24 @@ class ShadowMirror:
                 self._queue.task_done()
 
     async def run(self, job: MirrorJob) -> None:
-        if self.when_idle:
-            remaining = self.max_wait - (time.monotonic() - job.enqueued_at)
-            if remaining <= 0 or not await self.in_flight.wait_idle(job.model, remaining):
-                self._count(job, "dropped_stale")
-                return
-        start = time.perf_counter()
+        if self.when_idle and not await self._idle_moment(job):
+            self._count(job, "dropped_stale")
+            return
         error: str | None = None
         output: Any = None
+        start = time.perf_counter()
         try:
             async with self.manager.acquire(job.shadow.model, job.shadow.version, job.kind) as b:
+                # Timed from here: a first mirror that loads the shadow version would make
+                # the replay look seconds long.
+                start = time.perf_counter()
                 output = await job.replay.run(b)
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
         latency = time.perf_counter() - start
+        if error is None:
+            replays = self._replays.setdefault((job.model, job.label), deque(maxlen=32))
+            replays.append(latency)
         similarity = None if error else job.replay.compare(job.output, output)
         self.stats.record_shadow(
             job.model,
@@ -202,6 +214,32 @@ class ShadowMirror:
         self.metrics.shadow_seconds.labels(job.model, job.label).observe(latency)
         if similarity is not None:
             self.metrics.shadow_similarity.labels(job.model, job.label).observe(similarity)
+
+    async def _idle_moment(self, job: MirrorJob) -> bool:
+        """Wait for an idle moment of the hub likely to hold a whole replay; False if none
+        came within `max_wait` of the mirror being queued.
+
+        A moment is likely long enough when the recent idle gaps between requests are at
+        least as long as this shadow's recent replays (or either is not known yet). When
+        requests come closer together than that, a replay started at once would overlap the
+        next request: it starts only once the hub has stayed idle for a replay's length."""
+        deadline = job.enqueued_at + self.max_wait
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not await self.in_flight.wait_idle(remaining):
+                return False
+            gap, replay = self.in_flight.typical_gap(), self.typical_replay(job)
+            if gap is None or replay is None or gap >= replay:
+                return True
+            if deadline - time.monotonic() < replay:
+                return False
+            if not await self.in_flight.wait_busy(replay):
+                return True  # idle for a replay's length: the load has eased
+
+    def typical_replay(self, job: MirrorJob) -> float | None:
+        """Median seconds of this shadow's recent replays; None before the first."""
+        replays = self._replays.get((job.model, job.label))
+        return statistics.median(replays) if replays else None
 
     def _count(self, job: MirrorJob, outcome: str) -> None:
         self.outcomes[(job.model, job.label, outcome)] += 1

@@ -169,3 +169,4 @@ async def test_readout_per_version_with_injected_faults(two_versions: TrafficHub
     assert "this hub process" in readout["scope"]
     metrics = (await t.client.get("/metrics")).text
     assert 'hub_injected_faults_total{fault="error",model="emb",version="2"}' in metrics
+    assert "/readout" in (await t.client.get("/")).text  # the dashboard's traffic panel

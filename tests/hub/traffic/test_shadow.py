@@ -3,6 +3,7 @@ recorded; a full queue or a busy primary drops mirrors instead of delaying anyth
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,8 @@ async def test_shadowing_leaves_primary_responses_byte_identical(
     t = two_versions
     assert await register(t.client, "emb", tiny_embedder_dir) == 3  # v1's weights again
     plain = await answers(t)
+    # Every HTTP request was counted in flight until answered, and the gaps between them seen.
+    assert t.hub.traffic.in_flight.count == 0 and t.hub.traffic.in_flight.typical_gap() is not None
     split = [{"version": 1, "weight": 100}]
     r = await t.put({"splits": split, "shadow": {"version": 3, "percent": 100}})
     assert r.status_code == 200, r.text
@@ -97,12 +100,54 @@ async def test_a_mirror_waits_for_an_idle_primary_and_gives_up(two_versions: Tra
         return MirrorJob(model="emb", shadow=ShadowView("emb", 2, 100), kind="embedder",
                          replay=replay, output="embedder", primary_latency_s=0.01)  # fmt: skip
 
-    in_flight.enter("emb")  # a primary request is being served
+    in_flight.enter()  # a primary request is being served
     await mirror.run(job())
     assert replay.runs == 0 and mirror.outcomes[("emb", "2", "dropped_stale")] == 1
-    in_flight.leave("emb")
+    in_flight.leave()
     await mirror.run(job())
     assert replay.runs == 1 and mirror.outcomes[("emb", "2", "ok")] == 1
+
+
+class SlowReplay(CountingReplay):
+    async def run(self, backend: Backend) -> str:
+        self.runs += 1
+        await asyncio.sleep(0.2)
+        return backend.kind.value
+
+
+@pytest.mark.parametrize("traffic_settings", [{"shadow_max_wait": "1s"}])
+async def test_a_saturated_primary_is_not_shadowed(two_versions: TrafficHub) -> None:
+    """Requests coming closer together than a replay lasts: a replay would overlap the next
+    one, so the mirror waits for a long enough quiet moment, and is dropped without one."""
+    t = two_versions
+    mirror, in_flight = t.hub.traffic.shadow, t.hub.traffic.in_flight
+    replay = SlowReplay()
+
+    def job() -> MirrorJob:
+        return MirrorJob(model="emb", shadow=ShadowView("emb", 2, 100), kind="embedder",
+                         replay=replay, output="embedder", primary_latency_s=0.01)  # fmt: skip
+
+    await mirror.run(job())  # nothing known yet: it runs, and its length becomes known
+    assert replay.runs == 1
+    stop = asyncio.Event()
+
+    async def back_to_back() -> None:
+        while not stop.is_set():
+            in_flight.enter()
+            await asyncio.sleep(0.005)
+            in_flight.leave()
+            await asyncio.sleep(0)
+
+    for _ in range(in_flight.GAPS_NEEDED + 1):  # requests back to back: tiny idle gaps
+        in_flight.enter()
+        in_flight.leave()
+    primaries = asyncio.create_task(back_to_back())
+    await mirror.run(job())
+    stop.set()
+    await primaries
+    assert replay.runs == 1 and mirror.outcomes[("emb", "2", "dropped_stale")] == 1
+    await mirror.run(job())  # the load has eased: quiet for a replay's length, it runs
+    assert replay.runs == 2
 
 
 def test_comparators() -> None:
