@@ -283,8 +283,16 @@ def plot(report: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     runs = report["runs"]
-    fig, axes = plt.subplots(1, len(runs), figsize=(5.5 * len(runs), 4), squeeze=False)
-    for ax, run in zip(axes[0], runs, strict=True):
+    labels = list(dict.fromkeys(run["label"] for run in runs))  # one row per configuration
+    cols = max(sum(1 for run in runs if run["label"] == label) for label in labels)
+    fig, axes = plt.subplots(
+        len(labels), cols, figsize=(5.5 * cols, 4 * len(labels)), squeeze=False
+    )
+    placed: dict[str, int] = {}
+    for run in runs:
+        row = labels.index(run["label"])
+        ax = axes[row][placed.setdefault(run["label"], 0)]
+        placed[run["label"]] += 1
         for mode, color in (("off", "#3b6fd8"), ("on", "#c53030")):
             xs = [i for i, b in enumerate(run["blocks"]) if b["mode"] == mode]
             ax.plot(
