@@ -12,9 +12,11 @@ from fastapi import FastAPI
 
 from hub import __version__
 from hub.api import admin_models, dashboard, embeddings, health, models, registry, webhooks
+from hub.api import traffic as traffic_api
 from hub.api.errors import install_error_handlers
 from hub.settings import HubSettings
 from hub.state import Hub
+from hub.traffic.in_flight import InFlightMiddleware
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +58,8 @@ def create_app(settings: HubSettings, *, announce: bool = False) -> FastAPI:
         lifespan=lifespan,
     )
     install_error_handlers(app)
+    app.add_middleware(InFlightMiddleware)  # shadow traffic waits for idle moments
     for module in (health, models, embeddings, admin_models, registry, webhooks, dashboard):
         app.include_router(module.router)
+    app.include_router(traffic_api.router)
     return app

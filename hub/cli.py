@@ -1,7 +1,8 @@
 """The `hub` command: serve, migrate, register and inspect models, manage keys and residency.
 
 Registry commands talk to the database and MLflow named by the config file; `hub load`,
-`hub unload` and `hub status` talk to a running hub over HTTP.
+`hub unload`, `hub status`, `hub traffic`, `hub canary` and `hub readout` talk to a running hub
+over HTTP.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Annotated, Any
 import typer
 
 from hub.settings import CONFIG_ENV, HubSettings, SettingsError, load_settings
+from hub.traffic import cli as traffic_cli
 
 app = typer.Typer(
     help="Model Hub: serve many models (LLMs, embedders, rerankers) from one memory pool.",
@@ -26,6 +28,7 @@ db_app = typer.Typer(help="Schema migrations of the hub's own tables.", no_args_
 keys_app = typer.Typer(help="API keys (stored hashed).", no_args_is_help=True)
 app.add_typer(db_app, name="db")
 app.add_typer(keys_app, name="keys")
+traffic_cli.install(app)  # hub traffic | canary | readout
 
 ConfigOpt = Annotated[
     Path | None,

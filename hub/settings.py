@@ -117,6 +117,29 @@ class RegistrySettings(_Section):
     hf_cache_dir: Path | None = None
 
 
+class TrafficSettings(_Section):
+    """Versioned routing: shadow traffic, per-version statistics and canaries (per process)."""
+
+    # Mirror jobs waiting for a shadow worker; when full, new mirrors are dropped (counted),
+    # never waited for.
+    shadow_queue_size: int = Field(default=64, ge=1)
+    # Concurrent shadow replays.
+    shadow_workers: int = Field(default=1, ge=1)
+    # Run a mirror only in an idle moment of the hub (no request in flight) likely to hold
+    # the whole replay, so the shadow does not compete with primaries for cores (CPU hubs);
+    # a mirror that found none within shadow_max_wait is dropped (counted).
+    shadow_when_idle: bool = True
+    shadow_max_wait: Seconds = Field(default=5.0, gt=0)
+    # Samples kept in memory per model version (latency, error, tokens) for readouts and
+    # canary analysis; the oldest are forgotten first.
+    sample_window: int = Field(default=10_000, ge=100)
+    # How often the canary controller looks at running canaries.
+    canary_tick: Seconds = Field(default=1.0, gt=0)
+    # Below this many requests per version a readout reports "insufficient data" instead of
+    # a p-value.
+    min_samples: int = Field(default=30, ge=2)
+
+
 class HubSettings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX,
@@ -138,6 +161,7 @@ class HubSettings(BaseSettings):
     models: list[ModelSpec] = Field(default_factory=list)
     manager: ManagerSettings = ManagerSettings()
     registry: RegistrySettings = RegistrySettings()
+    traffic: TrafficSettings = TrafficSettings()
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
     log_level: Literal["debug", "info", "warning", "error"] = "info"

@@ -15,6 +15,7 @@ from hub.promotion import Promoter
 from hub.reconciler import Reconciler
 from hub.routing import Router
 from hub.settings import HubSettings
+from hub.traffic.service import TrafficService
 from hub.validation import ValidationGate
 from hub.webhooks import EVENTS, WebhookVerifier
 from registry.cache import ArtifactCache
@@ -39,6 +40,7 @@ class Hub:
     reconciler: Reconciler
     promoter: Promoter
     webhooks: WebhookVerifier | None
+    traffic: TrafficService
     ready: bool = False
     background: list[asyncio.Task[None]] = field(default_factory=list)
 
@@ -77,6 +79,16 @@ class Hub:
         )
         gate = ValidationGate(manager, reg.gate_timeout)
         secret = reg.webhook_secret.get_secret_value() if reg.webhook_secret else None
+        promoter = Promoter(registry, gate, catalog, require_staging=reg.require_staging)
+        traffic = TrafficService(
+            settings.traffic,
+            registry,
+            catalog,
+            manager,
+            promoter,
+            metrics.registry,
+            require_staging=reg.require_staging,
+        )
         return cls(
             settings=settings,
             db=db,
@@ -87,8 +99,9 @@ class Hub:
             auth=Authenticator(settings.auth, ApiKeys(db)),
             metrics=metrics,
             reconciler=reconciler,
-            promoter=Promoter(registry, gate, catalog, require_staging=reg.require_staging),
+            promoter=promoter,
             webhooks=WebhookVerifier(secret) if secret else None,
+            traffic=traffic,
         )
 
     async def start(self) -> None:
@@ -99,6 +112,7 @@ class Hub:
         await asyncio.to_thread(self._register_webhook)
         await self.reconciler.reconcile(check_versions=True)
         self.reconciler.start()
+        await self.traffic.start()
         self.ready = True
         preload = [m for m in self.settings.models if m.preload or m.pin]
         if preload:
@@ -109,6 +123,7 @@ class Hub:
         for task in self.background:
             task.cancel()
         await asyncio.gather(*self.background, return_exceptions=True)
+        await self.traffic.stop()
         await self.reconciler.stop()
         await self.manager.close()
         self.db.dispose()

@@ -17,12 +17,14 @@ from sqlalchemy.orm import Session, selectinload
 
 from registry.aliases import AliasBook, event_view
 from registry.cache import ArtifactCache
+from registry.canaries import CanaryBook
 from registry.db import Database
 from registry.errors import ConflictError, InvalidSourceError, NotFoundError
 from registry.fetch import SourceFetcher
 from registry.mlflow_store import MlflowStore
 from registry.schema import AliasEvent, ModelVersion, RegisteredModel
 from registry.sources import inspect_folder
+from registry.traffic import TrafficBook
 from registry.views import EventView, ModelView, RegistrySnapshot, VersionView
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
@@ -100,6 +102,8 @@ class Registry:
         self.cache = cache
         self.allow_pickle = allow_pickle
         self.aliases = AliasBook(db, mlflow)
+        self.traffic = TrafficBook(db)
+        self.canaries = CanaryBook(db, self.traffic)
         self.fetcher = SourceFetcher(mlflow, cache.cache_dir / ".staging", hf_cache_dir)
 
     # ---- health -------------------------------------------------------------------------
@@ -228,7 +232,8 @@ class Registry:
                 select(RegisteredModel).options(selectinload(RegisteredModel.versions))
             ).all()
             return RegistrySnapshot(
-                models={m.name: _model_view(m, aliases.get(m.name, {})) for m in rows}
+                models={m.name: _model_view(m, aliases.get(m.name, {})) for m in rows},
+                traffic=self.traffic.policies(s),
             )
 
     def list_models(self) -> list[ModelView]:

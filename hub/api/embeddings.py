@@ -15,6 +15,8 @@ from hub.api.serving import KeepAlive, require_kind, serve
 from hub.errors import BadRequest
 from hub.routing import Route
 from hub.state import Hub
+from hub.traffic.replays import EmbeddingReplay
+from hub.traffic.request import mirror_to_shadow, report_tokens
 
 router = APIRouter(tags=["embeddings"], dependencies=[Depends(require_user)])
 
@@ -89,6 +91,8 @@ async def _embed(hub: Hub, route: Route, body: EmbedBody, response: Response) ->
     async with serve(hub, route, "embeddings", response, keep_alive=body.keep_alive) as backend:
         assert isinstance(backend, EmbedderBackend)
         result = await backend.embed(texts, truncate=body.truncate, dimensions=body.dimensions)
+        report_tokens(result.total_tokens)
+        mirror_to_shadow(EmbeddingReplay(texts, truncate=body.truncate), result.vectors)
     data = [
         EmbeddingData(index=i, embedding=_encode(v, body.encoding_format))
         for i, v in enumerate(result.vectors)

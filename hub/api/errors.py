@@ -16,6 +16,7 @@ from registry.errors import (
     ConflictError,
     IntegrityError,
     InvalidSourceError,
+    InvalidTrafficError,
     NotFoundError,
     RegistryError,
 )
@@ -76,6 +77,7 @@ def install_error_handlers(app: FastAPI) -> None:
         status = {
             NotFoundError: 404,
             InvalidSourceError: 400,
+            InvalidTrafficError: 400,
             ConflictError: 409,
             IntegrityError: 500,
         }.get(type(e), 500)
