@@ -72,8 +72,9 @@ class Phase:
         return self.output_tokens / self.seconds
 
 
-def workload(count: int, seed: int, prompt_range: tuple[int, int], out_range: tuple[int, int],
-             vocab: int) -> list[Request]:  # fmt: skip
+def workload(
+    count: int, seed: int, prompt_range: tuple[int, int], out_range: tuple[int, int], vocab: int
+) -> list[Request]:
     rng = random.Random(seed)
     return [
         Request(
@@ -249,8 +250,10 @@ def plot(results: dict[str, Any], path: Path) -> None:
     bars = right.bar(["no prefix hit", "prefix hit"], ttfts, color=["#999999", "#1f77b4"])
     right.bar_label(bars, fmt="%.0f ms")
     right.set_ylabel("time to first token (ms)")
-    right.set_title(f"{t['system_prompt_tokens']}-token shared system prompt "
-                    f"(KV waste {results['kv_cache']['kv_waste_fraction']:.1%})")  # fmt: skip
+    right.set_title(
+        f"{t['system_prompt_tokens']}-token shared system prompt "
+        f"(KV waste {results['kv_cache']['kv_waste_fraction']:.1%})"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

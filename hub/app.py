@@ -11,7 +11,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from hub import __version__
-from hub.api import admin_models, dashboard, embeddings, health, models, registry
+from hub.api import admin_models, completions, dashboard, embeddings, health, models, registry
 from hub.api.errors import install_error_handlers
 from hub.settings import HubSettings
 from hub.state import Hub
@@ -56,6 +56,6 @@ def create_app(settings: HubSettings, *, announce: bool = False) -> FastAPI:
         lifespan=lifespan,
     )
     install_error_handlers(app)
-    for module in (health, models, embeddings, admin_models, registry, dashboard):
+    for module in (health, models, embeddings, completions, admin_models, registry, dashboard):
         app.include_router(module.router)
     return app

@@ -96,8 +96,12 @@ class LLMBackend(Backend):
         self._device = device
         log.info(
             "%s@%s: %d KV blocks of %d tokens, context %d tokens",
-            ctx.model, ctx.version, runner.num_blocks, config.block_size, runner.max_model_len,
-        )  # fmt: skip
+            ctx.model,
+            ctx.version,
+            runner.num_blocks,
+            config.block_size,
+            runner.max_model_len,
+        )
 
     # ---- what the routes use ---------------------------------------------------------
     @property

@@ -49,25 +49,33 @@ class _Series:
             return Counter(name, doc, labels, registry=registry)
 
         return cls(
-            ttft=hist("hub_llm_time_to_first_token_seconds", "Arrival to first token",
-                      _WAIT_BUCKETS),
-            itl=hist("hub_llm_inter_token_latency_seconds", "Between consecutive tokens of a "
-                     "sequence", _TOKEN_BUCKETS),
-            e2e=hist("hub_llm_e2e_request_latency_seconds", "Arrival to last token",
-                     _REQUEST_BUCKETS),
-            queue=hist("hub_llm_queue_time_seconds", "Arrival to first scheduled step",
-                       _WAIT_BUCKETS),
+            ttft=hist(
+                "hub_llm_time_to_first_token_seconds", "Arrival to first token", _WAIT_BUCKETS
+            ),
+            itl=hist(
+                "hub_llm_inter_token_latency_seconds",
+                "Between consecutive tokens of a sequence",
+                _TOKEN_BUCKETS,
+            ),
+            e2e=hist(
+                "hub_llm_e2e_request_latency_seconds", "Arrival to last token", _REQUEST_BUCKETS
+            ),
+            queue=hist(
+                "hub_llm_queue_time_seconds", "Arrival to first scheduled step", _WAIT_BUCKETS
+            ),
             running=gauge("hub_llm_running_sequences", "Sequences in the running batch"),
             waiting=gauge("hub_llm_waiting_sequences", "Sequences waiting to be scheduled"),
             kv_usage=gauge("hub_llm_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use"),
-            prefix_queries=counter("hub_llm_prefix_cache_queries",
-                                   "Prompt tokens looked up in the prefix cache"),
-            prefix_hits=counter("hub_llm_prefix_cache_hits",
-                                "Prompt tokens found in the prefix cache"),
+            prefix_queries=counter(
+                "hub_llm_prefix_cache_queries", "Prompt tokens looked up in the prefix cache"
+            ),
+            prefix_hits=counter(
+                "hub_llm_prefix_cache_hits", "Prompt tokens found in the prefix cache"
+            ),
             prompt_tokens=counter("hub_llm_prompt_tokens", "Prompt tokens received"),
             generation_tokens=counter("hub_llm_generation_tokens", "Tokens generated"),
             preemptions=counter("hub_llm_preemptions", "Sequences preempted for KV blocks"),
-        )  # fmt: skip
+        )
 
 
 _series_by_registry: weakref.WeakKeyDictionary[CollectorRegistry, _Series] = (

@@ -54,8 +54,14 @@ def test_logit_bias_and_min_tokens() -> None:
 def test_penalties() -> None:
     # A repetition penalty demotes tokens of the prompt (and output): 4 falls below 5.
     assert sample(SamplingParams(temperature=0.0, repetition_penalty=1.5), FLAT) == 4
-    prompt_has_4 = Sequence(0, "r", [4], SamplingParams(temperature=0.0, repetition_penalty=1.5),
-                            max_tokens=9, block_size=4)  # fmt: skip
+    prompt_has_4 = Sequence(
+        0,
+        "r",
+        [4],
+        SamplingParams(temperature=0.0, repetition_penalty=1.5),
+        max_tokens=9,
+        block_size=4,
+    )
     assert Sampler([EOS])(logits(FLAT), [prompt_has_4]).token_ids == [5]
     # Presence and frequency count the output only.
     assert sample(SamplingParams(temperature=0.0, presence_penalty=0.5), FLAT, output=[4]) == 5
@@ -112,10 +118,21 @@ def test_logprobs_are_the_model_distribution_with_the_top_alternatives() -> None
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("temperature", -0.1), ("temperature", 3.0), ("top_p", 0.0), ("top_k", -1), ("min_p", 1.5),
-     ("presence_penalty", 2.5), ("frequency_penalty", -3.0), ("repetition_penalty", 0.0),
-     ("max_tokens", 0), ("n", 0), ("logprobs", -1), ("seed", -5)],
-)  # fmt: skip
+    [
+        ("temperature", -0.1),
+        ("temperature", 3.0),
+        ("top_p", 0.0),
+        ("top_k", -1),
+        ("min_p", 1.5),
+        ("presence_penalty", 2.5),
+        ("frequency_penalty", -3.0),
+        ("repetition_penalty", 0.0),
+        ("max_tokens", 0),
+        ("n", 0),
+        ("logprobs", -1),
+        ("seed", -5),
+    ],
+)
 def test_out_of_range_values_name_the_field(field: str, value: float) -> None:
     with pytest.raises(InputError) as info:
         SamplingParams(**{field: value}).validate()  # type: ignore[arg-type]
@@ -129,14 +146,19 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_same_seed_same_text_whatever_shares_the_batch(llama: Path) -> None:
     prompt = random_prompts(1, seed=5, lengths=(12, 12))[0]
-    seeded = SamplingParams(temperature=0.9, top_p=0.95, top_k=100, seed=1234, max_tokens=24, n=2,
-                            ignore_eos=True)  # fmt: skip
+    seeded = SamplingParams(
+        temperature=0.9, top_p=0.95, top_k=100, seed=1234, max_tokens=24, n=2, ignore_eos=True
+    )
     alone = run_all(make_engine(llama), [(prompt, seeded)])[0]
     others = [
         (p, SamplingParams(temperature=t, seed=s, max_tokens=20, presence_penalty=0.5))
-        for p, t, s in zip(random_prompts(9, seed=6, lengths=(2, 40)), [0.0, 0.7, 1.3] * 3,
-                           [None, 1234, 99] * 3, strict=True)
-    ]  # fmt: skip
+        for p, t, s in zip(
+            random_prompts(9, seed=6, lengths=(2, 40)),
+            [0.0, 0.7, 1.3] * 3,
+            [None, 1234, 99] * 3,
+            strict=True,
+        )
+    ]
     crowded = run_all(
         make_engine(llama, max_num_batched_tokens=64), [*others[:4], (prompt, seeded), *others[4:]]
     )[4]

@@ -40,9 +40,15 @@ _ids = iter(range(10**9))
 
 def seq(prompt: list[int], max_tokens: int = 8, *, priority: int = 0, index: int = 0) -> Sequence:
     return Sequence(
-        next(_ids), f"r{prompt[0]}-{len(prompt)}", prompt, GREEDY,
-        max_tokens=max_tokens, block_size=4, index=index, priority=priority,
-    )  # fmt: skip
+        next(_ids),
+        f"r{prompt[0]}-{len(prompt)}",
+        prompt,
+        GREEDY,
+        max_tokens=max_tokens,
+        block_size=4,
+        index=index,
+        priority=priority,
+    )
 
 
 def expected(prompt: list[int], max_tokens: int) -> list[int]:
@@ -90,9 +96,10 @@ def test_a_long_prompt_is_chunked_and_mixed_with_decodes() -> None:
     scheduler.add(long)
     run(scheduler, runner)
     mixed = [
-        o for o in runner.outputs
+        o
+        for o in runner.outputs
         if {i.seq.seq_id for i in o.scheduled} == {short.seq_id, long.seq_id}
-    ]  # fmt: skip
+    ]
     chunks = [i for o in mixed for i in o.scheduled if i.seq is long and not i.sample]
     assert len(chunks) >= 2, "the long prompt should take several steps"
     assert all(any(i.seq is short and i.num_tokens == 1 for i in o.scheduled) for o in mixed)
@@ -224,8 +231,9 @@ def test_finish_frees_blocks_of_running_and_waiting_sequences() -> None:
 def test_outputs_do_not_depend_on_memory_pressure(num_blocks: int, prefix_caching: bool) -> None:
     shared = list(range(3, 15))
     work = [shared + p for p in prompts(12, seed=7, lo=1, hi=20)]
-    scheduler, runner = make(num_blocks, max_num_seqs=6, max_num_batched_tokens=24,
-                             prefix_caching=prefix_caching)  # fmt: skip
+    scheduler, runner = make(
+        num_blocks, max_num_seqs=6, max_num_batched_tokens=24, prefix_caching=prefix_caching
+    )
     seqs = [seq(p, 10) for p in work]
     for s in seqs:
         scheduler.add(s)
