@@ -183,7 +183,9 @@ def engine_throughput(
     start = time.perf_counter()
     for i, r in enumerate(requests):
         engine.add_request(str(i), r.prompt, greedy(r.max_tokens))
-    with tqdm(total=sum(r.max_tokens for r in requests), desc="engine", leave=False) as bar:
+    with tqdm(
+        total=sum(r.max_tokens for r in requests), desc="engine", leave=False, mininterval=2.0
+    ) as bar:
         while engine.has_work():
             for out in engine.step():
                 outputs[out.request_id].extend(out.token_ids)
@@ -268,12 +270,15 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     parser.add_argument(
         "--skip", nargs="*", default=[], help="phases to skip (hf_one_at_a_time ...)"
     )
     parser.add_argument("--out", type=Path, default=RESULTS / "llm_throughput.json")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     model_dir = args.model_dir or Path(tempfile.mkdtemp(prefix="llm-bench-")) / "model"
     if not (model_dir / "config.json").is_file():

@@ -23,12 +23,19 @@ def _announce(hub: Hub) -> None:
     host = hub.settings.host if hub.settings.host not in ("0.0.0.0", "::") else "127.0.0.1"
     base = f"http://{host}:{hub.settings.port}"
     embedders = [m.name for m in hub.catalog.snapshot.models.values() if m.kind == "embedder"]
+    llms = [m.name for m in hub.catalog.snapshot.models.values() if m.kind == "llm"]
     lines = [f"Model Hub is serving at {base}  (dashboard: {base}/)"]
-    if embedders:
+    if embedders or llms:
         lines.append("Try:")
+    if embedders:
         lines.append(
             f"  curl -s {base}/v1/embeddings -H 'Content-Type: application/json' "
             f'-d \'{{"model": "{embedders[0]}", "input": ["hello world"]}}\''
+        )
+    if llms:
+        lines.append(
+            f"  curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' "
+            f'-d \'{{"model": "{llms[0]}", "messages": [{{"role": "user", "content": "Hi"}}]}}\''
         )
     print("\n".join(lines), flush=True)
 

@@ -5,7 +5,7 @@ Contract: `execute(scheduler_output)` runs every scheduled token of every sequen
 that sample, and returns the sampled tokens. The model is the stock transformers class loaded
 with our registered attention (`backends.llm.attention`), so no architecture is rewritten;
 only the ones verified against transformers' own `generate` are accepted. The runner owns the
-KV-cache tensors (a key and a value tensor per layer, `(blocks, block_size, kv_heads, dim)`)
+KV-cache tensors (per layer, keys and values: `(2, blocks, block_size, kv_heads, head_dim)`)
 and knows nothing about requests, text or HTTP.
 """
 
@@ -19,7 +19,7 @@ import torch
 
 from backends.errors import LoadError
 from backends.llm import attention
-from backends.llm.attention import DecodeGroup, PagedAttentionMetadata, PrefillChunk
+from backends.llm.attention import PagedAttentionMetadata, PrefillChunk
 from backends.llm.config import EngineConfig
 from backends.llm.sampler import Sampler, SamplerOutput
 from backends.llm.scheduler import SchedulerOutput
@@ -75,7 +75,7 @@ class ModelRunner:
         self.max_model_len = min(limits)
         self.vocab_size: int = self.config.vocab_size
         self.sampler = Sampler(_eos_ids(model))
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kv_caches: list[torch.Tensor] = []
         self.allocate_kv_cache()
 
     @classmethod
@@ -121,20 +121,16 @@ class ModelRunner:
     # ---- memory -----------------------------------------------------------------------
     def allocate_kv_cache(self) -> None:
         layers, kv_heads, head_dim = kv_shape(self.config)
-        shape = (self.num_blocks, self.block_size, kv_heads, head_dim)
+        shape = (2, self.num_blocks, self.block_size, kv_heads, head_dim)
         self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-            )
-            for _ in range(layers)
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(layers)
         ]
 
     def release_kv_cache(self) -> None:
         self.kv_caches = []
 
     def kv_cache_bytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for k, v in self.kv_caches)
+        return sum(kv.nbytes for kv in self.kv_caches)
 
     def to(self, device: str) -> None:
         """Move the weights (and any KV cache, reallocated empty) to `device`."""
@@ -167,29 +163,24 @@ class ModelRunner:
         slots: list[int] = []
         last_token: dict[int, int] = {}  # seq_id -> packed index of its last token
 
-        decodes = [item for item in output.scheduled if item.num_tokens == 1]
-        decodes.sort(key=lambda item: len(item.seq.block_ids), reverse=True)
-        groups: list[DecodeGroup] = []
-        for members in _group_by_length(decodes):
-            t0 = len(token_ids)
-            for item in members:
-                seq, pos = item.seq, item.start
-                last_token[seq.seq_id] = len(token_ids)
-                token_ids.append(seq.token_ids[pos])
-                positions.append(pos)
-                slots.append(seq.block_ids[pos // bs] * bs + pos % bs)
-            width = len(members[0].seq.block_ids)
-            tables = [m.seq.block_ids + [0] * (width - len(m.seq.block_ids)) for m in members]
-            groups.append(
-                DecodeGroup(
-                    token_start=t0,
-                    token_end=len(token_ids),
-                    block_tables=torch.tensor(tables, dtype=torch.long, device=device),
-                    context_lens=torch.tensor(
-                        [m.start + 1 for m in members], dtype=torch.long, device=device
-                    ),
-                )
-            )
+        decode_blocks: list[int] = []  # every decode's table, concatenated
+        decode_widths: list[int] = []
+        decode_lens: list[int] = []
+        for item in output.scheduled:
+            if item.num_tokens != 1:
+                continue
+            seq, pos = item.seq, item.start
+            last_token[seq.seq_id] = len(token_ids)
+            token_ids.append(seq.token_ids[pos])
+            positions.append(pos)
+            slots.append(seq.block_ids[pos // bs] * bs + pos % bs)
+            decode_lens.append(pos + 1)
+            decode_blocks.extend(seq.block_ids[: pos // bs + 1])
+            decode_widths.append(pos // bs + 1)
+        # One tensor for all tables, split per sequence (views cost less than tensors).
+        decode_tables = torch.tensor(decode_blocks, dtype=torch.long, device=device).split(
+            decode_widths
+        )
 
         prefills: list[PrefillChunk] = []
         for item in output.scheduled:
@@ -209,7 +200,8 @@ class ModelRunner:
         metadata = PagedAttentionMetadata(
             kv_caches=self.kv_caches,
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-            decode_groups=groups,
+            decode_tables=list(decode_tables),
+            decode_lens=decode_lens,
             prefills=prefills,
         )
         return _StepInputs(
@@ -250,25 +242,3 @@ def _eos_ids(model: Any) -> list[int]:
         elif isinstance(value, list | tuple):
             ids.update(int(v) for v in value)
     return sorted(ids)
-
-
-# A decode group ends where contexts drop below this fraction of the group's longest: the
-# padding it saves outweighs one more attention call per layer.
-_GROUP_SPLIT_RATIO = 0.6
-_MAX_DECODE_GROUPS = 4
-
-
-def _group_by_length(items: list[Any]) -> list[list[Any]]:
-    """Split decodes sorted by block count (longest first) into a few groups of similar
-    length, so each group pads its block tables to a length close to its members'."""
-    groups: list[list[Any]] = []
-    longest = 0
-    for item in items:
-        blocks = len(item.seq.block_ids)
-        if not groups or (
-            blocks <= longest * _GROUP_SPLIT_RATIO and len(groups) < _MAX_DECODE_GROUPS
-        ):
-            groups.append([])
-            longest = blocks
-        groups[-1].append(item)
-    return groups
