@@ -13,10 +13,12 @@ blocks). Then each single-token sequence (a decode) attends over exactly its own
 its blocks are gathered (keys and values in one call) and its query heads, viewed as
 `(kv_heads, group, D)`, meet their shared K/V head in two small matmuls. Measured on CPU, this
 beats one padded, masked batch per step by about 2x: padding and masks cost more than the
-per-sequence calls. A sliding window is a slice of the context, not a mask. Each longer chunk
+per-sequence calls. A sliding window is a slice of the context, not a mask. On an accelerator,
+where one big kernel beats many small ones, the decodes instead attend in one padded, masked
+SDPA call (which then picks its fused kernels). Each longer chunk
 (a prompt, or a recomputation) attends with SDPA over its own context (`enable_gqa`, a causal
 kernel when it has no earlier context). Soft-capped layers (Gemma 2) cap the logits on the
-explicit path, since SDPA cannot. The same code runs on CUDA, where SDPA picks fused kernels.
+explicit path, since SDPA cannot.
 """
 
 from __future__ import annotations
@@ -55,8 +57,26 @@ class PagedAttentionMetadata:
     # for their context) and context lengths (their own token included).
     decode_tables: list[torch.Tensor] = field(default_factory=list)
     decode_lens: list[int] = field(default_factory=list)
+    # Set on accelerators, where one big call beats many small ones: the decode tables
+    # padded into one (B, max_blocks) tensor with block 0, and the lengths as a tensor.
+    decode_batch: tuple[torch.Tensor, torch.Tensor] | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
     _masks: dict[tuple[int, int | None], torch.Tensor | None] = field(default_factory=dict)
+
+    def decode_mask(self, sliding_window: int | None) -> torch.Tensor:
+        """(B, 1, 1, max_len) bool: the padded key positions each batched decode attends."""
+        key = (-1, sliding_window)
+        mask = self._masks.get(key)
+        if mask is None:
+            assert self.decode_batch is not None
+            tables, lens = self.decode_batch
+            max_len = tables.shape[1] * self.kv_caches[0].shape[2]
+            positions = torch.arange(max_len, device=lens.device)[None, :]
+            mask = positions < lens[:, None]
+            if sliding_window is not None:
+                mask &= positions >= lens[:, None] - sliding_window
+            mask = self._masks[key] = mask[:, None, None, :]
+        return mask
 
     def prefill_mask(self, index: int, sliding_window: int | None) -> torch.Tensor | None:
         """(chunk_len, context_len) bool for chunk `index`, or None when plain causal
@@ -100,7 +120,6 @@ def paged_attention(
     kv_cache = meta.kv_caches[module.layer_idx]  # type: ignore[index]
     _, num_blocks, _, num_kv_heads, head_dim = kv_cache.shape
     num_heads = query.shape[1]
-    group = num_heads // num_kv_heads
     if scaling is None:
         scaling = head_dim**-0.5
 
@@ -111,21 +130,10 @@ def paged_attention(
     blocks = kv_cache.view(2, num_blocks, -1)  # a block's keys (values) as one row
 
     out = query.new_empty(query.shape[2], num_heads, head_dim)  # (T, H, D)
-    if meta.decode_lens:
-        b = len(meta.decode_lens)
-        # (B, KV, G, D), scaled once for all decodes.
-        queries = query[0, :, :b].transpose(0, 1).reshape(b, num_kv_heads, group, head_dim)
-        queries = queries * scaling
-        attended = out[:b].view(b, num_kv_heads, group, head_dim)
-        for j, (table, n) in enumerate(zip(meta.decode_tables, meta.decode_lens, strict=True)):
-            context = blocks.index_select(1, table).view(2, -1, num_kv_heads, head_dim)[:, :n]
-            if sliding_window is not None and n > sliding_window:
-                context = context[:, n - sliding_window :]
-            keys, values = context[0].transpose(0, 1), context[1].transpose(0, 1)  # (KV, n, D)
-            scores = torch.matmul(queries[j], keys.transpose(1, 2))  # (KV, G, n)
-            if softcap is not None:
-                scores = torch.tanh(scores / softcap) * softcap
-            torch.matmul(scores.softmax(dim=-1), values, out=attended[j])
+    if meta.decode_batch is not None:
+        _decode_batched(meta, query, blocks, out, scaling, sliding_window, softcap)
+    elif meta.decode_lens:
+        _decode_each(meta, query, blocks, out, scaling, sliding_window, softcap)
 
     for i, chunk in enumerate(meta.prefills):
         t0, t1 = chunk.token_start, chunk.token_end
@@ -141,6 +149,55 @@ def paged_attention(
         o = _attend(q, k, v, prefill_mask, scaling, softcap)
         out[t0:t1] = o[0].transpose(0, 1)  # (n, H, D)
     return out.unsqueeze(0), None
+
+
+def _decode_each(
+    meta: PagedAttentionMetadata,
+    query: torch.Tensor,  # (1, H, T, D)
+    blocks: torch.Tensor,  # (2, num_blocks, block_size * KV * D)
+    out: torch.Tensor,  # (T, H, D)
+    scaling: float,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> None:
+    """Each decode over exactly its own context: no padding, no mask (the CPU path)."""
+    b, (num_heads, head_dim) = len(meta.decode_lens), out.shape[1:]
+    num_kv_heads = meta.kv_caches[0].shape[3]
+    group = num_heads // num_kv_heads
+    # (B, KV, G, D), scaled once for all decodes.
+    queries = query[0, :, :b].transpose(0, 1).reshape(b, num_kv_heads, group, head_dim)
+    queries = queries * scaling
+    attended = out[:b].view(b, num_kv_heads, group, head_dim)
+    for j, (table, n) in enumerate(zip(meta.decode_tables, meta.decode_lens, strict=True)):
+        context = blocks.index_select(1, table).view(2, -1, num_kv_heads, head_dim)[:, :n]
+        if sliding_window is not None and n > sliding_window:
+            context = context[:, n - sliding_window :]
+        keys, values = context[0].transpose(0, 1), context[1].transpose(0, 1)  # (KV, n, D)
+        scores = torch.matmul(queries[j], keys.transpose(1, 2))  # (KV, G, n)
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        torch.matmul(scores.softmax(dim=-1), values, out=attended[j])
+
+
+def _decode_batched(
+    meta: PagedAttentionMetadata,
+    query: torch.Tensor,  # (1, H, T, D)
+    blocks: torch.Tensor,  # (2, num_blocks, block_size * KV * D)
+    out: torch.Tensor,  # (T, H, D)
+    scaling: float,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> None:
+    """All decodes in one padded, masked call (the accelerator path)."""
+    assert meta.decode_batch is not None
+    tables, _ = meta.decode_batch
+    b, (num_heads, head_dim) = tables.shape[0], out.shape[1:]
+    num_kv_heads = meta.kv_caches[0].shape[3]
+    q = query[0, :, :b].transpose(0, 1).reshape(b, num_kv_heads, -1, head_dim)  # (B, KV, G, D)
+    context = blocks.index_select(1, tables.view(-1)).view(2, b, -1, num_kv_heads, head_dim)
+    keys, values = context[0].transpose(1, 2), context[1].transpose(1, 2)  # (B, KV, L, D)
+    o = _attend(q, keys, values, meta.decode_mask(sliding_window), scaling, softcap)
+    out[:b] = o.reshape(b, num_heads, head_dim)
 
 
 def _attend(

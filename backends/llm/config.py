@@ -119,16 +119,21 @@ class EngineConfig:
         limit = c.get("max_tokens_limit")
         if limit is not None:
             limit = _positive_int(c, "max_tokens_limit", 1)
+        max_num_seqs = _positive_int(c, "max_num_seqs", cls.max_num_seqs)
+        budget = _positive_int(c, "max_num_batched_tokens", cls.max_num_batched_tokens)
+        if budget < max_num_seqs:
+            raise LoadError(
+                f"runtime config max_num_batched_tokens={budget} is below max_num_seqs="
+                f"{max_num_seqs}: every running sequence needs a token per step"
+            )
         prefix = c.get("enable_prefix_caching", True)
         if not isinstance(prefix, bool):
             raise LoadError(f"runtime config enable_prefix_caching={prefix!r} must be true/false")
         return cls(
             kv_cache_bytes=kv_cache_reservation(c, device_budget_bytes),
             block_size=_positive_int(c, "block_size", cls.block_size),
-            max_num_seqs=_positive_int(c, "max_num_seqs", cls.max_num_seqs),
-            max_num_batched_tokens=_positive_int(
-                c, "max_num_batched_tokens", cls.max_num_batched_tokens
-            ),
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=budget,
             max_model_len=max_model_len,
             enable_prefix_caching=prefix,
             max_n=_positive_int(c, "max_n", cls.max_n),

@@ -108,9 +108,7 @@ class LLMEngine:
         )
         limits = SchedulerLimits(
             max_num_seqs=self.config.max_num_seqs,
-            max_num_batched_tokens=max(
-                self.config.max_num_batched_tokens, self.config.max_num_seqs
-            ),
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             priority_aging_steps=self.config.priority_aging_steps,
         )

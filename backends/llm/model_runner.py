@@ -56,7 +56,14 @@ def kv_bytes_per_block(config: Any, block_size: int, dtype: torch.dtype) -> int:
 
 
 class ModelRunner:
-    def __init__(self, model: Any, engine_config: EngineConfig, device: str) -> None:
+    def __init__(
+        self,
+        model: Any,
+        engine_config: EngineConfig,
+        device: str,
+        *,
+        batched_decode: bool | None = None,
+    ) -> None:
         self.model = model
         self.config = model.config
         self.block_size = engine_config.block_size
@@ -75,6 +82,8 @@ class ModelRunner:
         self.max_model_len = min(limits)
         self.vocab_size: int = self.config.vocab_size
         self.sampler = Sampler(_eos_ids(model))
+        # Decodes in one padded call (accelerators) or one call each (CPU); None: by device.
+        self.batched_decode = batched_decode
         self.kv_caches: list[torch.Tensor] = []
         self.allocate_kv_cache()
 
@@ -88,6 +97,7 @@ class ModelRunner:
         *,
         allow_pickle: bool = False,
         trust_remote_code: bool = False,
+        batched_decode: bool | None = None,
     ) -> ModelRunner:
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -116,7 +126,7 @@ class ModelRunner:
             raise LoadError(f"cannot load the model in {artifact_dir}: {e}") from e
         model.eval()
         model.to(torch.device(device))
-        return cls(model, engine_config, device)
+        return cls(model, engine_config, device, batched_decode=batched_decode)
 
     # ---- memory -----------------------------------------------------------------------
     def allocate_kv_cache(self) -> None:
@@ -196,11 +206,24 @@ class ModelRunner:
             blocks = torch.tensor(table[: -(-end // bs)], dtype=torch.long, device=device)
             prefills.append(PrefillChunk(t0, len(token_ids), start, blocks))
 
+        decode_batch = None
+        batched = self.batched_decode
+        if batched is None:
+            batched = self.device.type != "cpu"
+        if batched and decode_lens:
+            width = max(decode_widths)
+            rows = [row + [0] * (width - len(row)) for row in _split(decode_blocks, decode_widths)]
+            decode_batch = (
+                torch.tensor(rows, dtype=torch.long, device=device),
+                torch.tensor(decode_lens, dtype=torch.long, device=device),
+            )
+
         sampling = [item.seq for item in output.scheduled if item.sample]
         metadata = PagedAttentionMetadata(
             kv_caches=self.kv_caches,
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
             decode_tables=list(decode_tables),
+            decode_batch=decode_batch,
             decode_lens=decode_lens,
             prefills=prefills,
         )
@@ -242,3 +265,11 @@ def _eos_ids(model: Any) -> list[int]:
         elif isinstance(value, list | tuple):
             ids.update(int(v) for v in value)
     return sorted(ids)
+
+
+def _split(values: list[int], widths: list[int]) -> list[list[int]]:
+    out, start = [], 0
+    for width in widths:
+        out.append(values[start : start + width])
+        start += width
+    return out

@@ -35,9 +35,15 @@ def build_model(root: Path, arch: str) -> Path:
     return folder
 
 
-def make_engine(folder: Path, tokenizer: Any = None, **config: Any) -> LLMEngine:
+def make_engine(
+    folder: Path, tokenizer: Any = None, *, batched_decode: bool | None = None, **config: Any
+) -> LLMEngine:
+    """An engine over `folder` on CPU in float32; `batched_decode` forces the accelerators'
+    one-call decode attention (None: the device's default)."""
     engine_config = EngineConfig(**config)
-    runner = ModelRunner.load(folder, "cpu", torch.float32, engine_config)
+    runner = ModelRunner.load(
+        folder, "cpu", torch.float32, engine_config, batched_decode=batched_decode
+    )
     return LLMEngine(engine_config, runner, tokenizer)
 
 

@@ -150,3 +150,10 @@ async def _wait_idle(backend: LLMBackend) -> None:
             return
         await asyncio.sleep(0.02)
     raise AssertionError("the aborted request still holds KV blocks")
+
+
+def test_engine_settings_are_checked_at_load(llama: Path) -> None:
+    with pytest.raises(LoadError, match="max_num_batched_tokens"):
+        loaded(llama, max_num_seqs=64, max_num_batched_tokens=32)
+    with pytest.raises(LoadError, match="either kv_cache_bytes or kv_cache_fraction"):
+        LLMBackend.predict_memory(llama, {"kv_cache_bytes": 10**6, "kv_cache_fraction": 0.1})

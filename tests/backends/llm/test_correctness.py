@@ -3,6 +3,9 @@ architecture, with many requests in flight at once and the engine's tricks all e
 chunked prefill (prompts longer than a step's token budget), prefix-cache hits (prompts
 sharing a prefix), `n > 1`, and preemption (a KV cache too small for the load).
 
+The preempting run also takes the decode attention path meant for accelerators (one padded,
+masked call instead of one call per sequence), so both paths are checked on CPU.
+
 A divergence is accepted only at a numeric near-tie, vLLM's rule: at the first position
 where the two differ, each side's token is among the other side's five most likely. The
 test reports how many outputs were exact.
@@ -123,13 +126,15 @@ def test_greedy_output_equals_transformers_generate(arch: str, models_root: Path
     assert exact >= len(requests) // 2, "near-ties should be the exception"
 
     # 24 blocks of 4 tokens: a third of what the load needs, so sequences get preempted.
+    # This run takes the accelerators' decode path (one padded, masked call per layer).
     engine = make_engine(
         folder,
+        batched_decode=True,
         block_size=BLOCK_SIZE,
         max_num_seqs=8,
         max_num_batched_tokens=64,
         kv_cache_bytes=kv_bytes(folder, 24, BLOCK_SIZE),
     )
-    exact = check_run(f"{arch} preemption", refs, run_all(engine, requests))
+    exact = check_run(f"{arch} preemption+batched decode", refs, run_all(engine, requests))
     assert engine.scheduler.num_preemptions > 0
     assert engine.kv_cache.pool.num_used_blocks == 0
