@@ -95,6 +95,7 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._incoming: collections.deque[_Request] = collections.deque()
         self._aborts: collections.deque[str] = collections.deque()
+        self._aborted_early: set[str] = set()
         self._requests: dict[str, _Request] = {}
         self.reset_cache()
 
@@ -252,21 +253,25 @@ class LLMEngine:
     def _apply_incoming(self) -> None:
         while self._incoming:
             request = self._incoming.popleft()
+            if request.request_id in self._aborted_early:
+                continue  # aborted before it ever ran
             self._requests[request.request_id] = request
             request.last_token_times = [request.arrival_time] * len(request.seqs)
             self.metrics.observe_arrival(request.seqs[0].num_prompt_tokens)
             for seq in request.seqs:
                 self.scheduler.add(seq)
+        # An add always precedes its abort, so any id left here belonged to a request that
+        # had already finished.
+        self._aborted_early.clear()
 
     def _apply_aborts(self) -> None:
         while self._aborts:
             request_id = self._aborts.popleft()
             request = self._requests.pop(request_id, None)
             if request is None:
-                # Not applied yet (still incoming) or already finished.
-                self._incoming = collections.deque(
-                    r for r in self._incoming if r.request_id != request_id
-                )
+                # Still incoming (skipped when applied) or already finished. The incoming
+                # queue is never rebuilt here: another thread may be appending to it.
+                self._aborted_early.add(request_id)
                 continue
             for seq in request.seqs:
                 self.scheduler.finish(seq, FinishReason.ABORT)

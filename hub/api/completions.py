@@ -9,6 +9,7 @@ Streams end with a usage event (choices empty) and `data: [DONE]`, as OpenAI's d
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -346,7 +347,9 @@ def _sse(gen: Generation, events: AsyncIterator[str]) -> StreamingResponse:
             await gen.close(type(e), e, e.__traceback__)
             yield _event(error_body(str(e), "server_error"))
         finally:
-            await gen.close()
+            # Shielded: a client that went away cancels this task, and the model must still
+            # be released (its blocks are freed synchronously, first thing in `close`).
+            await asyncio.shield(gen.close())
         yield "data: [DONE]\n\n"
 
     headers = {VERSION_HEADER: str(gen.route.version), "Cache-Control": "no-cache"}

@@ -45,7 +45,7 @@ def metric(text: str, name: str) -> float:
 
 
 def test_completion_equals_transformers_greedy(client: TestClient, tiny_llm_dir: Path) -> None:
-    register(client, "tiny", "llm", tiny_llm_dir)
+    register(client, "tiny", "llm", tiny_llm_dir, config={"block_size": 4})
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
     r = client.post("/v1/completions", json=body)
     assert r.status_code == 200, r.text
@@ -57,6 +57,19 @@ def test_completion_equals_transformers_greedy(client: TestClient, tiny_llm_dir:
     usage = result["usage"]
     assert usage["prompt_tokens"] == len(ids)
     assert usage["total_tokens"] == len(ids) + usage["completion_tokens"]
+
+    # The same prompt again hits the prefix cache; the engine's series say so.
+    assert client.post("/v1/completions", json=body).json()["choices"] == result["choices"]
+    text = client.get("/metrics").text
+    labels = '{model="tiny",version="1"}'
+    assert f"hub_llm_time_to_first_token_seconds_count{labels} 2.0" in text
+    assert f"hub_llm_e2e_request_latency_seconds_count{labels} 2.0" in text
+    assert f"hub_llm_queue_time_seconds_count{labels} 2.0" in text
+    assert metric(text, "hub_llm_prompt_tokens_total") == 2 * len(ids)
+    assert metric(text, "hub_llm_generation_tokens_total") == 2 * usage["completion_tokens"]
+    assert metric(text, "hub_llm_prefix_cache_hits_total") > 0
+    assert metric(text, "hub_llm_prefix_cache_queries_total") == 2 * len(ids)
+    assert metric(text, "hub_llm_running_sequences") == 0
 
 
 def test_chat_completion_answers_from_the_chat_template(
@@ -224,4 +237,6 @@ def test_streaming_with_the_openai_client_and_a_disconnect_frees_the_blocks(
                 break
             time.sleep(0.1)
         assert idle, "the disconnected request still holds KV blocks"
+        [status] = httpx.get(f"{base}/admin/models").json()
+        assert status["in_flight"] == 0, "the stream never released the model"
         assert metric(text, "hub_llm_generation_tokens_total") < 1000, "it was not aborted"
