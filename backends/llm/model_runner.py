@@ -12,6 +12,7 @@ and knows nothing about requests, text or HTTP.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from backends.llm.attention import PagedAttentionMetadata, PrefillChunk
 from backends.llm.config import EngineConfig
 from backends.llm.sampler import Sampler, SamplerOutput
 from backends.llm.scheduler import SchedulerOutput
+from backends.llm.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
@@ -238,22 +240,13 @@ class ModelRunner:
         )
 
 
+@dataclass(frozen=True, slots=True)
 class _StepInputs:
-    __slots__ = ("input_ids", "logits_indices", "metadata", "positions", "sampling_seqs")
-
-    def __init__(
-        self,
-        input_ids: torch.Tensor,  # (1, T)
-        positions: torch.Tensor,  # (1, T)
-        logits_indices: torch.Tensor,  # (S,)
-        metadata: PagedAttentionMetadata,
-        sampling_seqs: list[Any],
-    ) -> None:
-        self.input_ids = input_ids
-        self.positions = positions
-        self.logits_indices = logits_indices
-        self.metadata = metadata
-        self.sampling_seqs = sampling_seqs
+    input_ids: torch.Tensor  # (1, T)
+    positions: torch.Tensor  # (1, T)
+    logits_indices: torch.Tensor  # (S,): the packed index of each sampling sequence's token
+    metadata: PagedAttentionMetadata
+    sampling_seqs: list[Sequence]
 
 
 def _eos_ids(model: Any) -> list[int]:
