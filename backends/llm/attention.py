@@ -13,9 +13,10 @@ blocks). Then each single-token sequence (a decode) attends over exactly its own
 its blocks are gathered (keys and values in one call) and its query heads, viewed as
 `(kv_heads, group, D)`, meet their shared K/V head in two small matmuls. Measured on CPU, this
 beats one padded, masked batch per step by about 2x: padding and masks cost more than the
-per-sequence calls. A sliding window is a slice of the context, not a mask. On an accelerator,
-where one big kernel beats many small ones, the decodes instead attend in one padded, masked
-SDPA call (which then picks its fused kernels). Each longer chunk
+per-sequence calls. Those calls are too small for torch's intra-op threads, so with more than
+one thread two Python threads share the decodes. A sliding window is a slice of the context,
+not a mask. On an accelerator, where one big kernel beats many small ones, the decodes instead
+attend in one padded, masked SDPA call (which then picks its fused kernels). Each longer chunk
 (a prompt, or a recomputation) attends with SDPA over its own context (`enable_gqa`, a causal
 kernel when it has no earlier context). Soft-capped layers (Gemma 2) cap the logits on the
 explicit path, since SDPA cannot.
@@ -23,7 +24,9 @@ explicit path, since SDPA cannot.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -168,8 +171,46 @@ def _decode_each(
     queries = query[0, :, :b].transpose(0, 1).reshape(b, num_kv_heads, group, head_dim)
     queries = queries * scaling
     attended = out[:b].view(b, num_kv_heads, group, head_dim)
-    for j, (table, n) in enumerate(zip(meta.decode_tables, meta.decode_lens, strict=True)):
-        context = blocks.index_select(1, table).view(2, -1, num_kv_heads, head_dim)[:, :n]
+    tables, lens = meta.decode_tables, meta.decode_lens
+    args = (queries, blocks, tables, lens, attended, sliding_window, softcap)
+    if b < _SPLIT_MIN_DECODES or torch.get_num_threads() < 2:
+        _decode_rows(range(b), *args)
+        return
+    # The per-sequence ops are too small for torch's intra-op threads, so two Python threads
+    # share the sequences (the ops release the GIL); interleaved, so both get long and short.
+    helper = _helper().submit(_decode_rows_in_inference_mode, range(1, b, 2), *args)
+    try:
+        _decode_rows(range(0, b, 2), *args)
+    finally:
+        helper.result()
+
+
+# Below this many decodes a second thread costs more than it saves.
+_SPLIT_MIN_DECODES = 8
+_helper_pool: ThreadPoolExecutor | None = None
+
+
+def _helper() -> ThreadPoolExecutor:
+    global _helper_pool
+    if _helper_pool is None:
+        _helper_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="paged-attention")
+    return _helper_pool
+
+
+def _decode_rows(
+    rows: range,
+    queries: torch.Tensor,  # (B, KV, G, D), scaled
+    blocks: torch.Tensor,  # (2, num_blocks, block_size * KV * D)
+    tables: list[torch.Tensor],
+    lens: list[int],
+    attended: torch.Tensor,  # (B, KV, G, D), written
+    sliding_window: int | None,
+    softcap: float | None,
+) -> None:
+    num_kv_heads, _, head_dim = queries.shape[1:]
+    for j in rows:
+        n = lens[j]
+        context = blocks.index_select(1, tables[j]).view(2, -1, num_kv_heads, head_dim)[:, :n]
         if sliding_window is not None and n > sliding_window:
             context = context[:, n - sliding_window :]
         keys, values = context[0].transpose(0, 1), context[1].transpose(0, 1)  # (KV, n, D)
@@ -177,6 +218,11 @@ def _decode_each(
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
         torch.matmul(scores.softmax(dim=-1), values, out=attended[j])
+
+
+def _decode_rows_in_inference_mode(*args: Any) -> None:
+    with torch.inference_mode():  # grad mode is per thread; the caller's is not inherited
+        _decode_rows(*args)
 
 
 def _decode_batched(

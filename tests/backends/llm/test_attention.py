@@ -10,7 +10,7 @@ import torch
 from backends.llm.attention import PagedAttentionMetadata, PrefillChunk, paged_attention
 
 KV, H, D, BS = 2, 4, 8, 4
-NUM_BLOCKS = 64
+NUM_BLOCKS = 128
 
 
 class Layer(torch.nn.Module):
@@ -39,15 +39,34 @@ def dense(
     return torch.stack(out)
 
 
+# Sequences: (tokens already cached, tokens computed this step). One token: a decode.
+MIXED = [(37, 1), (4, 1), (8, 12), (0, 9), (0, 1)]
+
+
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("softcap", [None, 3.0])
 @pytest.mark.parametrize("decode_path", ["each", "batched"])
 def test_packed_step_equals_dense_attention(
     window: int | None, softcap: float | None, decode_path: str
 ) -> None:
+    check_step(MIXED, window, softcap, batched=decode_path == "batched")
+
+
+def test_many_decodes_shared_by_two_threads_equal_dense_attention() -> None:
+    plan = [(n, 1) for n in (3, 50, 17, 4, 33, 8, 21, 2, 40, 12, 5, 29)] + [(0, 7)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the per-sequence decodes split over two threads
+    try:
+        check_step(plan, 6, None, batched=False)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def check_step(
+    plan: list[tuple[int, int]], window: int | None, softcap: float | None, *, batched: bool
+) -> None:
+    """Run one packed step of `plan` through paged attention; compare with dense."""
     gen = torch.Generator().manual_seed(0)
-    # Sequences: (tokens already cached, tokens computed this step). One token: a decode.
-    plan = [(37, 1), (4, 1), (8, 12), (0, 9), (0, 1)]
     kv_cache = torch.zeros(2, NUM_BLOCKS, BS, KV, D)
     free = iter(torch.randperm(NUM_BLOCKS, generator=gen).tolist())  # scattered blocks
     seqs = []
@@ -77,7 +96,7 @@ def test_packed_step_equals_dense_attention(
     tables = [torch.tensor(table) for *_, table, _ in decodes]
     lens = [c + 1 for c, *_ in decodes]
     batch = None
-    if decode_path == "batched":
+    if batched:
         width = max(len(tb) for tb in tables)
         padded = torch.stack([torch.cat([tb, tb.new_zeros(width - len(tb))]) for tb in tables])
         batch = (padded, torch.tensor(lens))
