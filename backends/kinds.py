@@ -12,4 +12,8 @@ def backend_class(kind: ModelKind | str) -> type[Backend]:
         from backends.embedder import EmbedderBackend
 
         return EmbedderBackend
+    if kind is ModelKind.LLM:
+        from backends.llm.backend import LLMBackend
+
+        return LLMBackend
     raise NotImplementedError(f"no backend serves kind {kind.value!r} yet")

@@ -1,5 +1,6 @@
 """The README's demo: `hub serve --config configs/demo.yaml` serves the real MiniLM, which the
-official openai client reaches; vectors equal sentence-transformers' own `encode`."""
+official openai client reaches (vectors equal sentence-transformers' own `encode`), and a tiny
+LLM that answers its chat completions."""
 
 from __future__ import annotations
 
@@ -29,11 +30,15 @@ def test_demo_serves_minilm_to_the_openai_client(tmp_path: Path, minilm_dir: Pat
     config = REPO / "configs" / "demo.yaml"
     with hub_process(config, tmp_path) as (base, _proc):
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused")
-        assert [m.id for m in client.models.list().data] == ["minilm"]
+        assert [m.id for m in client.models.list().data] == ["minilm", "tiny-llama"]
         result = client.embeddings.create(model="minilm", input=SENTENCES)
         got = np.array([d.embedding for d in result.data], dtype=np.float32)
         assert got.shape == (len(SENTENCES), 384)
         assert result.usage.prompt_tokens > len(SENTENCES)
+        chat = client.chat.completions.create(
+            model="tiny-llama", messages=[{"role": "user", "content": "Hello!"}], max_tokens=8
+        )
+        assert chat.usage is not None and 1 <= chat.usage.completion_tokens <= 8
         log = read_log(str(next(tmp_path.glob("hub-*.log"))))
         assert f"Model Hub is serving at {base}" in log and "curl" in log
 
