@@ -78,7 +78,17 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def offload(self) -> None:
-        """Move the weights to host memory and release device memory; work must be idle."""
+        """Move the weights to host memory and release device memory; work must be idle.
+
+        The manager keeps offloaded backends in its warm tier, so `restore` must bring back
+        exactly the model that was offloaded (same outputs). `backends.parking` packs a module
+        into one host buffer and restores it with one copy."""
+
+    def offload_bytes(self) -> int:
+        """Host bytes `offload()` will hold, asked before offloading so the manager can make
+        room in its warm tier. Default: `memory_bytes()`, an upper bound for backends that
+        drop caches (a KV cache) on offload; such backends should return the weights alone."""
+        return self.memory_bytes()
 
     @abc.abstractmethod
     def restore(self, device: str) -> None:

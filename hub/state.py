@@ -66,7 +66,14 @@ class Hub:
             trust_remote_code=settings.trust_remote_code,
         )
         devices = [Device.from_settings(d) for d in settings.devices]
-        manager = ModelManager(settings.manager, devices, loader, metrics)
+        manager = ModelManager(
+            settings.manager,
+            devices,
+            loader,
+            metrics,
+            host_cache_budget=settings.host_cache_budget,
+            model_specs={spec.name: spec for spec in settings.models},
+        )
         reg = settings.registry
         reconciler = Reconciler(
             registry,
@@ -113,6 +120,7 @@ class Hub:
         await self.reconciler.reconcile(check_versions=True)
         self.reconciler.start()
         await self.traffic.start()
+        self.manager.start()
         self.ready = True
         preload = [m for m in self.settings.models if m.preload or m.pin]
         if preload:
@@ -169,6 +177,9 @@ class Hub:
                 continue
             try:
                 route = self.router.route(spec.name)
-                await self.manager.load(route.name, route.version)
+                if spec.pin:
+                    await self.manager.pin(route.name, route.version)
+                else:
+                    await self.manager.load(route.name, route.version)
             except Exception as e:
                 log.error("preloading %s failed: %s", spec.name, e)
