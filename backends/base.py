@@ -96,7 +96,10 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def unload(self) -> None:
-        """Drop every reference to the weights; later work raises BackendClosedError."""
+        """Drop every reference to the weights; later work raises BackendClosedError.
+
+        Models hold reference cycles, so dropping references alone frees nothing until the
+        garbage collector runs: empty the tensors first (`backends.parking.release`)."""
 
     async def aclose(self) -> None:  # noqa: B027 - optional hook, most backends need nothing
         """Stop background workers (queues, threads) before `unload`; default: nothing."""

@@ -20,7 +20,7 @@ import torch
 from backends.base import Backend, ModelKind
 from backends.errors import BackendClosedError, InputError, LoadError
 from backends.loading import module_bytes, require_safe_weights, tensor_bytes_from_headers
-from backends.parking import ParkedWeights, park
+from backends.parking import ParkedWeights, park, release
 
 # Activations and the tokenizer on top of the weights: a small fixed allowance.
 _RUNTIME_OVERHEAD_BYTES = 32 * 1024 * 1024
@@ -110,6 +110,8 @@ class EmbedderBackend(Backend):
     def unload(self) -> None:
         if self._parked is not None:
             self._parked.discard()
+        elif self._model is not None:
+            release(self._model)  # frees the weights now, cycles in the model or not
         self._parked = None
         self._model = None
         self._device = None

@@ -9,6 +9,9 @@ restore costs one allocation and one copy of `nbytes` bytes, no more. Tied weigh
 tensor reachable under two names) and outside references to a parameter (an engine holding
 `lm_head.weight`) survive both steps, because the same tensor objects are rebound.
 
+`release(module)` frees a module's tensors in place at unload, without waiting for the
+garbage collector.
+
 The module must be idle for both steps (the manager guarantees it: nothing is in flight).
 Tensors that are not parameters or buffers of the module (caches an engine keeps elsewhere)
 are not parked; their owner releases and rebuilds them.
@@ -94,6 +97,20 @@ def park(module: torch.nn.Module, *, pin_memory: bool | None = None) -> ParkedWe
         for tensor in slot.tensors:
             tensor.data = empty
     return ParkedWeights(buffer, slots, device)
+
+
+def release(module: torch.nn.Module) -> None:
+    """Free every parameter and buffer of `module` now, leaving it empty (unusable).
+
+    Models often hold reference cycles (modules pointing at their parents, hooks), so
+    dropping the last reference frees nothing until the garbage collector runs, and a full
+    collection in a process that imported torch, transformers and MLflow holds the GIL for
+    half a second. Emptying the tensors in place frees their memory at once; the module
+    objects left behind are small and go with the next collection.
+    """
+    for tensor in (*module.parameters(), *module.buffers()):
+        if tensor.device.type != "meta":
+            tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
 
 
 def _layout(module: torch.nn.Module) -> tuple[list[_Slot], int, torch.device]:

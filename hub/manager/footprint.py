@@ -9,9 +9,10 @@ on the safe side. The predicted footprint (safetensors headers, KV-cache reserva
 the configured overhead) is compared with the measurement, and a prediction off by more than
 10% is logged, since the ledger then had to guess.
 
-Unload frees memory for real: the backend drops its references, a garbage collection breaks
-any cycles, and on CUDA the allocator's cache is returned to the driver; an unload that did
-not bring the allocator back near its level before the model is logged as a leak.
+Unload frees memory for real: the backend empties its tensors and drops its references, and
+on CUDA the allocator's cache is returned to the driver; an unload that did not bring the
+allocator back near its level before the model gets a full garbage collection, then, if
+that did not help, is logged as a leak.
 """
 
 from __future__ import annotations
@@ -62,22 +63,28 @@ class Footprint:
         _release_cached(device)
 
     def dispose(self, backend: Backend, device: str | None, measured: int) -> None:
-        """Unload for good; the caller dropped its own references first."""
+        """Unload for good. Backends free their tensors in `unload` (`backends.parking.
+        release`), so no garbage collection is needed; on CUDA, where it can be measured, an
+        unload that did not give the memory back gets a full collection, then a warning."""
         lock = self._cuda_locks.get(device) if device is not None else None
         with lock or contextlib.nullcontext():
             before = _allocated(device) if lock is not None else 0
             backend.unload()
             del backend
-            gc.collect()
-            _release_cached(device)
-            if lock is not None and measured > 0:
+            if lock is None or measured <= 0:
+                return
+            freed = before - _allocated(device)
+            if freed < UNLOAD_TOLERANCE * measured:
+                # Reference cycles kept the tensors alive: a full collection (costly) frees them.
+                gc.collect()
                 freed = before - _allocated(device)
-                if freed < UNLOAD_TOLERANCE * measured:
-                    log.warning(
-                        "unloading from %s gave back %s of the %s measured at load: something "
-                        "still holds device tensors", device, format_bytes(freed),
-                        format_bytes(measured),
-                    )  # fmt: skip
+            _release_cached(device)
+            if freed < UNLOAD_TOLERANCE * measured:
+                log.warning(
+                    "unloading from %s gave back %s of the %s measured at load: something "
+                    "still holds device tensors", device, format_bytes(freed),
+                    format_bytes(measured),
+                )  # fmt: skip
 
     @staticmethod
     def check_prediction(what: str, predicted: int, measured: int) -> None:
