@@ -54,6 +54,12 @@ def test_park_and_restore_give_back_the_same_model() -> None:
     assert len(storages) == 1
     with pytest.raises(RuntimeError, match="already restored"):
         parked.restore("cpu")
+    # Parking a restored model again copies its block in one go; the result is the same.
+    again = park(net)
+    assert again.nbytes == expected
+    again.restore("cpu")
+    with torch.no_grad():
+        assert torch.equal(net(x), before)
 
 
 def test_park_refuses_a_module_that_was_never_loaded() -> None:
