@@ -70,11 +70,17 @@ class Evicting(ManagerCore):
         nbytes = backend.offload_bytes()
         if not self.host_tier.admits(nbytes):
             return False
-        for key in self.host_tier.victims_for(nbytes):
-            await self._drop(self._entries[key], "host_tier")
-        if nbytes > self.host_tier.free_bytes:
-            return False  # another eviction took the room meanwhile
-        self.host_tier.add(entry.key, nbytes)
+        # Victims leave and the room is taken before any await, so a concurrent eviction
+        # cannot take the same room and a dropped model cannot start a restore meanwhile.
+        victims = [self._detach(self._entries[k], "host_tier")
+                   for k in self.host_tier.victims_for(nbytes)]  # fmt: skip
+        fits = nbytes <= self.host_tier.free_bytes
+        if fits:
+            self.host_tier.add(entry.key, nbytes)
+        for victim, parked_backend, _ in victims:
+            await self._dispose(victim, parked_backend, None)
+        if not fits:
+            return False
         try:
             await asyncio.to_thread(self.footprint.offload, backend, device or "cpu")
         except Exception as e:
@@ -87,6 +93,12 @@ class Evicting(ManagerCore):
     async def _drop(self, entry: Entry, reason: str) -> None:
         """Unload `entry` for good, whichever copy it has (device or parked). The caller
         releases any device charge; a parked copy's host-tier charge is released here."""
+        _, backend, device = self._detach(entry, reason)
+        await self._dispose(entry, backend, device)
+
+    def _detach(self, entry: Entry, reason: str) -> tuple[Entry, Backend | None, str | None]:
+        """Take `entry`'s backend away (and its host-tier charge) at once; returns it with the
+        device its memory is on (None: host memory) for `_dispose`."""
         backend, entry.backend = entry.backend, None
         parked = self.host_tier.remove(entry.key) > 0
         entry.host_bytes = 0
@@ -94,9 +106,12 @@ class Evicting(ManagerCore):
             entry.state = ModelState.UNLOADED
             self.metrics.evictions.labels(*self._labels(entry), reason).inc()
         self.policy.forget(entry.key)
+        return entry, backend, None if parked else entry.device
+
+    async def _dispose(self, entry: Entry, backend: Backend | None, device: str | None) -> None:
+        """Stop the backend's workers, then unload it in a worker thread."""
         if backend is None:
             return
-        device = None if parked else entry.device
         try:
             await backend.aclose()
             await asyncio.to_thread(self.footprint.dispose, backend, device, entry.measured_bytes)

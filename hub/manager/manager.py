@@ -91,8 +91,14 @@ class ModelManager(Loading):
                         )
                     # Loaded, or a load every earlier waiter gave up on: look again.
         except TimeoutError:
+            draining = (
+                f" (it is being unloaded once its {entry.in_flight} requests in flight finish)"
+                if entry.state is ModelState.EVICTING
+                else ""
+            )
             raise Unavailable(
                 f"{entry.key} did not finish loading within {self.settings.load_timeout:.0f}s"
+                + draining
                 + describe_room(self, entry),
                 retry_after=self.settings.retry_after,
                 code="load_timeout",
