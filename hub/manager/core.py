@@ -98,12 +98,15 @@ class ManagerCore:
         return entry.state is ModelState.LOADED and entry.in_flight == 0 and entry.waiting == 0
 
     def _candidate(self, entry: Entry) -> Candidate:
+        nbytes = self.ledger.charge_of(entry.key)
+        # Coming back is a restore if the host tier can take its weights, else a cold load.
+        warm = entry.warm_load_s if self.host_tier.admits(nbytes) else None
         return Candidate(
             key=entry.key,
             device=entry.device or "",
-            nbytes=self.ledger.charge_of(entry.key),
+            nbytes=nbytes,
             last_used=entry.last_used,
-            reload_s=entry.reload_s,
+            reload_s=warm or entry.cold_load_s or 1.0,
             hits=entry.hits,
         )
 

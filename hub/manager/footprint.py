@@ -88,11 +88,14 @@ class Footprint:
 
     @staticmethod
     def check_prediction(what: str, predicted: int, measured: int) -> None:
+        """Log a prediction off by more than 10%: a warning when the model came out larger
+        (the ledger was short until it settled), information when smaller (only wasteful)."""
         if predicted <= 0 or measured <= 0:
             return
         off = (measured - predicted) / predicted
         if abs(off) > PREDICTION_TOLERANCE:
-            log.warning(
+            log.log(
+                logging.WARNING if off > 0 else logging.INFO,
                 "%s: predicted %s, measured %s (%+.0f%%); the ledger charges the larger",
                 what, format_bytes(predicted), format_bytes(measured), 100 * off,
             )  # fmt: skip

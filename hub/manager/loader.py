@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import logging
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,8 +13,6 @@ from backends.loading import parse_dtype
 from hub.manager.state import ModelKey
 from registry.service import Registry
 from registry.views import VersionView
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -66,8 +62,5 @@ class VersionLoader:
             device_budget_bytes=device_budget,
         )
         backend = prepared.backend_cls(context)
-        start = time.perf_counter()
         backend.load(prepared.artifact_dir, device, parse_dtype(view.runtime_config.get("dtype")))
-        log.info("loaded %s v%d on %s in %.2fs", view.name, view.version, device,
-                 time.perf_counter() - start)  # fmt: skip
         return backend

@@ -79,12 +79,6 @@ class Entry:
     # Set whenever in_flight drops to zero, so an unload can wait for requests to finish.
     idle: asyncio.Event = field(default_factory=asyncio.Event)
 
-    @property
-    def reload_s(self) -> float:
-        """Seconds it would take to bring this model back: its warm restore when measured,
-        else its cold load (a conservative default before any restore was seen)."""
-        return self.warm_load_s or self.cold_load_s or 1.0
-
 
 @dataclass(frozen=True)
 class ModelStatus:
