@@ -18,7 +18,7 @@ from typing import Any
 from backends.base import Backend
 from hub.manager.core import ManagerCore
 from hub.manager.keep_alive import FOREVER, Reaper
-from hub.manager.state import Entry, ModelState
+from hub.manager.state import Entry, ModelKey, ModelState
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +77,7 @@ class Evicting(ManagerCore):
         fits = nbytes <= self.host_tier.free_bytes
         if fits:
             self.host_tier.add(entry.key, nbytes)
+            self.host_tier.hold(entry.key)  # not droppable before its weights are there
         for victim, parked_backend, _ in victims:
             await self._dispose(victim, parked_backend, None)
         if not fits:
@@ -84,9 +85,10 @@ class Evicting(ManagerCore):
         try:
             await asyncio.to_thread(self.footprint.offload, backend, device or "cpu")
         except Exception as e:
-            log.error("offloading %s failed, dropping it instead: %s", entry.key, e)
+            log.error("offloading %s failed, dropping it instead: %r", entry.key, e)
             self.host_tier.remove(entry.key)
             return False
+        self.host_tier.unhold(entry.key)
         entry.host_bytes = nbytes
         return True
 
@@ -124,8 +126,11 @@ class Evicting(ManagerCore):
     # ---- what starts evictions ------------------------------------------------------------
     def _pump(self) -> None:
         """Let the room broker grant what fits now and start the evictions it chose."""
-        for key, _device in self._broker.pump(self._candidates):
+        for key, _device in self._broker.pump(self._candidates, self._leaving):
             self._start_eviction(self._entries[key], "pressure")
+
+    def _leaving(self, key: ModelKey) -> bool:
+        return self._entries[key].state is ModelState.EVICTING
 
     def _arm_keep_alive(self, entry: Entry) -> None:
         """Start the idle clock of a loaded, idle model (keep-alive 0: evict now)."""

@@ -101,8 +101,8 @@ class Loading(Evicting):
     ) -> str:
         req = self._broker.request(entry.key, need, devices, prefer)
         entry.room = req
-        self._pump()
         try:
+            self._pump()
             return await req.granted
         except asyncio.CancelledError:
             self._broker.withdraw(req)

@@ -97,7 +97,7 @@ class ModelManager(Loading):
                 else ""
             )
             raise Unavailable(
-                f"{entry.key} did not finish loading within {self.settings.load_timeout:.0f}s"
+                f"{entry.key} did not finish loading within {self.settings.load_timeout:g}s"
                 + draining
                 + describe_room(self, entry),
                 retry_after=self.settings.retry_after,

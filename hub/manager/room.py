@@ -82,9 +82,15 @@ class RoomBroker:
             req.granted.cancel()
         self._pending.clear()
 
-    def pump(self, candidates: Callable[[str], list[Candidate]]) -> list[tuple[ModelKey, str]]:
+    def pump(
+        self,
+        candidates: Callable[[str], list[Candidate]],
+        leaving: Callable[[ModelKey], bool],
+    ) -> list[tuple[ModelKey, str]]:
         """Grant what fits and choose victims for the rest; returns the (victim, device)
-        evictions the caller must start now, before awaiting anything."""
+        evictions the caller must start now, before awaiting anything. `candidates(device)`
+        lists what may be evicted there, `leaving(key)` says whether an eviction is still
+        under way."""
         free = {d: self.ledger.free(d) for d in self.ledger.devices}
         chosen: set[ModelKey] = set()
         evictions: list[tuple[ModelKey, str]] = []
@@ -96,8 +102,8 @@ class RoomBroker:
             if req.granted.done():
                 self._pending.remove(req)
                 continue
-            # Victims still charged are still leaving; their bytes are coming to this request.
-            req.victims = {k for k in req.victims if self.ledger.device_of(k) is not None}
+            # Victims still leaving bring their bytes to this request when they are gone.
+            req.victims = {k for k in req.victims if leaving(k)}
             incoming = sum(self.ledger.charge_of(k) for k in req.victims)
             devices = (req.device,) if req.device is not None else req.devices
             view = dict(free)
@@ -118,6 +124,8 @@ class RoomBroker:
                 chosen.add(victim.key)
                 req.victims.add(victim.key)
                 evictions.append((victim.key, device))
-            # Whatever this request still lacks is kept from the requests behind it.
-            free[device] = view[device] + sum(v.nbytes for v in plan.victims) - req.need
+            # The victims bring their bytes later; what they do not cover comes out of the
+            # memory free now, kept from the requests behind this one.
+            coming = incoming + sum(v.nbytes for v in plan.victims)
+            free[device] -= max(0, req.need - coming)
         return evictions

@@ -4,6 +4,7 @@ its name, so placement, eviction, the host tier and restores act on real allocat
 
 Runtime config keys of a fake model: `bytes` (its footprint), `predict` (what it claims
 before loading; default `bytes`), `fail` (its load raises), `load_seconds` (a slow load),
+`offload_seconds` (a slow offload),
 plus the manager's own `keep_alive`, `pin`, `device`.
 """
 
@@ -44,9 +45,10 @@ class FakeBackend(Backend):
         if config.get("fail"):
             raise LoadError(f"{self.context.model} is broken on purpose")
         seed = sum(map(ord, self.context.model)) + int(self.context.version)
-        generator = torch.Generator().manual_seed(seed)
         module = torch.nn.Module()
-        values = torch.rand(int(config["bytes"]) // 4, generator=generator)
+        # Values that differ per model and along the tensor, cheap to make at any size.
+        values = torch.empty(int(config["bytes"]) // 4).fill_(seed)
+        values[:4096] = torch.arange(min(4096, values.numel())) * seed
         module.weight = torch.nn.Parameter(values.to(device), requires_grad=False)
         self.module = module
         self._device = device
@@ -57,7 +59,9 @@ class FakeBackend(Backend):
         return module_bytes(self.module)
 
     def offload(self) -> None:
-        assert self.module is not None
+        time.sleep(float(self.context.runtime_config.get("offload_seconds", 0)))
+        if self.module is None:
+            raise BackendClosedError(f"{self.context.model} was unloaded during its offload")
         self._parked = park(self.module)
         self._device = "cpu"
 

@@ -4,6 +4,9 @@ unchanged, and the tier drops its least recently used models beyond its budget."
 from __future__ import annotations
 
 import asyncio
+import logging
+
+import pytest
 
 from hub.manager import ModelKey, ModelState
 from tests.hub.manager.conftest import MakeManager, MiB
@@ -104,3 +107,20 @@ async def test_host_tier_drops_its_least_recently_used_beyond_its_budget(
     assert loader.loads == {ModelKey("a", 1): 1, ModelKey("b", 1): 2, ModelKey("c", 1): 1}
     dropped = manager.metrics.evictions.labels("b", "1", "host_tier")._value.get()
     assert dropped == 1
+
+
+async def test_a_model_being_parked_is_not_dropped_by_a_concurrent_park(
+    make_manager: MakeManager, caplog: pytest.LogCaptureFixture
+) -> None:
+    slow = {"bytes": 40 * MiB, "offload_seconds": 0.3}
+    manager, _ = make_manager({"a": slow, "b": slow, "c": 40, "d": 40}, budget_mib=100, host_mib=50)
+    for name in "ab":
+        async with manager.acquire(name, 1):
+            pass
+    # c evicts a, whose weights are on their way into the tier (room for one model) while d
+    # evicts b: b must not take a's place by dropping a half-parked model.
+    await asyncio.gather(manager.load("c", 1), manager.load("d", 1))
+    await settled(manager)
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    parked = {s.name for s in manager.status() if s.state == "warm"}
+    assert len(parked) == 1 and manager.host_tier.used_bytes == 40 * MiB
