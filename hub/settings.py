@@ -92,7 +92,8 @@ class ModelSpec(_Section):
     aliases: list[str] = Field(default_factory=list)
     config: dict[str, Any] = Field(default_factory=dict)
     description: str = ""
-    # Load at start; `pin` also pins the version served at start (never evicted).
+    # Load at start; `pin` also pins the serving version (never evicted), and the pin moves
+    # with the production alias.
     preload: bool = False
     pin: bool = False
     # How long it stays resident once idle (a duration, 0, or -1 forever); default: the

@@ -82,7 +82,8 @@ class Hub:
             metrics,
             poll_interval=reg.poll_interval,
             version_check_every=reg.version_check_every,
-            keep_loaded=frozenset(m.name for m in settings.models if m.preload or m.pin),
+            keep_loaded=frozenset(m.name for m in settings.models if m.preload),
+            pinned=frozenset(m.name for m in settings.models if m.pin),
         )
         gate = ValidationGate(manager, reg.gate_timeout)
         secret = reg.webhook_secret.get_secret_value() if reg.webhook_secret else None

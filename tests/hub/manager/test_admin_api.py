@@ -4,6 +4,7 @@ pin / unpin routes, 409 for a pin that cannot fit, and the CLI commands."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -116,3 +117,33 @@ def test_cli_pin_unpin_status(
     assert json.loads(result.stdout)["pinned"] is False
     result = runner.invoke(cli, ["unpin", "emb", "1", *url])
     assert result.exit_code == 1 and "is not pinned" in result.output
+
+
+def test_a_configured_pin_follows_the_production_alias(
+    tmp_path: Path, mlflow_template: Path, tiny_embedder_dir: Path, tiny_embedder_v2_dir: Path
+) -> None:
+    spec = {"name": "emb", "kind": "embedder", "source": str(tiny_embedder_dir),
+            "aliases": ["production"], "pin": True}  # fmt: skip
+    settings = make_settings(
+        tmp_path / "hub",
+        mlflow_template,
+        models=[spec],
+        registry={"poll_interval": 0.5, "require_staging": False},
+    )
+
+    def pins(client: TestClient) -> dict[int, bool]:
+        return {m["version"]: m["pinned"] for m in client.get("/admin/models").json()}
+
+    def until(client: TestClient, expected: dict[int, bool]) -> None:
+        for _ in range(400):
+            if pins(client) == expected:
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"pins never became {expected}: {pins(client)}")
+
+    with TestClient(create_app(settings)) as client:
+        until(client, {1: True})  # pinned at start
+        register(client, "emb", tiny_embedder_v2_dir)
+        r = client.post("/admin/registry/models/emb/versions/2/promote", json={"to": "production"})
+        assert r.status_code == 200, r.text
+        until(client, {1: False, 2: True})  # the pin moved with the serving version
