@@ -66,7 +66,11 @@ class Backend(abc.ABC):
     @classmethod
     @abc.abstractmethod
     def predict_memory(cls, artifact_dir: Path, runtime_config: Mapping[str, Any]) -> int:
-        """Bytes the model will take on its device once loaded, before loading anything."""
+        """Bytes the model will take on its device once loaded, before loading anything.
+
+        A backend whose footprint depends on the device (an LLM's KV cache given as a share
+        of the budget) may take a keyword `device_budget_bytes: int | None = None`; the
+        manager then asks once per candidate device and passes that device's budget."""
 
     @abc.abstractmethod
     def load(self, artifact_dir: Path, device: str, dtype: torch.dtype | None = None) -> None:

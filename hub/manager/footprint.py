@@ -21,11 +21,11 @@ import contextlib
 import gc
 import logging
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 
 from backends.base import Backend
 from hub.manager.devices import Device
-from hub.manager.loader import PreparedVersion, VersionLoader
+from hub.manager.loader import PreparedVersion, VersionLoader, takes_device_budget
 from hub.units import format_bytes
 
 log = logging.getLogger(__name__)
@@ -41,8 +41,13 @@ class Footprint:
         self.overhead_bytes = overhead_bytes
         self._cuda_locks = {d.name: threading.Lock() for d in devices if d.is_cuda}
 
-    def predict(self, prepared: PreparedVersion) -> int:
-        return prepared.predict_memory() + self.overhead_bytes
+    def predict(self, prepared: PreparedVersion, budgets: Mapping[str, int]) -> dict[str, int]:
+        """Predicted bytes on each device of `budgets` (device -> budget), overhead included;
+        one prediction serves every device unless the backend sizes itself by the budget."""
+        if not takes_device_budget(prepared.backend_cls):
+            one = prepared.predict_memory() + self.overhead_bytes
+            return dict.fromkeys(budgets, one)
+        return {d: prepared.predict_memory(b) + self.overhead_bytes for d, b in budgets.items()}
 
     def load(
         self, loader: VersionLoader, prepared: PreparedVersion, device: str, budget: int

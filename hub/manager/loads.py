@@ -36,7 +36,9 @@ class Loading(Evicting):
         try:
             if warm:
                 self.host_tier.hold(entry.key)
-                need = max(entry.predicted_bytes, entry.measured_bytes)
+                # Restored as it was (KV cache included): the same bytes on any device.
+                size = max(entry.predicted_bytes, entry.measured_bytes)
+                need = dict.fromkeys(self._devices_for(entry), size)
                 prep_s = 0.0
             else:
                 start = time.perf_counter()
@@ -45,11 +47,13 @@ class Loading(Evicting):
                 entry.deployment = Deployment.resolve(
                     prepared.view.runtime_config, self._specs.get(entry.key.name), self._budgets
                 )
-                entry.predicted_bytes = need = await asyncio.to_thread(
-                    self.footprint.predict, prepared
-                )
+                budgets = {d: self._budgets[d] for d in self._devices_for(entry)}
+                need = await asyncio.to_thread(self.footprint.predict, prepared, budgets)
+                entry.predicted_bytes = max(need.values())
                 prep_s = time.perf_counter() - start
             device = entry.device = await self._claim_room(entry, need)
+            if not warm:
+                entry.predicted_bytes = need[device]
             start = time.perf_counter()
             if prepared is not None:
                 backend, measured = await asyncio.to_thread(
@@ -84,22 +88,26 @@ class Loading(Evicting):
         self._loaded(entry, device, source, load_s)
         return None
 
-    async def _claim_room(self, entry: Entry, need: int) -> str:
-        """Wait until `need` bytes are charged to `entry` on some device; returns the device.
+    def _devices_for(self, entry: Entry) -> list[str]:
+        """The devices `entry` may go to: the one its deployment names, else all."""
+        assert entry.deployment is not None
+        return [entry.deployment.device] if entry.deployment.device else list(self._budgets)
+
+    async def _claim_room(self, entry: Entry, need: dict[str, int]) -> str:
+        """Wait until `need[device]` bytes are charged to `entry` on some device; returns the
+        device.
 
         There is no deadline of its own: it waits as long as some request (or admin call)
         still waits for this load, each with its own timeout; when the last one gives up,
         `_wait_for_load` abandons the request and this raises NoRoom."""
-        assert entry.deployment is not None
-        devices = [entry.deployment.device] if entry.deployment.device else list(self._budgets)
-        feasibility(self, entry, need, devices)  # raises NoRoom when waiting cannot help
+        feasibility(self, entry, need)  # raises NoRoom when waiting cannot help
         prefer = entry.last_device if entry.key in self.host_tier else None
-        return await self._wait_for_room(entry, need, devices, prefer)
+        return await self._wait_for_room(entry, need, prefer)
 
     async def _wait_for_room(
-        self, entry: Entry, need: int, devices: list[str], prefer: str | None = None
+        self, entry: Entry, need: dict[str, int], prefer: str | None = None
     ) -> str:
-        req = self._broker.request(entry.key, need, devices, prefer)
+        req = self._broker.request(entry.key, need, prefer)
         entry.room = req
         try:
             self._pump()
@@ -119,7 +127,7 @@ class Loading(Evicting):
             return
         device = self.ledger.device_of(entry.key)
         assert device is not None
-        await self._wait_for_room(entry, extra, [device])
+        await self._wait_for_room(entry, {device: extra})
 
     def _loaded(self, entry: Entry, device: str, source: str, load_s: float) -> None:
         entry.device = entry.last_device = device

@@ -23,7 +23,7 @@ class Placement:
 
 
 def place(
-    need: int,
+    need: Mapping[str, int],
     devices: Sequence[str],
     free: Mapping[str, int],
     candidates: Callable[[str], list[Candidate]],
@@ -31,22 +31,24 @@ def place(
     *,
     prefer: str | None = None,
 ) -> Placement | None:
-    """The best placement of `need` bytes on one of `devices`, or None if no device can
-    make room now. `free` is each device's free bytes (including memory already being freed
+    """The best placement on one of `devices`, or None if no device can make room now.
+    `need[device]` is the model's footprint there (an LLM's KV cache may be a share of the
+    device's budget), `free` each device's free bytes (including memory already being freed
     for this model); `candidates(device)` lists what may be evicted there."""
     best: tuple[tuple[object, ...], Placement] | None = None
     for device in devices:
         available = free[device]
-        if need <= available:
-            rank: tuple[object, ...] = (0, device != prefer, 0.0, available - need)
+        n = need[device]
+        if n <= available:
+            rank: tuple[object, ...] = (0, device != prefer, 0.0, available - n)
             option = Placement(device)
         else:
-            victims = choose_victims(policy.order(candidates(device)), need - available)
+            victims = choose_victims(policy.order(candidates(device)), n - available)
             if victims is None:
                 continue
             freed = sum(v.nbytes for v in victims)
             cost = sum(v.reload_s for v in victims)
-            rank = (1, device != prefer, cost, available + freed - need)
+            rank = (1, device != prefer, cost, available + freed - n)
             option = Placement(device, tuple(victims))
         if best is None or rank < best[0]:
             best = (rank, option)

@@ -11,7 +11,7 @@ residency), so an operator can act on the 503.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from hub.manager.state import Entry, ModelState
@@ -30,30 +30,37 @@ class NoRoom(Exception):
         self.code = code
 
 
-def feasibility(core: ManagerCore, entry: Entry, need: int, devices: Sequence[str]) -> None:
-    """Raise NoRoom when no device in `devices` could ever hold `need` bytes for `entry`
-    without evicting a pinned model."""
+def feasibility(core: ManagerCore, entry: Entry, need: Mapping[str, int]) -> None:
+    """Raise NoRoom when no device could ever hold `need[device]` bytes for `entry` without
+    evicting a pinned model."""
     ledger = core.ledger
-    if all(need > ledger.budget(d) for d in devices):
-        budgets = ", ".join(f"{d} {format_bytes(ledger.budget(d))}" for d in devices)
+    if all(n > ledger.budget(d) for d, n in need.items()):
+        budgets = ", ".join(f"{d} {format_bytes(ledger.budget(d))}" for d in need)
         raise NoRoom(
-            f"{entry.key} needs {format_bytes(need)}, more than the whole budget of any device "
+            f"{entry.key} needs {needs_text(need)}, more than the whole budget of any device "
             f"it may use ({budgets}); raise the budget or place it on a larger device",
             code="too_large",
         )
     room = {}
-    for d in devices:
+    for d in need:
         pinned = sum(
             n for k, n in ledger.charges(d).items() if k != entry.key and core.is_pinned(k)
         )
         room[d] = ledger.budget(d) - pinned
-    if all(need > r for r in room.values()):
-        held = "; ".join(_holders(core, entry, d, pinned_only=True) for d in devices)
+    if all(need[d] > r for d, r in room.items()):
+        held = "; ".join(_holders(core, entry, d, pinned_only=True) for d in need)
         raise NoRoom(
-            f"{entry.key} needs {format_bytes(need)} but pinned models leave too little room "
+            f"{entry.key} needs {needs_text(need)} but pinned models leave too little room "
             f"({held}); unpin a model or raise the budget",
             code="pinned_full",
         )
+
+
+def needs_text(need: Mapping[str, int]) -> str:
+    """'40.0 MiB', or '40.0 MiB on cpu, 1.2 GiB on cuda:0' when it differs by device."""
+    if len(set(need.values())) == 1:
+        return format_bytes(next(iter(need.values())))
+    return ", ".join(f"{format_bytes(n)} on {d}" for d, n in need.items())
 
 
 def describe_room(core: ManagerCore, entry: Entry) -> str:
@@ -65,7 +72,7 @@ def describe_room(core: ManagerCore, entry: Entry) -> str:
     parts = []
     for d in devices:
         parts.append(
-            f"on {d}: needs {format_bytes(req.need)}, {format_bytes(core.ledger.free(d))} free "
+            f"on {d}: needs {format_bytes(req.need[d])}, {format_bytes(core.ledger.free(d))} free "
             f"of {format_bytes(core.ledger.budget(d))}, {_holders(core, entry, d)}"
         )
     return "; " + "; ".join(parts)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from hub.manager.eviction import Candidate, EvictionPolicy
@@ -30,7 +30,8 @@ from hub.manager.state import ModelKey
 @dataclass(eq=False)
 class RoomRequest:
     key: ModelKey
-    need: int
+    # Bytes it needs on each device it may go to.
+    need: Mapping[str, int]
     # Devices it may go to, and the one it prefers (where its warm copy came from).
     devices: tuple[str, ...]
     prefer: str | None
@@ -53,10 +54,11 @@ class RoomBroker:
         return [r for r in self._pending if not r.granted.done()]
 
     def request(
-        self, key: ModelKey, need: int, devices: Sequence[str], prefer: str | None = None
+        self, key: ModelKey, need: Mapping[str, int], prefer: str | None = None
     ) -> RoomRequest:
+        """Ask for `need[device]` bytes on one of `need`'s devices."""
         granted: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        req = RoomRequest(key, need, tuple(devices), prefer, granted)
+        req = RoomRequest(key, dict(need), tuple(need), prefer, granted)
         self._pending.append(req)
         return req
 
@@ -113,9 +115,10 @@ class RoomBroker:
             if plan is None:
                 continue
             device = plan.device
-            if not plan.victims and free[device] >= req.need:
-                self.ledger.reserve(req.key, device, req.need)
-                free[device] -= req.need
+            need = req.need[device]
+            if not plan.victims and free[device] >= need:
+                self.ledger.reserve(req.key, device, need)
+                free[device] -= need
                 self._pending.remove(req)
                 req.granted.set_result(device)
                 continue
@@ -127,5 +130,5 @@ class RoomBroker:
             # The victims bring their bytes later; what they do not cover comes out of the
             # memory free now, kept from the requests behind this one.
             coming = incoming + sum(v.nbytes for v in plan.victims)
-            free[device] -= max(0, req.need - coming)
+            free[device] -= max(0, need - coming)
         return evictions

@@ -5,6 +5,7 @@ its name, so placement, eviction, the host tier and restores act on real allocat
 Runtime config keys of a fake model: `bytes` (its footprint), `predict` (what it claims
 before loading; default `bytes`), `fail` (its load raises), `load_seconds` (a slow load),
 `offload_seconds` (a slow offload),
+`cache_fraction` (a cache sized as that share of the device budget, like an LLM's KV cache),
 plus the manager's own `keep_alive`, `pin`, `device`.
 """
 
@@ -36,8 +37,15 @@ class FakeBackend(Backend):
         self._parked: ParkedWeights | None = None
 
     @classmethod
-    def predict_memory(cls, artifact_dir: Path, runtime_config: Mapping[str, Any]) -> int:
-        return int(runtime_config.get("predict", runtime_config["bytes"]))
+    def predict_memory(
+        cls,
+        artifact_dir: Path,
+        runtime_config: Mapping[str, Any],
+        *,
+        device_budget_bytes: int | None = None,
+    ) -> int:
+        cache = int(runtime_config.get("cache_fraction", 0) * (device_budget_bytes or 0))
+        return int(runtime_config.get("predict", runtime_config["bytes"])) + cache
 
     def load(self, artifact_dir: Path, device: str, dtype: torch.dtype | None = None) -> None:
         config = self.context.runtime_config
@@ -50,6 +58,10 @@ class FakeBackend(Backend):
         values = torch.empty(int(config["bytes"]) // 4).fill_(seed)
         values[:4096] = torch.arange(min(4096, values.numel())) * seed
         module.weight = torch.nn.Parameter(values.to(device), requires_grad=False)
+        # A cache sized as a share of the device's budget, as an LLM's KV cache can be.
+        fraction = float(config.get("cache_fraction", 0))
+        cache_bytes = int(fraction * (self.context.device_budget_bytes or 0))
+        module.register_buffer("cache", torch.zeros(cache_bytes, dtype=torch.uint8))
         self.module = module
         self._device = device
 
@@ -87,9 +99,12 @@ class FakeBackend(Backend):
 class FakePrepared:
     view: Any
     config: dict[str, Any]
+    backend_cls: type[FakeBackend] = FakeBackend
 
-    def predict_memory(self) -> int:
-        return FakeBackend.predict_memory(Path("."), self.config)
+    def predict_memory(self, device_budget_bytes: int | None = None) -> int:
+        return FakeBackend.predict_memory(
+            Path("."), self.config, device_budget_bytes=device_budget_bytes
+        )
 
 
 @dataclass
@@ -112,7 +127,10 @@ class FakeLoader:
         self, prepared: FakePrepared, device: str, device_budget: int | None = None
     ) -> Backend:
         view = prepared.view
-        backend = FakeBackend(BackendContext(view.name, str(view.version), prepared.config))
+        context = BackendContext(
+            view.name, str(view.version), prepared.config, device_budget_bytes=device_budget
+        )
+        backend = FakeBackend(context)
         with self._lock:
             key = ModelKey(view.name, view.version)
             self.loads[key] = self.loads.get(key, 0) + 1

@@ -72,12 +72,17 @@ def test_place_prefers_a_fit_then_the_warm_device_then_best_fit() -> None:
     free = {"cpu": 100 * MiB, "cuda:0": 60 * MiB, "cuda:1": 500 * MiB}
     devices = list(free)
     nothing: dict[str, list[Candidate]] = {d: [] for d in devices}
-    plan = place(50 * MiB, devices, free, nothing.__getitem__, policy)
+    need = dict.fromkeys(devices, 50 * MiB)
+    plan = place(need, devices, free, nothing.__getitem__, policy)
     assert plan is not None and plan.device == "cuda:0" and not plan.victims  # tightest fit
-    plan = place(50 * MiB, devices, free, nothing.__getitem__, policy, prefer="cuda:1")
+    plan = place(need, devices, free, nothing.__getitem__, policy, prefer="cuda:1")
     assert plan is not None and plan.device == "cuda:1"  # where its warm copy came from
+    # A footprint that depends on the device (a KV cache sized by the budget) changes the fit.
+    plan = place({**need, "cuda:0": 70 * MiB}, devices, free, nothing.__getitem__, policy)
+    assert plan is not None and plan.device == "cpu"
     full = {"cpu": 0, "cuda:0": 10 * MiB}
     victims = {"cpu": [cand("x", 80, 1.0, reload_s=5.0)], "cuda:0": [cand("y", 80, 1.0)]}
-    plan = place(50 * MiB, list(full), full, victims.__getitem__, policy)
+    plan = place(dict.fromkeys(full, 50 * MiB), list(full), full, victims.__getitem__, policy)
     assert plan is not None and plan.device == "cuda:0" and names(list(plan.victims)) == ["y"]
-    assert place(500 * MiB, list(full), full, victims.__getitem__, policy) is None
+    huge = dict.fromkeys(full, 500 * MiB)
+    assert place(huge, list(full), full, victims.__getitem__, policy) is None

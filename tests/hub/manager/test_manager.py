@@ -220,3 +220,12 @@ async def test_unknown_device_in_the_runtime_config_fails_with_the_reason(
     with pytest.raises(Unavailable) as e:
         await manager.load("a", 1)
     assert "cuda:7" in e.value.message and "not configured" in e.value.message
+
+
+async def test_a_footprint_sized_by_the_device_budget_is_predicted_for_that_device(
+    make_manager: MakeManager,
+) -> None:
+    manager, _ = make_manager({"a": {"bytes": 10 * MiB, "cache_fraction": 0.25}}, budget_mib=80)
+    status = await manager.load("a", 1)
+    assert status.predicted_bytes == 30 * MiB  # 10 MiB of weights + a quarter of 80 MiB
+    assert status.measured_bytes == 30 * MiB and manager.ledger.used("cpu") == 30 * MiB
