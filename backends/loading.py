@@ -162,9 +162,11 @@ def load_pretrained(
     dtype: torch.dtype | None = None,
     *,
     trust_remote_code: bool = False,
+    attn_implementation: str | None = None,
 ) -> Any:
     """A transformers model of `auto_class` (`AutoModelForCausalLM`, ...) from a verified
-    folder, on `device`, in `dtype` (None: the checkpoint's).
+    folder, on `device`, in `dtype` (None: the checkpoint's), with `attn_implementation`
+    when given (a registered attention function, as for `from_pretrained`).
 
     The fast path builds the architecture with `skip_parameter_init`, reads the safetensors
     files straight onto `device` and assigns their tensors (no copy into preallocated
@@ -175,6 +177,9 @@ def load_pretrained(
     from transformers import AutoConfig
 
     files = require_safe_weights(artifact_dir)
+    options: dict[str, Any] = {"trust_remote_code": trust_remote_code}
+    if attn_implementation is not None:
+        options["attn_implementation"] = attn_implementation
     try:
         config = AutoConfig.from_pretrained(
             str(artifact_dir), local_files_only=True, trust_remote_code=trust_remote_code
@@ -184,10 +189,10 @@ def load_pretrained(
     try:
         if getattr(config, "quantization_config", None) is not None:
             raise _NeedsReferenceLoader("the checkpoint is quantised")
-        model = _load_assigned(auto_class, config, files, device, dtype, trust_remote_code)
+        model = _load_assigned(auto_class, config, files, device, dtype, options)
     except _NeedsReferenceLoader as why:
         log.info("loading %s with from_pretrained: %s", artifact_dir, why)
-        model = _load_reference(auto_class, artifact_dir, device, dtype, trust_remote_code)
+        model = _load_reference(auto_class, artifact_dir, device, dtype, options)
     generation_config = artifact_dir / "generation_config.json"
     if generation_config.is_file() and hasattr(model, "generation_config"):
         from transformers import GenerationConfig
@@ -204,12 +209,18 @@ def load_causal_lm(
     dtype: torch.dtype | None = None,
     *,
     trust_remote_code: bool = False,
+    attn_implementation: str | None = None,
 ) -> Any:
     """A causal LM (`AutoModelForCausalLM`) loaded by `load_pretrained`."""
     from transformers import AutoModelForCausalLM
 
     return load_pretrained(
-        AutoModelForCausalLM, artifact_dir, device, dtype, trust_remote_code=trust_remote_code
+        AutoModelForCausalLM,
+        artifact_dir,
+        device,
+        dtype,
+        trust_remote_code=trust_remote_code,
+        attn_implementation=attn_implementation,
     )
 
 
@@ -223,14 +234,14 @@ def _load_assigned(
     files: list[Path],
     device: str,
     dtype: torch.dtype | None,
-    trust_remote_code: bool,
+    options: dict[str, Any],
 ) -> Any:
     from safetensors.torch import load_file
 
     # Built on the CPU whatever the target: its uninitialised parameters are never touched,
     # so they cost no memory there, and the checkpoint's tensors land on `device` directly.
     with skip_parameter_init():
-        model = auto_class.from_config(config, trust_remote_code=trust_remote_code)
+        model = auto_class.from_config(config, **options)
     expected = set(model.state_dict().keys())
     prefix = getattr(model, "base_model_prefix", "")
     state: dict[str, torch.Tensor] = {}
@@ -279,7 +290,7 @@ def _load_reference(
     artifact_dir: Path,
     device: str,
     dtype: torch.dtype | None,
-    trust_remote_code: bool,
+    options: dict[str, Any],
 ) -> Any:
     try:
         model = auto_class.from_pretrained(
@@ -287,7 +298,7 @@ def _load_reference(
             dtype=dtype if dtype is not None else "auto",
             local_files_only=True,
             use_safetensors=True,
-            trust_remote_code=trust_remote_code,
+            **options,
         )
     except Exception as e:
         raise LoadError(f"cannot load {artifact_dir}: {e}") from e

@@ -33,6 +33,13 @@ def test_fast_load_matches_from_pretrained(tmp_path: Path, arch: str) -> None:
     assert model.generation_config.eos_token_id == reference.generation_config.eos_token_id
 
 
+def test_fast_load_takes_an_attention_implementation(tiny_llm_dir: Path) -> None:
+    model = load_causal_lm(tiny_llm_dir, "cpu", attn_implementation="eager")
+    assert model.config._attn_implementation == "eager"
+    reference = AutoModelForCausalLM.from_pretrained(tiny_llm_dir, attn_implementation="eager")
+    assert torch.equal(logits(model, [4, 5, 6]), logits(reference.eval(), [4, 5, 6]))
+
+
 def test_fast_load_casts_to_the_requested_dtype(tiny_llm_dir: Path) -> None:
     model = load_causal_lm(tiny_llm_dir, "cpu", torch.bfloat16)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
