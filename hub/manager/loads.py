@@ -77,7 +77,9 @@ class Loading(Evicting):
             return await self._load_failed(entry, e, source)
         entry.backend = backend
         entry.measured_bytes = measured
-        self.footprint.check_prediction(f"{entry.key} on {device}", entry.predicted_bytes, measured)
+        if not warm:
+            what = f"{entry.key} on {device}"
+            self.footprint.check_prediction(what, entry.predicted_bytes, measured)
         try:
             await self._settle(entry, max(entry.predicted_bytes, measured))
         except NoRoom as e:
