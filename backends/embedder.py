@@ -20,6 +20,7 @@ import torch
 from backends.base import Backend, ModelKind
 from backends.errors import BackendClosedError, InputError, LoadError
 from backends.loading import module_bytes, require_safe_weights, tensor_bytes_from_headers
+from backends.parking import ParkedWeights, park, release
 
 # Activations and the tokenizer on top of the weights: a small fixed allowance.
 _RUNTIME_OVERHEAD_BYTES = 32 * 1024 * 1024
@@ -43,6 +44,8 @@ class EmbedderBackend(Backend):
     def __init__(self, context: Any) -> None:
         super().__init__(context)
         self._model: Any = None  # sentence_transformers.SentenceTransformer
+        # The weights while offloaded: one host buffer, restored by one copy.
+        self._parked: ParkedWeights | None = None
         self._lock = asyncio.Lock()
 
     @classmethod
@@ -83,17 +86,33 @@ class EmbedderBackend(Backend):
         return int(self._require().max_seq_length)
 
     def memory_bytes(self) -> int:
-        return module_bytes(self._model) if self._model is not None else 0
+        if self._model is None or self._parked is not None:
+            return 0
+        return module_bytes(self._model)
+
+    def offload_bytes(self) -> int:
+        return module_bytes(self._require())
 
     def offload(self) -> None:
-        self._require().to("cpu")
-        self._device = "cpu"
+        if self._parked is None:
+            self._parked = park(self._require())
+            self._device = "cpu"
 
     def restore(self, device: str) -> None:
-        self._require().to(device)
+        model = self._require()
+        if self._parked is not None:
+            self._parked.restore(device)
+            self._parked = None
+        else:
+            model.to(device)
         self._device = device
 
     def unload(self) -> None:
+        if self._parked is not None:
+            self._parked.discard()
+        elif self._model is not None:
+            release(self._model)  # frees the weights now, cycles in the model or not
+        self._parked = None
         self._model = None
         self._device = None
 

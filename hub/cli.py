@@ -1,8 +1,8 @@
 """The `hub` command: serve, migrate, register and inspect models, manage keys and residency.
 
 Registry commands talk to the database and MLflow named by the config file; `hub load`,
-`hub unload`, `hub status`, `hub traffic`, `hub canary` and `hub readout` talk to a running hub
-over HTTP.
+`hub unload`, `hub pin`, `hub unpin`, `hub status`, `hub traffic`, `hub canary` and
+`hub readout` talk to a running hub over HTTP.
 """
 
 from __future__ import annotations
@@ -377,11 +377,32 @@ def unload(
 
 
 @app.command()
+def pin(name: str, version: str, url: UrlOpt = "http://127.0.0.1:8000", key: KeyOpt = None) -> None:
+    """Load VERSION of NAME if needed and pin it: never evicted until unpinned."""
+    typer.echo(json.dumps(_admin("POST", f"/admin/models/{name}/versions/{version}/pin", url, key)))
+
+
+@app.command()
+def unpin(
+    name: str, version: str, url: UrlOpt = "http://127.0.0.1:8000", key: KeyOpt = None
+) -> None:
+    """Unpin VERSION of NAME: evictable again, its keep-alive runs."""
+    typer.echo(
+        json.dumps(_admin("POST", f"/admin/models/{name}/versions/{version}/unpin", url, key))
+    )
+
+
+@app.command()
 def status(url: UrlOpt = "http://127.0.0.1:8000", key: KeyOpt = None) -> None:
-    """What a running hub has resident, and its devices."""
-    devices = _admin("GET", "/admin/devices", url, key)["devices"]
+    """What a running hub has resident, its devices and its host tier."""
+    devices = _admin("GET", "/admin/devices", url, key)
     models = _admin("GET", "/admin/models", url, key)
-    typer.echo(json.dumps({"devices": devices, "models": models}, indent=2))
+    typer.echo(
+        json.dumps(
+            {"devices": devices["devices"], "host_tier": devices["host_tier"], "models": models},
+            indent=2,
+        )
+    )
 
 
 def main() -> None:

@@ -4,7 +4,8 @@ drift between MLflow and SQL, and keeps configured models' serving versions load
 Every `registry.poll_interval` seconds — or at once when MLflow's webhook (or the hub's own
 promotion) kicks it — the reconciler repairs alias drift (recording MLflow's state in the
 audit log), refreshes the catalog the router serves from, and, when a model's serving version
-changed, preloads the new one if the model is configured with `preload` or `pin`. Requests in
+changed, preloads the new one if the model is configured with `preload` or `pin`; a `pin`
+moves with the serving version (the new one is pinned, the old one unpinned). Requests in
 flight keep the backend they acquired; the old version is left to the manager's keep-alive
 and eviction like any idle model.
 """
@@ -16,6 +17,7 @@ import contextlib
 import logging
 
 from hub.catalog import Catalog
+from hub.errors import NotFound
 from hub.manager import ModelManager
 from hub.metrics import HubMetrics
 from registry.drift import Drift, find_drift
@@ -36,6 +38,7 @@ class Reconciler:
         poll_interval: float,
         version_check_every: int = 10,
         keep_loaded: frozenset[str] = frozenset(),
+        pinned: frozenset[str] = frozenset(),
     ) -> None:
         self.registry = registry
         self.catalog = catalog
@@ -43,7 +46,8 @@ class Reconciler:
         self.metrics = metrics
         self.poll_interval = poll_interval
         self.version_check_every = max(1, version_check_every)
-        self.keep_loaded = keep_loaded
+        self.keep_loaded = keep_loaded | pinned
+        self.pinned = pinned
         self.drift: list[Drift] = []
         self.last_error: str | None = None
         # Completed reconcile passes; tests and probes use it as a logical clock.
@@ -119,12 +123,21 @@ class Reconciler:
                 continue
             log.info("%s is now served by v%s (was v%s)", name, now, was)
             if name in self.keep_loaded:
-                task = asyncio.create_task(self._preload(name, now), name=f"preload {name}@{now}")
+                task = asyncio.create_task(
+                    self._preload(name, now, was), name=f"preload {name}@{now}"
+                )
                 self._followups.add(task)
                 task.add_done_callback(self._followups.discard)
 
-    async def _preload(self, name: str, version: int) -> None:
+    async def _preload(self, name: str, version: int, was: int | None) -> None:
         try:
-            await self.manager.load(name, version)
+            if name not in self.pinned:
+                await self.manager.load(name, version)
+                return
+            await self.manager.pin(name, version)
+            if was is not None:
+                # The version no longer served becomes evictable like any idle model.
+                with contextlib.suppress(NotFound):
+                    await self.manager.unpin(name, was)
         except Exception as e:
             log.error("preloading %s v%d after its alias moved failed: %s", name, version, e)

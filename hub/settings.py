@@ -14,7 +14,15 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, ValidationError
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    model_validator,
+)
 from pydantic import field_validator as validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
@@ -84,8 +92,15 @@ class ModelSpec(_Section):
     aliases: list[str] = Field(default_factory=list)
     config: dict[str, Any] = Field(default_factory=dict)
     description: str = ""
+    # Load at start; `pin` also pins the serving version (never evicted), and the pin moves
+    # with the production alias.
     preload: bool = False
     pin: bool = False
+    # How long it stays resident once idle (a duration, 0, or -1 forever); default: the
+    # manager's. A version's runtime config `keep_alive` wins over this.
+    keep_alive: Seconds | None = None
+    # The device it must be placed on (one of `devices`); default: placement chooses.
+    device: str | None = None
 
 
 class ManagerSettings(_Section):
@@ -97,6 +112,15 @@ class ManagerSettings(_Section):
     keep_alive: Seconds = 300.0
     # Seconds suggested to clients in Retry-After when capacity is short.
     retry_after: Seconds = 2.0
+    # Which idle models go first when a load needs room: GreedyDual-Size-Frequency (recency
+    # weighted by reload cost per byte and use), least recently used, or largest first.
+    eviction_policy: Literal["gdsf", "lru", "largest"] = "gdsf"
+    # A model is not evicted for room until it has been resident this long (churn protection).
+    min_residency: Annotated[float, BeforeValidator(parse_duration), Field(ge=0)] = 1.0
+    # Added to every predicted footprint (allocator rounding, workspaces, CUDA context share).
+    load_overhead_bytes: ByteSize = 0
+    # The longest the keep-alive timer sleeps between checks (it also wakes on every change).
+    idle_check_interval: Annotated[float, BeforeValidator(parse_duration), Field(gt=0)] = 5.0
 
 
 class RegistrySettings(_Section):
@@ -170,6 +194,17 @@ class HubSettings(BaseSettings):
     trust_remote_code: bool = False
     # Where builtin:<name> demo models are built.
     demo_dir: Path = Path(".hub/demo")
+
+    @model_validator(mode="after")
+    def _model_devices_exist(self) -> HubSettings:
+        names = {d.name for d in self.devices}
+        for i, spec in enumerate(self.models):
+            if spec.device is not None and spec.device not in names:
+                raise ValueError(
+                    f"models.{i} ({spec.name}) asks for device {spec.device!r}, which is not in "
+                    f"devices ({', '.join(sorted(names))})"
+                )
+        return self
 
     @validator("devices")
     @classmethod

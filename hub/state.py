@@ -66,7 +66,14 @@ class Hub:
             trust_remote_code=settings.trust_remote_code,
         )
         devices = [Device.from_settings(d) for d in settings.devices]
-        manager = ModelManager(settings.manager, devices, loader, metrics)
+        manager = ModelManager(
+            settings.manager,
+            devices,
+            loader,
+            metrics,
+            host_cache_budget=settings.host_cache_budget,
+            model_specs={spec.name: spec for spec in settings.models},
+        )
         reg = settings.registry
         reconciler = Reconciler(
             registry,
@@ -75,7 +82,8 @@ class Hub:
             metrics,
             poll_interval=reg.poll_interval,
             version_check_every=reg.version_check_every,
-            keep_loaded=frozenset(m.name for m in settings.models if m.preload or m.pin),
+            keep_loaded=frozenset(m.name for m in settings.models if m.preload),
+            pinned=frozenset(m.name for m in settings.models if m.pin),
         )
         gate = ValidationGate(manager, reg.gate_timeout)
         secret = reg.webhook_secret.get_secret_value() if reg.webhook_secret else None
@@ -113,6 +121,7 @@ class Hub:
         await self.reconciler.reconcile(check_versions=True)
         self.reconciler.start()
         await self.traffic.start()
+        self.manager.start()
         self.ready = True
         preload = [m for m in self.settings.models if m.preload or m.pin]
         if preload:
@@ -169,6 +178,9 @@ class Hub:
                 continue
             try:
                 route = self.router.route(spec.name)
-                await self.manager.load(route.name, route.version)
+                if spec.pin:
+                    await self.manager.pin(route.name, route.version)
+                else:
+                    await self.manager.load(route.name, route.version)
             except Exception as e:
                 log.error("preloading %s failed: %s", spec.name, e)
