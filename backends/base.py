@@ -66,7 +66,11 @@ class Backend(abc.ABC):
     @classmethod
     @abc.abstractmethod
     def predict_memory(cls, artifact_dir: Path, runtime_config: Mapping[str, Any]) -> int:
-        """Bytes the model will take on its device once loaded, before loading anything."""
+        """Bytes the model will take on its device once loaded, before loading anything.
+
+        A backend whose footprint depends on the device (an LLM's KV cache given as a share
+        of the budget) may take a keyword `device_budget_bytes: int | None = None`; the
+        manager then asks once per candidate device and passes that device's budget."""
 
     @abc.abstractmethod
     def load(self, artifact_dir: Path, device: str, dtype: torch.dtype | None = None) -> None:
@@ -78,7 +82,17 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def offload(self) -> None:
-        """Move the weights to host memory and release device memory; work must be idle."""
+        """Move the weights to host memory and release device memory; work must be idle.
+
+        The manager keeps offloaded backends in its warm tier, so `restore` must bring back
+        exactly the model that was offloaded (same outputs). `backends.parking` packs a module
+        into one host buffer and restores it with one copy."""
+
+    def offload_bytes(self) -> int:
+        """Host bytes `offload()` will hold, asked before offloading so the manager can make
+        room in its warm tier. Default: `memory_bytes()`, an upper bound for backends that
+        drop caches (a KV cache) on offload; such backends should return the weights alone."""
+        return self.memory_bytes()
 
     @abc.abstractmethod
     def restore(self, device: str) -> None:
@@ -86,7 +100,10 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def unload(self) -> None:
-        """Drop every reference to the weights; later work raises BackendClosedError."""
+        """Drop every reference to the weights; later work raises BackendClosedError.
+
+        Models hold reference cycles, so dropping references alone frees nothing until the
+        garbage collector runs: empty the tensors first (`backends.parking.release`)."""
 
     async def aclose(self) -> None:  # noqa: B027 - optional hook, most backends need nothing
         """Stop background workers (queues, threads) before `unload`; default: nothing."""

@@ -3,9 +3,10 @@
 An encoder backend is a sentence-transformers model (its module pipeline), an
 `EncoderTokenizer` and a `DynamicBatcher` whose threads run the two. Subclasses load the model
 and build their stages; this base class starts the batcher and implements the rest of the
-`Backend` lifecycle: measured memory, offload and restore (the batcher's threads stay up, idle,
-and the next batch runs on the new device), `aclose` and `unload` (the threads stop and work
-still queued fails with BackendClosedError).
+`Backend` lifecycle: measured memory, offload (the weights parked in one host buffer,
+`backends.parking`) and restore (one copy back; the batcher's threads stay up, idle, and the
+next batch runs on the restored device), `aclose` and `unload` (the threads stop, work still
+queued fails with BackendClosedError, the weights are freed at once).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from backends.batch_metrics import BatchMetrics
 from backends.batching import DynamicBatcher
 from backends.errors import BackendClosedError, LoadError
 from backends.loading import module_bytes, require_safe_weights, tensor_bytes_from_headers
+from backends.parking import ParkedWeights, park, release
 from backends.tokenization import Encoded, EncoderTokenizer
 
 # Activations and the tokenizer on top of the weights: a small fixed allowance.
@@ -64,6 +66,8 @@ class BatchedEncoderBackend(Backend, Generic[P, R]):
             raise LoadError(f"{context.model} v{context.version}: {e}") from e
         self._stages: EncoderStages[P, R] | None = None
         self._batcher: DynamicBatcher[P, Encoded, R] | None = None
+        # The weights while offloaded: one host buffer, restored by one copy.
+        self._parked: ParkedWeights | None = None
 
     @classmethod
     def predict_memory(cls, artifact_dir: Path, runtime_config: Mapping[str, Any]) -> int:
@@ -71,21 +75,36 @@ class BatchedEncoderBackend(Backend, Generic[P, R]):
         return tensor_bytes_from_headers(files) + _RUNTIME_OVERHEAD_BYTES
 
     @property
+    def model(self) -> torch.nn.Module:
+        """The loaded sentence-transformers model (its module pipeline)."""
+        return self._require().model
+
+    @property
     def max_tokens(self) -> int:
         """Tokens one input may have, special tokens included, before it is truncated."""
         return self._require().tokenizer.max_length
 
     def memory_bytes(self) -> int:
-        return module_bytes(self._stages.model) if self._stages is not None else 0
+        if self._stages is None or self._parked is not None:
+            return 0
+        return module_bytes(self._stages.model)
+
+    def offload_bytes(self) -> int:
+        return module_bytes(self._require().model)
 
     def offload(self) -> None:
         stages = self._require()
-        stages.model.to("cpu")
-        self._device = stages.device = "cpu"
+        if self._parked is None:
+            self._parked = park(stages.model)
+            self._device = stages.device = "cpu"
 
     def restore(self, device: str) -> None:
         stages = self._require()
-        stages.model.to(device)
+        if self._parked is not None:
+            self._parked.restore(device)
+            self._parked = None
+        else:
+            stages.model.to(device)
         self._device = stages.device = device
 
     async def aclose(self) -> None:
@@ -96,6 +115,11 @@ class BatchedEncoderBackend(Backend, Generic[P, R]):
     def unload(self) -> None:
         if self._batcher is not None:
             self._batcher.close()
+        if self._parked is not None:
+            self._parked.discard()
+        elif self._stages is not None:
+            release(self._stages.model)  # frees the weights now, cycles in the model or not
+        self._parked = None
         self._batcher = None
         self._stages = None
         self._device = None

@@ -12,6 +12,10 @@ def backend_class(kind: ModelKind | str) -> type[Backend]:
         from backends.embedder import EmbedderBackend
 
         return EmbedderBackend
+    if kind is ModelKind.LLM:
+        from backends.llm.backend import LLMBackend
+
+        return LLMBackend
     if kind is ModelKind.RERANKER:
         from backends.reranker import RerankerBackend
 

@@ -2,17 +2,26 @@
 
 Weights are read from safetensors only; a folder holding only pickle checkpoints (`*.bin`,
 `*.pt`, `*.pth`, `*.ckpt`) is refused unless the deployment explicitly allows pickle.
+`load_pretrained` / `load_causal_lm` bring a transformers model up at close to the cost of
+`safetensors.torch.load_file` plus building the module tree (no random initialisation of
+weights that are overwritten right after); `benchmarks/swap.py` measures the gap.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+import logging
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
+from torch.overrides import TorchFunctionMode
 
 from backends.errors import LoadError
+
+log = logging.getLogger(__name__)
 
 PICKLE_SUFFIXES = frozenset({".bin", ".pt", ".pth", ".ckpt", ".pkl"})
 
@@ -99,3 +108,198 @@ def module_bytes(module: torch.nn.Module) -> int:
         seen.add(key)
         total += storage.nbytes()
     return total
+
+
+# In-place writes that modules make to their parameters while being built: initialisation.
+_INIT_WRITES = frozenset(
+    {
+        "uniform_", "normal_", "trunc_normal_", "fill_", "zero_", "copy_", "random_",
+        "exponential_", "log_normal_", "cauchy_", "geometric_", "bernoulli_", "erfinv_",
+        "mul_", "div_", "add_", "sub_", "clamp_", "constant_", "ones_", "zeros_", "eye_",
+        "dirac_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_",
+        "orthogonal_", "sparse_",
+    }
+)  # fmt: skip
+
+
+class _SkipParameterInit(TorchFunctionMode):
+    """Skips initialisation writes to parameters; everything else runs as usual."""
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        # torch.nn.init functions pass their tensor by keyword when dispatching here.
+        target = args[0] if args else kwargs.get("tensor")
+        if isinstance(target, torch.nn.Parameter) and getattr(func, "__name__", "") in _INIT_WRITES:
+            return target
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def skip_parameter_init() -> Iterator[None]:
+    """Build modules without initialising their parameters.
+
+    Parameters are allocated but never written (untouched pages cost nothing on the CPU), and
+    are replaced right after by the checkpoint's tensors; buffers (a rotary embedding's
+    `inv_freq`, absent from checkpoints) are computed as usual. It is a torch function mode,
+    so it is local to the calling thread: models built concurrently in other threads (a load
+    running beside this one) are unaffected, unlike the global patches of `torch.nn.init` that
+    meta-device loaders use.
+    """
+    with _SkipParameterInit():
+        yield
+
+
+def load_pretrained(
+    auto_class: Any,
+    artifact_dir: Path,
+    device: str,
+    dtype: torch.dtype | None = None,
+    *,
+    trust_remote_code: bool = False,
+    attn_implementation: str | None = None,
+) -> Any:
+    """A transformers model of `auto_class` (`AutoModelForCausalLM`, ...) from a verified
+    folder, on `device`, in `dtype` (None: the checkpoint's), with `attn_implementation`
+    when given (a registered attention function, as for `from_pretrained`).
+
+    The fast path builds the architecture with `skip_parameter_init`, reads the safetensors
+    files straight onto `device` and assigns their tensors (no copy into preallocated
+    parameters), so a load costs about `load_file` plus building the module tree.
+    Checkpoints it cannot map one to one (renamed keys, quantisation) go through
+    `from_pretrained`, the reference path, with the reason logged.
+    """
+    from transformers import AutoConfig
+
+    files = require_safe_weights(artifact_dir)
+    options: dict[str, Any] = {"trust_remote_code": trust_remote_code}
+    if attn_implementation is not None:
+        options["attn_implementation"] = attn_implementation
+    try:
+        config = AutoConfig.from_pretrained(
+            str(artifact_dir), local_files_only=True, trust_remote_code=trust_remote_code
+        )
+    except Exception as e:
+        raise LoadError(f"cannot read the model config in {artifact_dir}: {e}") from e
+    try:
+        if getattr(config, "quantization_config", None) is not None:
+            raise _NeedsReferenceLoader("the checkpoint is quantised")
+        model = _load_assigned(auto_class, config, files, device, dtype, options)
+    except _NeedsReferenceLoader as why:
+        log.info("loading %s with from_pretrained: %s", artifact_dir, why)
+        model = _load_reference(auto_class, artifact_dir, device, dtype, options)
+    generation_config = artifact_dir / "generation_config.json"
+    if generation_config.is_file() and hasattr(model, "generation_config"):
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(str(artifact_dir))
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def load_causal_lm(
+    artifact_dir: Path,
+    device: str,
+    dtype: torch.dtype | None = None,
+    *,
+    trust_remote_code: bool = False,
+    attn_implementation: str | None = None,
+) -> Any:
+    """A causal LM (`AutoModelForCausalLM`) loaded by `load_pretrained`."""
+    from transformers import AutoModelForCausalLM
+
+    return load_pretrained(
+        AutoModelForCausalLM,
+        artifact_dir,
+        device,
+        dtype,
+        trust_remote_code=trust_remote_code,
+        attn_implementation=attn_implementation,
+    )
+
+
+class _NeedsReferenceLoader(Exception):
+    """The fast path cannot load this checkpoint faithfully; use from_pretrained."""
+
+
+def _load_assigned(
+    auto_class: Any,
+    config: Any,
+    files: list[Path],
+    device: str,
+    dtype: torch.dtype | None,
+    options: dict[str, Any],
+) -> Any:
+    from safetensors.torch import load_file
+
+    # Built on the CPU whatever the target: its uninitialised parameters are never touched,
+    # so they cost no memory there, and the checkpoint's tensors land on `device` directly.
+    with skip_parameter_init():
+        model = auto_class.from_config(config, **options)
+    expected = set(model.state_dict().keys())
+    prefix = getattr(model, "base_model_prefix", "")
+    state: dict[str, torch.Tensor] = {}
+    for path in files:
+        for key, tensor in load_file(str(path), device=device).items():
+            name = _model_key(key, expected, prefix)
+            if name is None:
+                continue  # not part of this architecture (e.g. a stale rotary buffer)
+            if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
+                tensor = tensor.to(dtype)
+            state[name] = tensor
+    loaded = {t.data_ptr() for t in state.values()}
+    result = model.load_state_dict(state, strict=False, assign=True)
+    del state
+    model.tie_weights()
+    # A weight the checkpoint lacks is fine only when tying made it share a loaded tensor.
+    untied = [k for k in result.missing_keys if _tensor(model, k).data_ptr() not in loaded]
+    if untied:
+        raise _NeedsReferenceLoader(f"{len(untied)} weights not in the checkpoint ({untied[:3]})")
+    # Buffers computed at build time (rotary tables) sit on the CPU; bring them along.
+    if torch.device(device).type != "cpu":
+        model.to(device)
+    return model
+
+
+def _tensor(model: torch.nn.Module, name: str) -> torch.Tensor:
+    try:
+        return model.get_parameter(name)
+    except AttributeError:
+        return model.get_buffer(name)
+
+
+def _model_key(key: str, expected: set[str], prefix: str) -> str | None:
+    """The model's name for checkpoint key `key`: as is, with or without the base prefix."""
+    if key in expected:
+        return key
+    if prefix and f"{prefix}.{key}" in expected:
+        return f"{prefix}.{key}"
+    if prefix and key.startswith(prefix + ".") and key[len(prefix) + 1 :] in expected:
+        return key[len(prefix) + 1 :]
+    return None
+
+
+def _load_reference(
+    auto_class: Any,
+    artifact_dir: Path,
+    device: str,
+    dtype: torch.dtype | None,
+    options: dict[str, Any],
+) -> Any:
+    try:
+        model = auto_class.from_pretrained(
+            str(artifact_dir),
+            dtype=dtype if dtype is not None else "auto",
+            local_files_only=True,
+            use_safetensors=True,
+            **options,
+        )
+    except Exception as e:
+        raise LoadError(f"cannot load {artifact_dir}: {e}") from e
+    return model.to(device)

@@ -11,10 +11,22 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from hub import __version__
-from hub.api import admin_models, dashboard, embeddings, health, models, registry, rerank
+from hub.api import (
+    admin_models,
+    completions,
+    dashboard,
+    embeddings,
+    health,
+    models,
+    registry,
+    rerank,
+    webhooks,
+)
+from hub.api import traffic as traffic_api
 from hub.api.errors import install_error_handlers
 from hub.settings import HubSettings
 from hub.state import Hub
+from hub.traffic.in_flight import InFlightMiddleware
 
 log = logging.getLogger(__name__)
 
@@ -23,12 +35,19 @@ def _announce(hub: Hub) -> None:
     host = hub.settings.host if hub.settings.host not in ("0.0.0.0", "::") else "127.0.0.1"
     base = f"http://{host}:{hub.settings.port}"
     embedders = [m.name for m in hub.catalog.snapshot.models.values() if m.kind == "embedder"]
+    llms = [m.name for m in hub.catalog.snapshot.models.values() if m.kind == "llm"]
     lines = [f"Model Hub is serving at {base}  (dashboard: {base}/)"]
-    if embedders:
+    if embedders or llms:
         lines.append("Try:")
+    if embedders:
         lines.append(
             f"  curl -s {base}/v1/embeddings -H 'Content-Type: application/json' "
             f'-d \'{{"model": "{embedders[0]}", "input": ["hello world"]}}\''
+        )
+    if llms:
+        lines.append(
+            f"  curl -s {base}/v1/chat/completions -H 'Content-Type: application/json' "
+            f'-d \'{{"model": "{llms[0]}", "messages": [{{"role": "user", "content": "Hi"}}]}}\''
         )
     print("\n".join(lines), flush=True)
 
@@ -56,6 +75,9 @@ def create_app(settings: HubSettings, *, announce: bool = False) -> FastAPI:
         lifespan=lifespan,
     )
     install_error_handlers(app)
-    for module in (health, models, embeddings, rerank, admin_models, registry, dashboard):
+    app.add_middleware(InFlightMiddleware)  # shadow traffic waits for idle moments
+    routers = (health, models, embeddings, rerank, completions, admin_models, registry, webhooks)
+    for module in (*routers, dashboard):
         app.include_router(module.router)
+    app.include_router(traffic_api.router)
     return app

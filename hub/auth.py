@@ -19,11 +19,12 @@ class Authenticator:
     def __init__(self, settings: AuthSettings, keys: ApiKeys) -> None:
         self.settings = settings
         self.keys = keys
-        self._cache: dict[str, tuple[str | None, float]] = {}
+        self._cache: dict[str, tuple[tuple[str, str] | None, float]] = {}
 
-    async def check(self, authorization: str | None, api_key: str | None, *, admin: bool) -> None:
+    async def check(self, authorization: str | None, api_key: str | None, *, admin: bool) -> str:
+        """The caller's name (the key's name; "anonymous" with auth off) once allowed."""
         if not self.settings.enabled:
-            return
+            return "anonymous"
         key = api_key
         if authorization:
             scheme, _, token = authorization.partition(" ")
@@ -34,21 +35,23 @@ class Authenticator:
                 "an API key is required: send `Authorization: Bearer <key>`",
                 headers={"WWW-Authenticate": "Bearer"},
             )
-        role = await self._role(key)
-        if role is None:
+        identity = await self._identity(key)
+        if identity is None:
             raise Unauthorized("invalid or revoked API key", headers={"WWW-Authenticate": "Bearer"})
+        name, role = identity
         if admin and role != "admin":
             raise Forbidden("this path needs an admin key")
+        return name
 
-    async def _role(self, key: str) -> str | None:
+    async def _identity(self, key: str) -> tuple[str, str] | None:
         bootstrap = self.settings.bootstrap_admin_key
         if bootstrap is not None and hmac.compare_digest(key, bootstrap.get_secret_value()):
-            return "admin"
+            return "bootstrap-admin", "admin"
         digest = hash_key(key)
         cached = self._cache.get(digest)
         now = time.monotonic()
         if cached is not None and now - cached[1] < CACHE_SECONDS:
             return cached[0]
-        role = await asyncio.to_thread(self.keys.verify, key)
-        self._cache[digest] = (role, now)
-        return role
+        identity = await asyncio.to_thread(self.keys.verify, key)
+        self._cache[digest] = (identity, now)
+        return identity

@@ -1,11 +1,13 @@
 """The `hub` command: serve, migrate, register and inspect models, manage keys and residency.
 
 Registry commands talk to the database and MLflow named by the config file; `hub load`,
-`hub unload` and `hub status` talk to a running hub over HTTP.
+`hub unload`, `hub pin`, `hub unpin`, `hub status`, `hub traffic`, `hub canary` and
+`hub readout` talk to a running hub over HTTP.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import sys
@@ -15,6 +17,7 @@ from typing import Annotated, Any
 import typer
 
 from hub.settings import CONFIG_ENV, HubSettings, SettingsError, load_settings
+from hub.traffic import cli as traffic_cli
 
 app = typer.Typer(
     help="Model Hub: serve many models (LLMs, embedders, rerankers) from one memory pool.",
@@ -25,6 +28,7 @@ db_app = typer.Typer(help="Schema migrations of the hub's own tables.", no_args_
 keys_app = typer.Typer(help="API keys (stored hashed).", no_args_is_help=True)
 app.add_typer(db_app, name="db")
 app.add_typer(keys_app, name="keys")
+traffic_cli.install(app)  # hub traffic | canary | readout
 
 ConfigOpt = Annotated[
     Path | None,
@@ -131,9 +135,13 @@ def register(
         str | None, typer.Option("--runtime-config", help="JSON object of runtime settings")
     ] = None,
     description: str = "",
+    eval_set: Annotated[
+        Path | None, typer.Option(help="JSON file: the version's evaluation set")
+    ] = None,
     config: ConfigOpt = None,
 ) -> None:
-    """Register a new version of a model from SOURCE."""
+    """Register a new version of a model from SOURCE (a folder, hf://org/name[@rev],
+    models:/name/3, models:/name@alias or runs:/<run id>/<path>)."""
     from hub.demo import is_builtin, materialise_builtin
     from registry.errors import RegistryError
 
@@ -144,14 +152,117 @@ def register(
         raise _fail(f"--runtime-config is not JSON: {e}", 2) from None
     if is_builtin(source):
         source = str(materialise_builtin(source, settings.demo_dir))
+    evals = None
+    if eval_set is not None:
+        from hub.errors import HubError
+        from hub.validation import parse_eval_set
+
+        try:
+            evals = json.loads(eval_set.read_text())
+            parse_eval_set(kind, evals)
+        except (OSError, ValueError) as e:
+            raise _fail(f"--eval-set {eval_set}: {e}", 2) from None
+        except HubError as e:
+            raise _fail(f"--eval-set {eval_set}: {e.message}", 2) from None
     try:
         view = _registry(settings).register(
             name, kind, source, aliases=alias or [], config=extra, description=description,
-            actor=f"cli:{os.environ.get('USER', 'unknown')}",
+            eval_set=evals,
+            actor=_actor(),
         )  # fmt: skip
     except RegistryError as e:
         raise _fail(str(e)) from None
     typer.echo(json.dumps({"name": view.name, "version": view.version}))
+
+
+def _actor() -> str:
+    return f"cli:{os.environ.get('USER', 'unknown')}"
+
+
+async def _locally(settings: HubSettings, action: Any) -> Any:
+    """Run `action(hub)` against the registry without serving: the gate loads the candidate
+    in this process, on the configured devices."""
+    from hub.state import Hub
+    from registry.db import upgrade
+
+    upgrade(settings.database_url)
+    hub = Hub.build(settings)
+    try:
+        await hub.catalog.refresh()
+        return await action(hub)
+    finally:
+        await hub.manager.close()
+        hub.db.dispose()
+
+
+@app.command()
+def promote(
+    name: str,
+    version: int,
+    to: Annotated[str, typer.Option("--to", help="staging | production")],
+    reason: Annotated[str, typer.Option(help="Why, for the audit log")] = "",
+    url: Annotated[
+        str | None, typer.Option(help="Ask this running hub instead of validating locally")
+    ] = None,
+    key: KeyOpt = None,
+    config: ConfigOpt = None,
+) -> None:
+    """Validate VERSION of NAME (load, smoke test, eval set) and move the alias --to to it."""
+    if url:
+        path = f"/admin/registry/models/{name}/versions/{version}/promote"
+        result = _admin("POST", path, url, key, {"to": to, "reason": reason})
+    else:
+        from hub.errors import HubError
+        from registry.errors import RegistryError
+
+        async def run(hub: Any) -> Any:
+            p = await hub.promoter.promote(name, version, to, actor=_actor(), reason=reason)
+            return {
+                "name": name,
+                "alias": to,
+                "version": version,
+                "from_version": p.event.from_version,
+                "validation": p.validation.as_dict(),
+            }
+
+        try:
+            result = asyncio.run(_locally(_settings(config), run))
+        except HubError as e:
+            raise _fail(e.message) from None
+        except RegistryError as e:
+            raise _fail(str(e)) from None
+    typer.echo(json.dumps(result, indent=2))
+
+
+@app.command()
+def rollback(
+    name: str,
+    reason: Annotated[str, typer.Option(help="Why, for the audit log")] = "",
+    url: Annotated[str | None, typer.Option(help="Ask this running hub instead")] = None,
+    key: KeyOpt = None,
+    config: ConfigOpt = None,
+) -> None:
+    """Move production of NAME back to the version before it."""
+    if url:
+        path = f"/admin/registry/models/{name}/rollback"
+        result = _admin("POST", path, url, key, {"reason": reason})
+    else:
+        from hub.errors import HubError
+
+        async def run(hub: Any) -> Any:
+            e = await hub.promoter.rollback(name, actor=_actor(), reason=reason)
+            return {
+                "name": name,
+                "alias": e.alias,
+                "version": e.version,
+                "from_version": e.from_version,
+            }
+
+        try:
+            result = asyncio.run(_locally(_settings(config), run))
+        except HubError as e:
+            raise _fail(e.message) from None
+    typer.echo(json.dumps(result, indent=2))
 
 
 @app.command("models")
@@ -229,12 +340,14 @@ def keys_revoke(name: str, config: ConfigOpt = None) -> None:
     typer.echo(f"revoked {name}")
 
 
-def _admin(method: str, path: str, url: str, key: str | None) -> Any:
+def _admin(
+    method: str, path: str, url: str, key: str | None, body: dict[str, Any] | None = None
+) -> Any:
     import httpx
 
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     try:
-        r = httpx.request(method, url.rstrip("/") + path, headers=headers, timeout=600)
+        r = httpx.request(method, url.rstrip("/") + path, headers=headers, json=body, timeout=600)
     except httpx.HTTPError as e:
         raise _fail(f"cannot reach the hub at {url}: {e}") from None
     body = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
@@ -264,11 +377,32 @@ def unload(
 
 
 @app.command()
+def pin(name: str, version: str, url: UrlOpt = "http://127.0.0.1:8000", key: KeyOpt = None) -> None:
+    """Load VERSION of NAME if needed and pin it: never evicted until unpinned."""
+    typer.echo(json.dumps(_admin("POST", f"/admin/models/{name}/versions/{version}/pin", url, key)))
+
+
+@app.command()
+def unpin(
+    name: str, version: str, url: UrlOpt = "http://127.0.0.1:8000", key: KeyOpt = None
+) -> None:
+    """Unpin VERSION of NAME: evictable again, its keep-alive runs."""
+    typer.echo(
+        json.dumps(_admin("POST", f"/admin/models/{name}/versions/{version}/unpin", url, key))
+    )
+
+
+@app.command()
 def status(url: UrlOpt = "http://127.0.0.1:8000", key: KeyOpt = None) -> None:
-    """What a running hub has resident, and its devices."""
-    devices = _admin("GET", "/admin/devices", url, key)["devices"]
+    """What a running hub has resident, its devices and its host tier."""
+    devices = _admin("GET", "/admin/devices", url, key)
     models = _admin("GET", "/admin/models", url, key)
-    typer.echo(json.dumps({"devices": devices, "models": models}, indent=2))
+    typer.echo(
+        json.dumps(
+            {"devices": devices["devices"], "host_tier": devices["host_tier"], "models": models},
+            indent=2,
+        )
+    )
 
 
 def main() -> None:

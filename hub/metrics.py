@@ -28,7 +28,8 @@ class HubMetrics:
         )
         self.loads = Counter(
             "hub_model_loads_total",
-            "Model loads by outcome and source (cold: from disk, warm: from the host tier)",
+            "Model loads by outcome (ok, no_room, failed) and source (cold: from disk, warm: "
+            "from the host tier)",
             ["model", "version", "outcome", "source"],
             registry=r,
         )
@@ -41,7 +42,8 @@ class HubMetrics:
         )
         self.evictions = Counter(
             "hub_model_evictions_total",
-            "Models moved off their device, by reason",
+            "Models moved off their device (or dropped from the host tier), by reason: "
+            "pressure, keep_alive, admin, host_tier, overflow, shutdown",
             ["model", "version", "reason"],
             registry=r,
         )
@@ -56,4 +58,16 @@ class HubMetrics:
         )
         self.loaded_models = Gauge(
             "hub_loaded_models", "Models loaded per device", ["device"], registry=r
+        )
+        self.host_tier_bytes = Gauge(
+            "hub_host_tier_bytes", "Bytes of evicted weights parked in host memory", registry=r
+        )
+        self.host_tier_models = Gauge(
+            "hub_host_tier_models", "Models parked in the host tier (state warm)", registry=r
+        )
+        self.registry_drift = Gauge(
+            "hub_registry_drift",
+            "Unrepaired differences between MLflow and the hub's SQL metadata",
+            ["kind"],
+            registry=r,
         )

@@ -14,7 +14,15 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, ValidationError
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    model_validator,
+)
 from pydantic import field_validator as validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
@@ -84,8 +92,15 @@ class ModelSpec(_Section):
     aliases: list[str] = Field(default_factory=list)
     config: dict[str, Any] = Field(default_factory=dict)
     description: str = ""
+    # Load at start; `pin` also pins the serving version (never evicted), and the pin moves
+    # with the production alias.
     preload: bool = False
     pin: bool = False
+    # How long it stays resident once idle (a duration, 0, or -1 forever); default: the
+    # manager's. A version's runtime config `keep_alive` wins over this.
+    keep_alive: Seconds | None = None
+    # The device it must be placed on (one of `devices`); default: placement chooses.
+    device: str | None = None
 
 
 class ManagerSettings(_Section):
@@ -97,11 +112,56 @@ class ManagerSettings(_Section):
     keep_alive: Seconds = 300.0
     # Seconds suggested to clients in Retry-After when capacity is short.
     retry_after: Seconds = 2.0
+    # Which idle models go first when a load needs room: GreedyDual-Size-Frequency (recency
+    # weighted by reload cost per byte and use), least recently used, or largest first.
+    eviction_policy: Literal["gdsf", "lru", "largest"] = "gdsf"
+    # A model is not evicted for room until it has been resident this long (churn protection).
+    min_residency: Annotated[float, BeforeValidator(parse_duration), Field(ge=0)] = 1.0
+    # Added to every predicted footprint (allocator rounding, workspaces, CUDA context share).
+    load_overhead_bytes: ByteSize = 0
+    # The longest the keep-alive timer sleeps between checks (it also wakes on every change).
+    idle_check_interval: Annotated[float, BeforeValidator(parse_duration), Field(gt=0)] = 5.0
 
 
 class RegistrySettings(_Section):
     # How often the hub re-reads the registry (aliases, versions) to follow changes.
     poll_interval: Seconds = Field(default=2.0, gt=0)
+    # Every this many polls, also compare version lists between MLflow and SQL.
+    version_check_every: int = Field(default=10, ge=1)
+    # Production only for versions that passed staging (their gate) first.
+    require_staging: bool = True
+    # Longest a validation gate (load + smoke + evaluation set) may take.
+    gate_timeout: Seconds = Field(default=300.0, gt=0)
+    # MLflow server webhooks: the secret MLflow signs deliveries with, and the URL at which
+    # MLflow reaches this hub (`.../webhooks/mlflow`); with both set, the hub registers the
+    # webhook itself at start.
+    webhook_secret: SecretStr | None = None
+    webhook_url: str | None = None
+    # Hugging Face cache for hf:// sources (default: the huggingface_hub default).
+    hf_cache_dir: Path | None = None
+
+
+class TrafficSettings(_Section):
+    """Versioned routing: shadow traffic, per-version statistics and canaries (per process)."""
+
+    # Mirror jobs waiting for a shadow worker; when full, new mirrors are dropped (counted),
+    # never waited for.
+    shadow_queue_size: int = Field(default=64, ge=1)
+    # Concurrent shadow replays.
+    shadow_workers: int = Field(default=1, ge=1)
+    # Run a mirror only in an idle moment of the hub (no request in flight) likely to hold
+    # the whole replay, so the shadow does not compete with primaries for cores (CPU hubs);
+    # a mirror that found none within shadow_max_wait is dropped (counted).
+    shadow_when_idle: bool = True
+    shadow_max_wait: Seconds = Field(default=5.0, gt=0)
+    # Samples kept in memory per model version (latency, error, tokens) for readouts and
+    # canary analysis; the oldest are forgotten first.
+    sample_window: int = Field(default=10_000, ge=100)
+    # How often the canary controller looks at running canaries.
+    canary_tick: Seconds = Field(default=1.0, gt=0)
+    # Below this many requests per version a readout reports "insufficient data" instead of
+    # a p-value.
+    min_samples: int = Field(default=30, ge=2)
 
 
 class HubSettings(BaseSettings):
@@ -125,6 +185,7 @@ class HubSettings(BaseSettings):
     models: list[ModelSpec] = Field(default_factory=list)
     manager: ManagerSettings = ManagerSettings()
     registry: RegistrySettings = RegistrySettings()
+    traffic: TrafficSettings = TrafficSettings()
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
@@ -133,6 +194,17 @@ class HubSettings(BaseSettings):
     trust_remote_code: bool = False
     # Where builtin:<name> demo models are built.
     demo_dir: Path = Path(".hub/demo")
+
+    @model_validator(mode="after")
+    def _model_devices_exist(self) -> HubSettings:
+        names = {d.name for d in self.devices}
+        for i, spec in enumerate(self.models):
+            if spec.device is not None and spec.device not in names:
+                raise ValueError(
+                    f"models.{i} ({spec.name}) asks for device {spec.device!r}, which is not in "
+                    f"devices ({', '.join(sorted(names))})"
+                )
+        return self
 
     @validator("devices")
     @classmethod

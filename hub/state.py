@@ -11,8 +11,13 @@ from hub.catalog import Catalog
 from hub.demo import is_builtin, materialise_builtin
 from hub.manager import Device, ModelManager, VersionLoader
 from hub.metrics import HubMetrics
+from hub.promotion import Promoter
+from hub.reconciler import Reconciler
 from hub.routing import Router
 from hub.settings import HubSettings
+from hub.traffic.service import TrafficService
+from hub.validation import ValidationGate
+from hub.webhooks import EVENTS, WebhookVerifier
 from registry.cache import ArtifactCache
 from registry.db import Database, upgrade
 from registry.keys import ApiKeys
@@ -32,6 +37,10 @@ class Hub:
     manager: ModelManager
     auth: Authenticator
     metrics: HubMetrics
+    reconciler: Reconciler
+    promoter: Promoter
+    webhooks: WebhookVerifier | None
+    traffic: TrafficService
     ready: bool = False
     background: list[asyncio.Task[None]] = field(default_factory=list)
 
@@ -41,9 +50,15 @@ class Hub:
         db = Database(settings.database_url)
         mlflow = MlflowStore(settings.mlflow_tracking_uri, settings.mlflow_artifact_location)
         cache = ArtifactCache(settings.cache_dir, mlflow)
-        registry = Registry(db, mlflow, cache, allow_pickle=settings.allow_pickle)
+        registry = Registry(
+            db,
+            mlflow,
+            cache,
+            allow_pickle=settings.allow_pickle,
+            hf_cache_dir=settings.registry.hf_cache_dir,
+        )
         metrics = HubMetrics()
-        catalog = Catalog(registry, settings.registry.poll_interval)
+        catalog = Catalog(registry)
         loader = VersionLoader(
             registry,
             metrics_registry=metrics.registry,
@@ -51,7 +66,37 @@ class Hub:
             trust_remote_code=settings.trust_remote_code,
         )
         devices = [Device.from_settings(d) for d in settings.devices]
-        manager = ModelManager(settings.manager, devices, loader, metrics)
+        manager = ModelManager(
+            settings.manager,
+            devices,
+            loader,
+            metrics,
+            host_cache_budget=settings.host_cache_budget,
+            model_specs={spec.name: spec for spec in settings.models},
+        )
+        reg = settings.registry
+        reconciler = Reconciler(
+            registry,
+            catalog,
+            manager,
+            metrics,
+            poll_interval=reg.poll_interval,
+            version_check_every=reg.version_check_every,
+            keep_loaded=frozenset(m.name for m in settings.models if m.preload),
+            pinned=frozenset(m.name for m in settings.models if m.pin),
+        )
+        gate = ValidationGate(manager, reg.gate_timeout)
+        secret = reg.webhook_secret.get_secret_value() if reg.webhook_secret else None
+        promoter = Promoter(registry, gate, catalog, require_staging=reg.require_staging)
+        traffic = TrafficService(
+            settings.traffic,
+            registry,
+            catalog,
+            manager,
+            promoter,
+            metrics.registry,
+            require_staging=reg.require_staging,
+        )
         return cls(
             settings=settings,
             db=db,
@@ -61,6 +106,10 @@ class Hub:
             manager=manager,
             auth=Authenticator(settings.auth, ApiKeys(db)),
             metrics=metrics,
+            reconciler=reconciler,
+            promoter=promoter,
+            webhooks=WebhookVerifier(secret) if secret else None,
+            traffic=traffic,
         )
 
     async def start(self) -> None:
@@ -68,8 +117,11 @@ class Hub:
         await asyncio.to_thread(upgrade, self.settings.database_url)
         await asyncio.to_thread(self.registry.ping)
         await asyncio.to_thread(self._register_configured_models)
-        await self.catalog.refresh()
-        self.catalog.start()
+        await asyncio.to_thread(self._register_webhook)
+        await self.reconciler.reconcile(check_versions=True)
+        self.reconciler.start()
+        await self.traffic.start()
+        self.manager.start()
         self.ready = True
         preload = [m for m in self.settings.models if m.preload or m.pin]
         if preload:
@@ -80,7 +132,8 @@ class Hub:
         for task in self.background:
             task.cancel()
         await asyncio.gather(*self.background, return_exceptions=True)
-        await self.catalog.stop()
+        await self.traffic.stop()
+        await self.reconciler.stop()
         await self.manager.close()
         self.db.dispose()
 
@@ -104,12 +157,30 @@ class Hub:
                 actor="config",
             )
 
+    def _register_webhook(self) -> None:
+        reg = self.settings.registry
+        if not (reg.webhook_url and reg.webhook_secret):
+            return
+        if not self.settings.mlflow_tracking_uri.startswith(("http://", "https://")):
+            log.info("MLflow is embedded; alias moves are followed by polling, not webhooks")
+            return
+        try:
+            self.registry.mlflow.ensure_webhook(
+                "model-hub", reg.webhook_url, reg.webhook_secret.get_secret_value(), EVENTS
+            )
+            log.info("MLflow webhook registered: alias moves are pushed to %s", reg.webhook_url)
+        except Exception as e:  # polling still follows the registry
+            log.warning("could not register the MLflow webhook (%s); polling only", e)
+
     async def _preload(self) -> None:
         for spec in self.settings.models:
             if not (spec.preload or spec.pin):
                 continue
             try:
                 route = self.router.route(spec.name)
-                await self.manager.load(route.name, route.version)
+                if spec.pin:
+                    await self.manager.pin(route.name, route.version)
+                else:
+                    await self.manager.load(route.name, route.version)
             except Exception as e:
                 log.error("preloading %s failed: %s", spec.name, e)

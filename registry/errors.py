@@ -21,3 +21,7 @@ class ConflictError(RegistryError):
 
 class IntegrityError(RegistryError):
     """Materialised files do not match the version's sha256 manifest."""
+
+
+class InvalidTrafficError(RegistryError):
+    """A traffic policy or canary that cannot be served (weights, versions, kinds, steps)."""

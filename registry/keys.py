@@ -47,13 +47,13 @@ class ApiKeys:
             s.flush()
             return key, self._view(row)
 
-    def verify(self, key: str) -> str | None:
-        """The role of a valid, unrevoked key, else None."""
+    def verify(self, key: str) -> tuple[str, str] | None:
+        """(name, role) of a valid, unrevoked key, else None."""
         with self.db.session() as s:
             row = s.scalar(select(ApiKey).where(ApiKey.key_hash == hash_key(key)))
             if row is None or row.revoked_at is not None:
                 return None
-            return row.role
+            return row.name, row.role
 
     def revoke(self, name: str) -> KeyView:
         with self.db.session() as s:

@@ -124,6 +124,31 @@ class MlflowStore:
             if not token:
                 return out
 
+    def version_numbers(self, name: str) -> set[int]:
+        """Every version number MLflow holds for `name`."""
+        numbers: set[int] = set()
+        token = None
+        while True:
+            page = self.client.search_model_versions(
+                f"name = '{name}'", max_results=1000, page_token=token
+            )
+            numbers.update(int(mv.version) for mv in page)
+            token = page.token
+            if not token:
+                return numbers
+
+    def ensure_webhook(self, name: str, url: str, secret: str, events: tuple[str, ...]) -> None:
+        """Create (or update) the webhook through which MLflow tells the hub of alias moves."""
+        client = self.client
+        existing = [w for w in client.list_webhooks() if w.name == name]
+        if existing:
+            client.update_webhook(
+                existing[0].webhook_id, url=url, events=list(events), secret=secret,
+                status="ACTIVE",
+            )  # fmt: skip
+        else:
+            client.create_webhook(name=name, url=url, events=list(events), secret=secret)
+
     def set_alias(self, name: str, alias: str, version: int) -> None:
         try:
             self.client.set_registered_model_alias(name, alias, str(version))

@@ -2,7 +2,8 @@
 
 MLflow holds the artifacts, model versions and aliases; these tables hold what MLflow does
 not: the model kind, the verified file manifest, runtime configuration, validation results,
-the audit log of alias moves, traffic splits and API keys. The prefix keeps them apart from
+the audit log of alias moves, traffic policies (splits, shadow, faults), canaries and API
+keys. The prefix keeps them apart from
 MLflow's own `registered_models` and `model_versions` when both share one database.
 Constraint names follow a naming convention so migrations can alter them on SQLite too.
 """
@@ -18,11 +19,13 @@ from sqlalchemy import (
     DateTime,
     Float,
     ForeignKey,
+    Index,
     Integer,
     MetaData,
     String,
     Text,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
@@ -80,9 +83,11 @@ class ModelVersion(Base):
     total_bytes: Mapped[int] = mapped_column(BigInteger)
     dtype: Mapped[str] = mapped_column(String(16))
     runtime_config: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
-    # registered -> (validated | failed)
+    # registered -> (validated | failed), by the last validation gate run
     status: Mapped[str] = mapped_column(String(16), default="registered")
     validation: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+    # The version's own evaluation set, run by the validation gate (see hub.validation).
+    eval_set: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
 
     model: Mapped[RegisteredModel] = relationship(back_populates="versions")
@@ -111,16 +116,85 @@ class AliasEvent(Base):
 
 
 class TrafficSplit(Base):
-    """Share of a model's routed traffic (percent) that one version receives."""
+    """Share of a model's routed traffic (percent) that one version receives. The version
+    belongs to `target_model_id`: the model itself, or another registered model of the same
+    kind (an experiment across model families under one public name)."""
 
     __tablename__ = "hub_traffic_splits"
-    __table_args__ = (UniqueConstraint("model_id", "version"),)
+    __table_args__ = (UniqueConstraint("model_id", "target_model_id", "version"),)
 
     id: Mapped[int] = mapped_column(primary_key=True)
     model_id: Mapped[int] = mapped_column(ForeignKey("hub_models.id", ondelete="CASCADE"))
+    target_model_id: Mapped[int] = mapped_column(ForeignKey("hub_models.id", ondelete="CASCADE"))
     version: Mapped[int] = mapped_column(Integer)
     weight: Mapped[float] = mapped_column(Float)
     updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+
+class TrafficPolicy(Base):
+    """The rest of a model's traffic policy beside its split rows: the shadow version that a
+    share of requests is mirrored to, injected faults, and a revision that every change
+    (split, shadow, faults, a canary's step) increments."""
+
+    __tablename__ = "hub_traffic_policies"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    model_id: Mapped[int] = mapped_column(
+        ForeignKey("hub_models.id", ondelete="CASCADE"), unique=True
+    )
+    shadow_model_id: Mapped[int | None] = mapped_column(
+        ForeignKey("hub_models.id", ondelete="SET NULL"), default=None
+    )
+    shadow_version: Mapped[int | None] = mapped_column(Integer, default=None)
+    shadow_percent: Mapped[float] = mapped_column(Float, default=0.0)
+    # [{model, version, error_percent, delay_ms}], see registry.traffic.
+    faults: Mapped[list[dict[str, Any]]] = mapped_column(JSON, default=list)
+    revision: Mapped[int] = mapped_column(Integer, default=0)
+    updated_by: Mapped[str] = mapped_column(String(200), default="")
+    updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+
+class Canary(Base):
+    """An automated canary: a version's share of traffic rises step by step while it stays
+    within its thresholds against the baseline; the last step promotes it to production.
+    At most one canary per model is `running` (a partial unique index, so replicas sharing
+    the database cannot start two)."""
+
+    __tablename__ = "hub_canaries"
+    __table_args__ = (
+        Index(
+            "ix_hub_canaries_one_running",
+            "model_id",
+            unique=True,
+            sqlite_where=text("state = 'running'"),
+            postgresql_where=text("state = 'running'"),
+        ),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    model_id: Mapped[int] = mapped_column(ForeignKey("hub_models.id", ondelete="CASCADE"))
+    canary_version: Mapped[int] = mapped_column(Integer)
+    # Production when the canary started; what a breach sends all traffic back to.
+    baseline_version: Mapped[int] = mapped_column(Integer)
+    # The canary's share of traffic at each step, percent, increasing.
+    steps: Mapped[list[float]] = mapped_column(JSON)
+    # Index into `steps`; len(steps) while the final promotion is under way.
+    step_index: Mapped[int] = mapped_column(Integer, default=0)
+    # Epoch seconds (the controller's clock) at which the current step began.
+    step_started_at: Mapped[float] = mapped_column(Float)
+    interval_s: Mapped[float] = mapped_column(Float)
+    max_error_rate: Mapped[float] = mapped_column(Float)
+    max_latency_ratio: Mapped[float] = mapped_column(Float)
+    min_requests: Mapped[int] = mapped_column(Integer)
+    # running -> promoted | rolled_back | aborted
+    state: Mapped[str] = mapped_column(String(16), default="running")
+    reason: Mapped[str] = mapped_column(Text, default="")
+    # The last analysis that decided something (advance, rollback, promotion).
+    last_check: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+    actor: Mapped[str] = mapped_column(String(200))
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+    finished_at: Mapped[dt.datetime | None] = mapped_column(default=None)
 
 
 class ApiKey(Base):

@@ -15,12 +15,16 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session, selectinload
 
+from registry.aliases import AliasBook, event_view
 from registry.cache import ArtifactCache
+from registry.canaries import CanaryBook
 from registry.db import Database
 from registry.errors import ConflictError, InvalidSourceError, NotFoundError
+from registry.fetch import SourceFetcher
 from registry.mlflow_store import MlflowStore
 from registry.schema import AliasEvent, ModelVersion, RegisteredModel
 from registry.sources import inspect_folder
+from registry.traffic import TrafficBook
 from registry.views import EventView, ModelView, RegistrySnapshot, VersionView
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
@@ -63,6 +67,7 @@ def _version_view(
         runtime_config=dict(row.runtime_config or {}),
         status=row.status,
         validation=row.validation,
+        eval_set=row.eval_set,
         created_at=row.created_at,
         aliases=tuple(sorted(a for a, v in aliases.items() if v == row.version)),
     )
@@ -80,31 +85,26 @@ def _model_view(model: RegisteredModel, aliases: Mapping[str, int]) -> ModelView
     )
 
 
-def _event_view(row: AliasEvent, model_name: str) -> EventView:
-    return EventView(
-        id=row.id,
-        model=model_name,
-        alias=row.alias,
-        action=row.action,
-        version=row.version,
-        from_version=row.from_version,
-        actor=row.actor,
-        reason=row.reason,
-        validation=row.validation,
-        created_at=row.created_at,
-    )
-
-
 class Registry:
     """Models, versions and aliases, kept in SQL and MLflow together."""
 
     def __init__(
-        self, db: Database, mlflow: MlflowStore, cache: ArtifactCache, *, allow_pickle: bool = False
+        self,
+        db: Database,
+        mlflow: MlflowStore,
+        cache: ArtifactCache,
+        *,
+        allow_pickle: bool = False,
+        hf_cache_dir: Path | None = None,
     ) -> None:
         self.db = db
         self.mlflow = mlflow
         self.cache = cache
         self.allow_pickle = allow_pickle
+        self.aliases = AliasBook(db, mlflow)
+        self.traffic = TrafficBook(db)
+        self.canaries = CanaryBook(db, self.traffic)
+        self.fetcher = SourceFetcher(mlflow, cache.cache_dir / ".staging", hf_cache_dir)
 
     # ---- health -------------------------------------------------------------------------
     def ping(self) -> None:
@@ -122,14 +122,33 @@ class Registry:
         aliases: Iterable[str] = (),
         config: Mapping[str, Any] | None = None,
         description: str = "",
+        eval_set: Mapping[str, Any] | None = None,
         actor: str = "system",
     ) -> VersionView:
-        """Register the files at `source` as a new version of `name` and return it."""
+        """Register the files at `source` (a folder, `hf://org/name[@rev]`, or an MLflow model
+        URI) as a new version of `name` and return it. Nothing is written to MLflow or SQL
+        unless the source passes inspection."""
         check_name(name)
         aliases = list(aliases)
         for alias in aliases:
             check_alias(alias)
-        folder = self._resolve_source(source)
+        with self.fetcher.fetch(source) as folder:
+            return self._register_folder(
+                name, kind, source, folder, aliases, config, description, eval_set, actor
+            )
+
+    def _register_folder(
+        self,
+        name: str,
+        kind: str,
+        source: str,
+        folder: Path,
+        aliases: list[str],
+        config: Mapping[str, Any] | None,
+        description: str,
+        eval_set: Mapping[str, Any] | None,
+        actor: str,
+    ) -> VersionView:
         inspected = inspect_folder(folder, kind, allow_pickle=self.allow_pickle)
         with self.db.session() as s:
             existing = s.scalar(select(RegisteredModel).where(RegisteredModel.name == name))
@@ -161,6 +180,7 @@ class Registry:
                         dtype=inspected.dtype,
                         runtime_config={**inspected.runtime_defaults, **(config or {})},
                         status="registered",
+                        eval_set=dict(eval_set) if eval_set else None,
                     )
                 )
         except Exception:
@@ -177,33 +197,32 @@ class Registry:
         self,
         name: str,
         alias: str,
-        version: int,
+        version: int | None,
         *,
         actor: str,
         reason: str = "",
         action: str | None = None,
         validation: dict[str, Any] | None = None,
     ) -> EventView:
-        """Point `alias` at `version` in MLflow and record the move in the audit log."""
+        """Point `alias` at `version` (None removes it) and record the move in the audit log."""
         check_alias(alias)
-        self.get_version(name, version)
-        previous = self.mlflow.aliases(name).get(alias)
-        self.mlflow.set_alias(name, alias, version)
+        return self.aliases.move(
+            name, alias, version, actor=actor, reason=reason, action=action, validation=validation
+        )
+
+    def record_validation(self, name: str, version: int, result: dict[str, Any]) -> None:
+        """Store a validation gate's result on the version (status validated or failed)."""
         with self.db.session() as s:
             model = self._model_row(s, name)
-            event = AliasEvent(
-                model_id=model.id,
-                alias=alias,
-                action=action or ("set" if previous is None else "move"),
-                version=version,
-                from_version=previous,
-                actor=actor,
-                reason=reason,
-                validation=validation,
+            row = s.scalar(
+                select(ModelVersion).where(
+                    ModelVersion.model_id == model.id, ModelVersion.version == version
+                )
             )
-            s.add(event)
-            s.flush()
-            return _event_view(event, name)
+            if row is None:
+                raise NotFoundError(f"model {name!r} has no version {version}")
+            row.validation = result
+            row.status = "validated" if result.get("passed") else "failed"
 
     # ---- reads --------------------------------------------------------------------------
     def snapshot(self) -> RegistrySnapshot:
@@ -213,7 +232,8 @@ class Registry:
                 select(RegisteredModel).options(selectinload(RegisteredModel.versions))
             ).all()
             return RegistrySnapshot(
-                models={m.name: _model_view(m, aliases.get(m.name, {})) for m in rows}
+                models={m.name: _model_view(m, aliases.get(m.name, {})) for m in rows},
+                traffic=self.traffic.policies(s),
             )
 
     def list_models(self) -> list[ModelView]:
@@ -257,7 +277,7 @@ class Registry:
             if name is not None:
                 query = query.where(RegisteredModel.name == name)
             query = query.order_by(AliasEvent.id.desc()).limit(limit)
-            return [_event_view(event, model_name) for event, model_name in s.execute(query)]
+            return [event_view(event, model_name) for event, model_name in s.execute(query)]
 
     def materialise(self, version: VersionView) -> Path:
         """The verified local folder of a version (downloaded on first use)."""
@@ -278,12 +298,3 @@ class Registry:
                 f"model {name!r} is not registered (known: {', '.join(known) or 'none'})"
             )
         return model
-
-    def _resolve_source(self, source: str) -> Path:
-        if source.startswith(("hf://", "models:/", "runs:/")):
-            raise InvalidSourceError(
-                f"source {source!r}: registering from Hugging Face or MLflow URIs is not "
-                "available in this build; give a local folder"
-            )
-        path = source.removeprefix("file://")
-        return Path(path).expanduser().resolve()

@@ -1,12 +1,13 @@
-"""Admin control of what is resident: `/admin/models`, `/admin/devices`, load and unload."""
+"""Admin control of what is resident: `/admin/models`, `/admin/devices`, and load, unload, pin
+and unpin per version (`version`: a number or an alias)."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from hub.api.deps import HubDep, require_admin
-from hub.manager import ModelStatus
+from hub.manager import DeviceStatus, HostTierStatus, ModelStatus
 
 router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(require_admin)])
 
@@ -15,7 +16,7 @@ class ModelStatusPublic(BaseModel):
     name: str
     version: int
     kind: str
-    state: str
+    state: str = Field(description="loading, loaded, warm, evicting, failed or unloaded")
     device: str | None
     predicted_bytes: int
     measured_bytes: int
@@ -24,6 +25,14 @@ class ModelStatusPublic(BaseModel):
     waiting: int
     last_used_s_ago: float
     error: str | None
+    host_bytes: int = Field(0, description="bytes parked in the host tier (state warm)")
+    keep_alive_s: float = Field(0.0, description="keep-alive in force; -1 keeps it forever")
+    keep_alive_expires_in_s: float | None = Field(
+        None, description="seconds until the keep-alive runs out; null while busy or pinned"
+    )
+    last_device: str | None = None
+    cold_load_s: float | None = None
+    warm_load_s: float | None = None
 
     @classmethod
     def of(cls, s: ModelStatus) -> ModelStatusPublic:
@@ -35,10 +44,29 @@ class DevicePublic(BaseModel):
     budget_bytes: int
     used_bytes: int
     free_bytes: int
+    pinned_bytes: int = 0
+    models: int = 0
+
+    @classmethod
+    def of(cls, s: DeviceStatus) -> DevicePublic:
+        return cls(**s.__dict__)
+
+
+class HostTierPublic(BaseModel):
+    budget_bytes: int
+    used_bytes: int
+    free_bytes: int
+    models: int
+    pinned_memory: bool = Field(description="page-locked host buffers (when a GPU is used)")
+
+    @classmethod
+    def of(cls, s: HostTierStatus) -> HostTierPublic:
+        return cls(**s.__dict__)
 
 
 class DeviceList(BaseModel):
     devices: list[DevicePublic]
+    host_tier: HostTierPublic
 
 
 @router.get("/models", response_model=list[ModelStatusPublic])
@@ -48,17 +76,9 @@ async def admin_models(hub: HubDep) -> list[ModelStatusPublic]:
 
 @router.get("/devices", response_model=DeviceList)
 async def admin_devices(hub: HubDep) -> DeviceList:
-    used = hub.manager.device_usage()
     return DeviceList(
-        devices=[
-            DevicePublic(
-                name=d.name,
-                budget_bytes=d.budget_bytes,
-                used_bytes=used.get(d.name, 0),
-                free_bytes=max(0, d.budget_bytes - used.get(d.name, 0)),
-            )
-            for d in hub.manager.devices
-        ]
+        devices=[DevicePublic.of(d) for d in hub.manager.device_status()],
+        host_tier=HostTierPublic.of(hub.manager.host_tier_status()),
     )
 
 
@@ -72,3 +92,17 @@ async def load_version(name: str, version: str, hub: HubDep) -> ModelStatusPubli
 async def unload_version(name: str, version: str, hub: HubDep) -> ModelStatusPublic:
     route = hub.router.route_version(name, version)
     return ModelStatusPublic.of(await hub.manager.unload(route.name, route.version))
+
+
+@router.post("/models/{name}/versions/{version}/pin", response_model=ModelStatusPublic)
+async def pin_version(name: str, version: str, hub: HubDep) -> ModelStatusPublic:
+    """Load if needed and keep resident under any pressure; 409 when it cannot fit beside
+    the models already pinned."""
+    route = hub.router.route_version(name, version)
+    return ModelStatusPublic.of(await hub.manager.pin(route.name, route.version))
+
+
+@router.post("/models/{name}/versions/{version}/unpin", response_model=ModelStatusPublic)
+async def unpin_version(name: str, version: str, hub: HubDep) -> ModelStatusPublic:
+    route = hub.router.route_version(name, version)
+    return ModelStatusPublic.of(await hub.manager.unpin(route.name, route.version))

@@ -23,16 +23,20 @@ async def require_user(
     hub: HubDep,
     authorization: Annotated[str | None, Header()] = None,
     x_api_key: Annotated[str | None, Header()] = None,
-) -> None:
-    await hub.auth.check(authorization, x_api_key, admin=False)
+) -> str:
+    return await hub.auth.check(authorization, x_api_key, admin=False)
 
 
 async def require_admin(
     hub: HubDep,
     authorization: Annotated[str | None, Header()] = None,
     x_api_key: Annotated[str | None, Header()] = None,
-) -> None:
-    await hub.auth.check(authorization, x_api_key, admin=True)
+) -> str:
+    return await hub.auth.check(authorization, x_api_key, admin=True)
+
+
+# The authenticated admin's name, for the audit log.
+AdminActor = Annotated[str, Depends(require_admin)]
 
 
 RouteKey = Annotated[str | None, Header(alias="X-Hub-Route-Key")]

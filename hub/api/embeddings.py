@@ -21,6 +21,8 @@ from hub.api.bodies import cancelled_if_client_leaves, openapi_body, route_key, 
 from hub.api.serving import VERSION_HEADER, KeepAlive, require_kind, serve
 from hub.routing import Route
 from hub.state import Hub
+from hub.traffic.replays import EmbeddingReplay
+from hub.traffic.request import mirror_to_shadow, report_tokens
 
 router = APIRouter(tags=["embeddings"])
 
@@ -146,13 +148,14 @@ async def _embed(request: Request, hub: Hub, route: Route, body: EmbedBody) -> R
         serve(hub, route, "embeddings", keep_alive=body.keep_alive) as backend,
     ):
         assert isinstance(backend, EmbedderBackend)
-        result = await backend.embed(
-            _inputs(body.input), truncate=body.truncate, dimensions=body.dimensions
-        )
+        inputs = _inputs(body.input)
+        result = await backend.embed(inputs, truncate=body.truncate, dimensions=body.dimensions)
+        report_tokens(result.total_tokens)
+        mirror_to_shadow(EmbeddingReplay(inputs, truncate=body.truncate), result.vectors)
     return Response(
         _response_bytes(result, route.name, body.encoding_format),
         media_type="application/json",
-        headers={VERSION_HEADER: str(route.version)},
+        headers={VERSION_HEADER: route.label},
     )
 
 

@@ -17,6 +17,7 @@ from registry.errors import (
     ConflictError,
     IntegrityError,
     InvalidSourceError,
+    InvalidTrafficError,
     NotFoundError,
     RegistryError,
 )
@@ -82,6 +83,7 @@ def install_error_handlers(app: FastAPI) -> None:
         status = {
             NotFoundError: 404,
             InvalidSourceError: 400,
+            InvalidTrafficError: 400,
             ConflictError: 409,
             IntegrityError: 500,
         }.get(type(e), 500)

@@ -1,4 +1,5 @@
-"""Registry admin routes: register versions, list them, read the audit log."""
+"""Registry admin routes: register versions, promote and roll back, aliases, the audit log,
+drift between MLflow and SQL."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ from typing import Any, Literal
 from fastapi import APIRouter, Depends, Query
 from pydantic import BaseModel, ConfigDict, Field
 
-from hub.api.deps import HubDep, require_admin
+from hub.api.deps import AdminActor, HubDep, require_admin
+from hub.errors import BadRequest
+from hub.validation import parse_eval_set
+from registry.aliases import STAGES
 from registry.views import EventView, VersionView
 
 router = APIRouter(
@@ -26,6 +30,8 @@ class VersionCreate(BaseModel):
     aliases: list[str] = Field(default_factory=list)
     config: dict[str, Any] = Field(default_factory=dict)
     description: str = ""
+    # The version's own evaluation set, run by the validation gate (see README).
+    eval_set: dict[str, Any] | None = None
 
 
 class VersionCreated(BaseModel):
@@ -45,6 +51,7 @@ class VersionPublic(BaseModel):
     total_bytes: int
     dtype: str
     runtime_config: dict[str, Any]
+    eval_set: dict[str, Any] | None
     files: int
     created_at: dt.datetime
 
@@ -62,6 +69,7 @@ class VersionPublic(BaseModel):
             total_bytes=v.total_bytes,
             dtype=v.dtype,
             runtime_config=v.runtime_config,
+            eval_set=v.eval_set,
             files=len(v.manifest),
             created_at=v.created_at,
         )
@@ -84,8 +92,46 @@ class EventPublic(BaseModel):
         return cls(**e.__dict__)
 
 
+class PromoteBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    to: str = Field(description="staging or production")
+    reason: str = ""
+
+
+class RollbackBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    reason: str = ""
+
+
+class AliasBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    version: int = Field(ge=1)
+    reason: str = ""
+
+
+class PromotionPublic(BaseModel):
+    name: str
+    alias: str
+    version: int | None
+    from_version: int | None
+    validation: dict[str, Any] | None
+    event: EventPublic
+
+
+class DriftPublic(BaseModel):
+    model: str
+    kind: str
+    detail: str
+    repaired: bool
+
+
 @router.post("/models", response_model=VersionCreated, status_code=201)
-async def register_version(body: VersionCreate, hub: HubDep) -> VersionCreated:
+async def register_version(body: VersionCreate, hub: HubDep, actor: AdminActor) -> VersionCreated:
+    if body.eval_set is not None:
+        parse_eval_set(body.kind, body.eval_set)  # 400 naming the bad case, nothing written
     view = await asyncio.to_thread(
         hub.registry.register,
         body.name,
@@ -94,10 +140,80 @@ async def register_version(body: VersionCreate, hub: HubDep) -> VersionCreated:
         aliases=body.aliases,
         config=body.config,
         description=body.description,
-        actor="api",
+        eval_set=body.eval_set,
+        actor=actor,
     )
+    hub.reconciler.kick()
     await hub.catalog.refresh()
     return VersionCreated(name=view.name, version=view.version)
+
+
+def _promotion(event: EventView) -> PromotionPublic:
+    return PromotionPublic(
+        name=event.model,
+        alias=event.alias,
+        version=event.version,
+        from_version=event.from_version,
+        validation=event.validation,
+        event=EventPublic.of(event),
+    )
+
+
+@router.post(
+    "/models/{name}/versions/{version}/promote",
+    response_model=PromotionPublic,
+    responses={422: {"description": "the validation gate failed; no alias moved"}},
+)
+async def promote_version(
+    name: str, version: int, body: PromoteBody, hub: HubDep, actor: AdminActor
+) -> PromotionPublic:
+    """Run the version through its validation gate, then move `to` (staging or production)."""
+    promotion = await hub.promoter.promote(name, version, body.to, actor=actor, reason=body.reason)
+    return _promotion(promotion.event)
+
+
+@router.post("/models/{name}/rollback", response_model=PromotionPublic)
+async def rollback_model(
+    name: str, hub: HubDep, actor: AdminActor, body: RollbackBody | None = None
+) -> PromotionPublic:
+    """Move production back to the version before it in the promotion history."""
+    reason = body.reason if body is not None else ""
+    return _promotion(await hub.promoter.rollback(name, actor=actor, reason=reason))
+
+
+@router.put("/models/{name}/aliases/{alias}", response_model=PromotionPublic)
+async def set_alias(
+    name: str, alias: str, body: AliasBody, hub: HubDep, actor: AdminActor
+) -> PromotionPublic:
+    """Point a free-form alias at a version (staging and production move only by promotion)."""
+    _free_form(alias)
+    event = await asyncio.to_thread(
+        hub.registry.set_alias, name, alias, body.version, actor=actor, reason=body.reason
+    )
+    await hub.catalog.refresh()
+    return _promotion(event)
+
+
+@router.delete("/models/{name}/aliases/{alias}", response_model=PromotionPublic)
+async def delete_alias(name: str, alias: str, hub: HubDep, actor: AdminActor) -> PromotionPublic:
+    _free_form(alias)
+    event = await asyncio.to_thread(hub.registry.set_alias, name, alias, None, actor=actor)
+    await hub.catalog.refresh()
+    return _promotion(event)
+
+
+def _free_form(alias: str) -> None:
+    if alias in STAGES:
+        raise BadRequest(
+            f"{alias!r} moves only through promote (with its validation gate) or rollback",
+            param="alias",
+        )
+
+
+@router.get("/drift", response_model=list[DriftPublic])
+async def drift(hub: HubDep) -> list[DriftPublic]:
+    """Differences between MLflow and SQL found by the reconciler's last full check."""
+    return [DriftPublic(**d.__dict__) for d in hub.reconciler.drift]
 
 
 @router.get("/models/{name}/versions", response_model=list[VersionPublic])

@@ -19,6 +19,8 @@ from hub.api.bodies import cancelled_if_client_leaves, openapi_body, route_key, 
 from hub.api.serving import VERSION_HEADER, KeepAlive, require_kind, serve
 from hub.routing import Route
 from hub.state import Hub
+from hub.traffic.replays import RerankReplay
+from hub.traffic.request import mirror_to_shadow, report_tokens
 
 router = APIRouter(tags=["rerank"])
 
@@ -106,6 +108,8 @@ async def _rerank(request: Request, hub: Hub, route: Route, body: RerankBody) ->
     ):
         assert isinstance(backend, RerankerBackend)
         scored = await backend.rerank(body.query, texts, truncate=body.truncate)
+        report_tokens(scored.total_tokens)
+        mirror_to_shadow(RerankReplay(body.query, texts, truncate=body.truncate), scored.scores)
     # Most relevant first; equal scores keep document order, as a stable sort does.
     order = sorted(range(len(texts)), key=lambda i: -scored.scores[i])[: body.top_n]
     results = [
@@ -126,7 +130,7 @@ async def _rerank(request: Request, hub: Hub, route: Route, body: RerankBody) ->
     return Response(
         public.model_dump_json(exclude_none=True),
         media_type="application/json",
-        headers={VERSION_HEADER: str(route.version)},
+        headers={VERSION_HEADER: route.label},
     )
 
 

@@ -48,19 +48,26 @@ async def serve(
     *,
     keep_alive: float | None = None,
 ) -> AsyncIterator[Backend]:
-    """Acquire the routed version's backend for one request and record its outcome."""
+    """Acquire the routed version's backend for one request and record its outcome: metrics,
+    and a per-version sample for readouts and canaries (hub.traffic). Inside the block a
+    route may call `hub.traffic.request.report_tokens` and `mirror_to_shadow`; faults the
+    traffic policy injects are raised here, before the model is acquired."""
     if response is not None:
-        response.headers[VERSION_HEADER] = str(route.version)
+        response.headers[VERSION_HEADER] = route.label
     labels = (route.name, str(route.version), endpoint)
+    served = hub.traffic.begin(route)
     start = time.perf_counter()
     status = "200"
     try:
+        await hub.traffic.inject_faults(route)
         async with hub.manager.acquire(
             route.name, route.version, route.kind, keep_alive=keep_alive
         ) as backend:
             yield backend
     except HubError as e:
         status = str(e.status_code)
+        # The error answer (an injected fault, a load failure) names the version too.
+        e.headers.setdefault(VERSION_HEADER, route.label)
         raise
     except InputError:
         status = "400"
@@ -69,11 +76,15 @@ async def serve(
         status = "503"
         raise
     except asyncio.CancelledError:
-        status = "499"  # the client went away (nginx's "client closed request")
+        status = "cancelled"
         raise
     except BaseException:
         status = "500"
         raise
     finally:
-        hub.metrics.requests.labels(*labels, status).inc()
-        hub.metrics.request_seconds.labels(*labels).observe(time.perf_counter() - start)
+        elapsed = time.perf_counter() - start
+        # A cancelled request's client went away: nginx's 499, "client closed request".
+        hub.metrics.requests.labels(*labels, "499" if status == "cancelled" else status).inc()
+        hub.metrics.request_seconds.labels(*labels).observe(elapsed)
+        outcome = None if status == "cancelled" else int(status)
+        hub.traffic.finish(served, latency_s=elapsed, status=outcome)

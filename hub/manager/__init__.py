@@ -3,6 +3,21 @@
 from hub.manager.devices import Device
 from hub.manager.loader import VersionLoader
 from hub.manager.manager import ModelManager
-from hub.manager.state import ModelKey, ModelState, ModelStatus
+from hub.manager.state import (
+    DeviceStatus,
+    HostTierStatus,
+    ModelKey,
+    ModelState,
+    ModelStatus,
+)
 
-__all__ = ["Device", "ModelKey", "ModelManager", "ModelState", "ModelStatus", "VersionLoader"]
+__all__ = [
+    "Device",
+    "DeviceStatus",
+    "HostTierStatus",
+    "ModelKey",
+    "ModelManager",
+    "ModelState",
+    "ModelStatus",
+    "VersionLoader",
+]

@@ -26,8 +26,14 @@ def total_memory(device: str) -> int:
 
 @dataclass(frozen=True)
 class Device:
+    """A device and the bytes the manager may charge to it."""
+
     name: str
     budget_bytes: int
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.name.startswith("cuda")
 
     @classmethod
     def from_settings(cls, settings: DeviceSettings) -> Device:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import logging
-import time
+import functools
+import inspect
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,8 +16,6 @@ from hub.manager.state import ModelKey
 from registry.service import Registry
 from registry.views import VersionView
 
-log = logging.getLogger(__name__)
-
 
 @dataclass(frozen=True)
 class PreparedVersion:
@@ -27,8 +25,23 @@ class PreparedVersion:
     artifact_dir: Path
     backend_cls: type[Backend]
 
-    def predict_memory(self) -> int:
-        return self.backend_cls.predict_memory(self.artifact_dir, self.view.runtime_config)
+    def predict_memory(self, device_budget_bytes: int | None = None) -> int:
+        """The backend's prediction; `device_budget_bytes` reaches backends whose footprint
+        depends on the device (an LLM's KV cache as a share of the budget) when their
+        `predict_memory` takes it, and is left out for those that do not."""
+        predict = self.backend_cls.predict_memory
+        if device_budget_bytes is not None and takes_device_budget(self.backend_cls):
+            return predict(  # type: ignore[call-arg]
+                self.artifact_dir, self.view.runtime_config, device_budget_bytes=device_budget_bytes
+            )
+        return predict(self.artifact_dir, self.view.runtime_config)
+
+
+@functools.cache
+def takes_device_budget(backend_cls: type[Backend]) -> bool:
+    """Whether `backend_cls.predict_memory` accepts `device_budget_bytes` (optional in the
+    Backend contract)."""
+    return "device_budget_bytes" in inspect.signature(backend_cls.predict_memory).parameters
 
 
 class VersionLoader:
@@ -66,8 +79,5 @@ class VersionLoader:
             device_budget_bytes=device_budget,
         )
         backend = prepared.backend_cls(context)
-        start = time.perf_counter()
         backend.load(prepared.artifact_dir, device, parse_dtype(view.runtime_config.get("dtype")))
-        log.info("loaded %s v%d on %s in %.2fs", view.name, view.version, device,
-                 time.perf_counter() - start)  # fmt: skip
         return backend

@@ -1,4 +1,4 @@
-"""What the manager knows about each model version it has touched."""
+"""What the manager knows about each model version it has touched, and the rows it reports."""
 
 from __future__ import annotations
 
@@ -6,16 +6,22 @@ import asyncio
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from backends.base import Backend
+from hub.errors import Unavailable
+
+if TYPE_CHECKING:
+    from hub.manager.deployment import Deployment
+    from hub.manager.room import RoomRequest
 
 
 class ModelState(enum.StrEnum):
-    LOADING = "loading"
-    LOADED = "loaded"
+    LOADING = "loading"  # being loaded from disk or restored from the host tier
+    LOADED = "loaded"  # resident on a device, serving
     WARM = "warm"  # weights parked in host memory, restorable by a copy
-    EVICTING = "evicting"
-    FAILED = "failed"
+    EVICTING = "evicting"  # leaving its device (waiting for requests, offloading, unloading)
+    FAILED = "failed"  # the last load failed; retried after a backoff
     UNLOADED = "unloaded"
 
 
@@ -35,20 +41,41 @@ class Entry:
     key: ModelKey
     kind: str
     state: ModelState = ModelState.UNLOADED
+    # Present while LOADED, EVICTING and WARM (then holding parked weights).
     backend: Backend | None = None
+    # The device it is placed on while LOADING (once room is granted), LOADED and EVICTING.
     device: str | None = None
+    # The device it was on last; a warm restore goes back there when it can.
+    last_device: str | None = None
+    # Placement, keep-alive and pin from the settings and the version's runtime config.
+    deployment: Deployment | None = None
     predicted_bytes: int = 0
     measured_bytes: int = 0
+    # Bytes its parked weights take in the host tier while WARM.
+    host_bytes: int = 0
     in_flight: int = 0
+    # Requests (and admin calls) waiting for this model to load.
     waiting: int = 0
     pinned: bool = False
+    # The keep-alive the last request asked for (Ollama: each request sets it); None: default.
+    keep_alive: float | None = None
+    # When the keep-alive runs out (monotonic); None while busy, pinned or kept forever.
+    expires_at: float | None = None
     last_used: float = field(default_factory=time.monotonic)
     loaded_at: float | None = None
+    # Requests served since it was last loaded; the eviction policy's frequency.
+    hits: int = 0
+    # Measured seconds of its last cold load and warm restore: its reload cost.
+    cold_load_s: float | None = None
+    warm_load_s: float | None = None
     error: str | None = None
-    # The one load in progress; every request for this model awaits the same task.
-    load_task: asyncio.Task[None] | None = None
-    # The unload in progress (waiting for in-flight requests, then dropping the weights).
-    unload_task: asyncio.Task[None] | None = None
+    # The one load in progress; every request for this model awaits the same task, which
+    # returns the error to raise, or None once the model is LOADED.
+    load_task: asyncio.Task[Unavailable | None] | None = None
+    # The eviction in progress (waiting for in-flight requests, then offloading or dropping).
+    evict_task: asyncio.Task[None] | None = None
+    # The load's pending request for device memory, while it waits for room.
+    room: RoomRequest | None = None
     # Set whenever in_flight drops to zero, so an unload can wait for requests to finish.
     idle: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -69,3 +96,34 @@ class ModelStatus:
     waiting: int
     last_used_s_ago: float
     error: str | None
+    # Bytes held in the host tier (state warm).
+    host_bytes: int = 0
+    # The keep-alive in force (seconds; -1 forever) and when it runs out (None: not running).
+    keep_alive_s: float = 0.0
+    keep_alive_expires_in_s: float | None = None
+    last_device: str | None = None
+    cold_load_s: float | None = None
+    warm_load_s: float | None = None
+
+
+@dataclass(frozen=True)
+class DeviceStatus:
+    """A read-only row of `/admin/devices`."""
+
+    name: str
+    budget_bytes: int
+    used_bytes: int
+    free_bytes: int
+    pinned_bytes: int
+    models: int
+
+
+@dataclass(frozen=True)
+class HostTierStatus:
+    """The warm tier: evicted weights parked in host memory."""
+
+    budget_bytes: int
+    used_bytes: int
+    free_bytes: int
+    models: int
+    pinned_memory: bool

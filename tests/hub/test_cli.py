@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -33,10 +34,15 @@ def config(tmp_path: Path, mlflow_template: Path) -> Path:
 
 
 def test_db_upgrade_and_current(config: Path) -> None:
+    from alembic.script import ScriptDirectory
+
+    from registry.db import alembic_config
+
+    head = ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()
     result = runner.invoke(app, ["db", "upgrade", "--config", str(config)])
     assert result.exit_code == 0, result.output
-    assert "revision 0001" in result.output
-    assert runner.invoke(app, ["db", "current", "--config", str(config)]).output.strip() == "0001"
+    assert f"revision {head}" in result.output
+    assert runner.invoke(app, ["db", "current", "--config", str(config)]).output.strip() == head
 
 
 def test_register_versions_events(config: Path, tiny_embedder_dir: Path) -> None:
@@ -70,3 +76,31 @@ def test_keys_create_list_revoke(config: Path) -> None:
     assert "ops" in listing and key not in listing  # only a prefix is ever shown
     assert runner.invoke(app, ["keys", "revoke", "ops", "--config", str(config)]).exit_code == 0
     assert "revoked" in runner.invoke(app, ["keys", "list", "--config", str(config)]).output
+
+
+def last_json(output: str) -> dict:
+    """The JSON document a command printed last (progress bars may precede it)."""
+    return json.loads(output[output.rindex("\n{") + 1 :] if "\n{" in output else output)
+
+
+def test_promote_and_rollback_validate_locally(config: Path, tiny_embedder_dir: Path) -> None:
+    def hub(*args: str) -> Any:
+        return runner.invoke(app, [*args, "--config", str(config)])
+
+    for _ in range(2):
+        source = str(tiny_embedder_dir)
+        assert (
+            hub("register", "--name", "emb", "--kind", "embedder", "--source", source).exit_code
+            == 0
+        )
+    refused = hub("promote", "emb", "1", "--to", "production")
+    assert refused.exit_code == 1 and "has not passed staging" in refused.output
+    for version, to in ((1, "staging"), (1, "production"), (2, "staging"), (2, "production")):
+        result = hub("promote", "emb", str(version), "--to", to, "--reason", "cli")
+        assert result.exit_code == 0, result.output
+        assert last_json(result.stdout)["validation"]["passed"] is True
+    result = hub("rollback", "emb")
+    assert result.exit_code == 0, result.output
+    rolled = last_json(result.stdout)
+    assert (rolled["version"], rolled["from_version"]) == (1, 2)
+    assert "production rollback 2 -> 1" in hub("events", "emb").output

@@ -1,6 +1,7 @@
 """The README's demo: `hub serve --config configs/demo.yaml` serves the real MiniLM, which the
-official openai client reaches; vectors of sentences of mixed lengths sent concurrently equal
-sentence-transformers' own `encode`. The demo's tiny reranker answers /v1/rerank."""
+official openai client reaches (vectors of sentences of mixed lengths sent concurrently equal
+sentence-transformers' own `encode`), a tiny LLM that answers its chat completions and a tiny
+reranker that answers /v1/rerank."""
 
 from __future__ import annotations
 
@@ -33,11 +34,19 @@ def test_demo_serves_minilm_to_the_openai_client(tmp_path: Path, minilm_dir: Pat
     singles = SENTENCES + [" ".join(SENTENCES[: i % 4 + 1]) * (i % 3 + 1) for i in range(12)]
     with hub_process(config, tmp_path) as (base, _proc):
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused")
-        assert [m.id for m in client.models.list().data] == ["minilm", "tiny-reranker"]
+        names = [m.id for m in client.models.list().data]
+        assert names == ["minilm", "tiny-llama", "tiny-reranker"]
+        # Before the requests below fill the tail of the log with access lines.
+        log = read_log(str(next(tmp_path.glob("hub-*.log"))))
+        assert f"Model Hub is serving at {base}" in log and "curl" in log
         result = client.embeddings.create(model="minilm", input=SENTENCES)
         got = np.array([d.embedding for d in result.data], dtype=np.float32)
         assert got.shape == (len(SENTENCES), 384)
         assert result.usage.prompt_tokens > len(SENTENCES)
+        chat = client.chat.completions.create(
+            model="tiny-llama", messages=[{"role": "user", "content": "Hello!"}], max_tokens=8
+        )
+        assert chat.usage is not None and 1 <= chat.usage.completion_tokens <= 8
         with ThreadPoolExecutor(len(singles)) as pool:
             answers = list(
                 pool.map(lambda s: client.embeddings.create(model="minilm", input=s), singles)
@@ -53,8 +62,6 @@ def test_demo_serves_minilm_to_the_openai_client(tmp_path: Path, minilm_dir: Pat
         top = reranked.json()["results"]
         assert len(top) == 2 and top[0]["relevance_score"] >= top[1]["relevance_score"]
         assert top[0]["document"]["text"] == SENTENCES[top[0]["index"]]
-        log = read_log(str(next(tmp_path.glob("hub-*.log"))))
-        assert f"Model Hub is serving at {base}" in log and "curl" in log
 
     model = SentenceTransformer(str(minilm_dir), device="cpu")
     for vectors, texts in [(got, SENTENCES), (each, singles)]:

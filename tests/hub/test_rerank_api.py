@@ -120,3 +120,15 @@ def test_malformed_bodies_get_422_naming_the_problem(
     r = reranker.post("/v1/rerank", json={"model": "rr", **body})
     assert r.status_code == 422
     assert message in r.json()["error"]["message"]
+
+
+def test_a_reranker_passes_the_validation_gate(reranker: TestClient) -> None:
+    r = reranker.post(
+        "/admin/registry/models/rr/versions/1/promote", json={"to": "staging", "reason": "try"}
+    )
+    assert r.status_code == 200, r.text
+    validation = r.json()["validation"]
+    assert validation["passed"] is True
+    assert {c["name"] for c in validation["checks"]} >= {"scores", "finite"}
+    body = {"model": "rr@staging", "query": QUERY, "documents": DOCUMENTS[:2]}
+    assert reranker.post("/v1/rerank", json=body).status_code == 200

@@ -20,10 +20,15 @@ REPO = Path(__file__).resolve().parents[2]
 
 @contextlib.contextmanager
 def hub_process(
-    config: Path, cwd: Path, env: dict[str, str] | None = None, timeout: float = 180
+    config: Path,
+    cwd: Path,
+    env: dict[str, str] | None = None,
+    timeout: float = 180,
+    port: int | None = None,
 ) -> Iterator[tuple[str, subprocess.Popen[str]]]:
-    """Start `hub serve --config CONFIG` in CWD on a free port; yield (base URL, process)."""
-    port = free_port()
+    """Start `hub serve --config CONFIG` in CWD on `port` (default: a free one); yield
+    (base URL, process)."""
+    port = port or free_port()
     full_env = {
         **os.environ,
         "HUB_PORT": str(port),
@@ -59,6 +64,49 @@ def hub_process(
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 proc.kill()
+        log.close()
+
+
+@contextlib.contextmanager
+def mlflow_server(backend_store_uri: str, root: Path, timeout: float = 180) -> Iterator[str]:
+    """An `mlflow server` on loopback (artifacts served from `root`); yields its URL. Webhooks
+    may call loopback addresses, as the hub's tests need."""
+    port = free_port()
+    env = {
+        **os.environ,
+        "MLFLOW_WEBHOOK_ALLOWED_SCHEMES": "http,https",
+        "MLFLOW_WEBHOOK_ALLOW_PRIVATE_IPS": "true",
+    }
+    log = (root / "mlflow-server.log").open("w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", backend_store_uri,
+         "--artifacts-destination", (root / "mlflow-artifacts").as_uri(), "--serve-artifacts",
+         "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"mlflow server exited:\n{read_log(log.name)}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"mlflow server not up after {timeout}s:\n{read_log(log.name)}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        # The server forks workers: end the whole process group.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
         log.close()
 
 

@@ -1,0 +1,202 @@
+"""The engine's step loop in its own thread, behind asyncio streams.
+
+`submit` validates a request synchronously (so a bad one fails before any response starts)
+and returns a `RequestStream`: an async iterator of `RequestOutput` deltas that ends when
+every sample of the request has finished. Closing the stream early (a client disconnect, a
+timeout, a cancelled task) aborts the request; the engine frees its blocks at the next step
+boundary, at most one step later. The thread sleeps while there is no work and hands each
+step's outputs to the event loops in one call per loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import uuid
+from collections.abc import AsyncIterator
+from types import TracebackType
+
+from backends.errors import BackendClosedError
+from backends.llm.engine import EngineStepError, LLMEngine, RequestOutput
+from backends.llm.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+_Item = list[RequestOutput] | BaseException
+
+
+class RequestStream:
+    """One request's deltas. Use as `async with stream: async for out in stream: ...`, or
+    call `abort()`; either way an unfinished request is aborted in the engine."""
+
+    def __init__(self, owner: AsyncLLMEngine, request_id: str, n: int) -> None:
+        self.request_id = request_id
+        self._owner = owner
+        self._queue: asyncio.Queue[_Item] = asyncio.Queue()
+        self._remaining = n
+        self._pending: list[RequestOutput] = []
+        self._closed = False
+
+    @property
+    def finished(self) -> bool:
+        return self._remaining == 0
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        while not self._pending:
+            if self._remaining == 0 or self._closed:
+                self._close()
+                raise StopAsyncIteration
+            item = await self._queue.get()
+            if isinstance(item, BaseException):
+                self._close()
+                raise item
+            self._pending.extend(item)
+        out = self._pending.pop(0)
+        if out.finished:
+            self._remaining -= 1
+        return out
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.abort()
+
+    def abort(self) -> None:
+        """Stop the request now if it has not finished; idempotent."""
+        if self._remaining and not self._closed:
+            self._owner.engine.abort_request(self.request_id)
+            self._owner.wake()
+        self._close()
+
+    def _deliver(self, item: _Item) -> None:
+        self._queue.put_nowait(item)
+
+    def _close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._owner._forget(self.request_id)
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine, *, name: str = "llm") -> None:
+        self.engine = engine
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, RequestStream]] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name=f"engine {name}", daemon=True)
+        self._thread.start()
+
+    @property
+    def closed(self) -> bool:
+        return self._stopping
+
+    def submit(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        request_id: str | None = None,
+    ) -> RequestStream:
+        """Queue a request (InputError / CapacityError raised here) and return its stream.
+        Call from a running event loop; the stream's deltas arrive on it."""
+        if self._stopping:
+            raise BackendClosedError("the LLM engine is shut down")
+        loop = asyncio.get_running_loop()
+        request_id = request_id or uuid.uuid4().hex
+        stream = RequestStream(self, request_id, params.n)
+        with self._lock:
+            self._streams[request_id] = (loop, stream)
+        try:
+            self.engine.add_request(request_id, prompt_token_ids, params, priority=priority)
+        except BaseException:
+            self._forget(request_id)
+            raise
+        self._wake.set()
+        return stream
+
+    async def generate(
+        self, prompt_token_ids: list[int], params: SamplingParams, *, priority: int = 0
+    ) -> AsyncIterator[RequestOutput]:
+        """`submit` and iterate; leaving the loop early aborts the request."""
+        stream = self.submit(prompt_token_ids, params, priority=priority)
+        async with stream:
+            async for out in stream:
+                yield out
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the thread after its current step; open streams fail with BackendClosedError."""
+        self._stopping = True
+        self._wake.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+        self._fail_streams(BackendClosedError("the LLM engine was shut down"))
+
+    # ---- engine thread -----------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stopping:
+            self._wake.clear()
+            if not self.engine.has_work():
+                self._wake.wait(timeout=1.0)
+                continue
+            try:
+                outputs = self.engine.step()
+            except EngineStepError as e:
+                self._fail_streams(e, e.request_ids)
+                continue
+            except Exception as e:  # a bug outside the model: fail loudly, keep the thread
+                log.exception("LLM engine loop failed")
+                self._fail_streams(e)
+                continue
+            if outputs:
+                self._deliver(outputs)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, list[RequestOutput]]]]
+        by_loop = {}
+        grouped: dict[str, list[RequestOutput]] = {}
+        for out in outputs:
+            grouped.setdefault(out.request_id, []).append(out)
+        with self._lock:
+            for request_id, outs in grouped.items():
+                entry = self._streams.get(request_id)
+                if entry is not None:
+                    by_loop.setdefault(entry[0], []).append((entry[1], outs))
+        for loop, batch in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # the loop has closed: nobody listens
+                loop.call_soon_threadsafe(_dispatch, batch)
+
+    def _fail_streams(self, error: BaseException, request_ids: list[str] | None = None) -> None:
+        """Deliver `error` to the streams of `request_ids` (all streams when None)."""
+        with self._lock:
+            if request_ids is None:
+                entries = list(self._streams.values())
+            else:
+                entries = [self._streams[r] for r in request_ids if r in self._streams]
+        for loop, stream in entries:
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(stream._deliver, error)
+
+    def _forget(self, request_id: str) -> None:
+        with self._lock:
+            self._streams.pop(request_id, None)
+
+
+def _dispatch(batch: list[tuple[RequestStream, list[RequestOutput]]]) -> None:
+    for stream, outs in batch:
+        stream._deliver(outs)

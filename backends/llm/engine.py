@@ -1,0 +1,324 @@
+"""The engine's step loop: schedule, run, update, detokenize. Synchronous, one thread.
+
+    output = scheduler.schedule()
+    sampled = runner.execute(output)
+    scheduler.update(output, sampled)
+
+`add_request` and `abort_request` may be called from any thread: they validate (raising
+`InputError` / `CapacityError` before anything changes) and queue the change, which the next
+`step` applies. Everything else belongs to the thread that calls `step`. The engine works on
+token ids; with a tokenizer it also produces text deltas and honours stop strings.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from backends.errors import CapacityError, InputError
+from backends.llm.config import EngineConfig
+from backends.llm.detokenizer import IncrementalDetokenizer
+from backends.llm.kv_cache_manager import KVCacheManager
+from backends.llm.metrics import EngineMetrics
+from backends.llm.model_runner import ModelRunner
+from backends.llm.sampling_params import SamplingParams
+from backends.llm.scheduler import Scheduler, SchedulerLimits
+from backends.llm.sequence import FinishReason, Logprob, Sequence
+
+log = logging.getLogger(__name__)
+
+
+class EngineStepError(RuntimeError):
+    """A step failed (the model raised); the requests it ended are named."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException) -> None:
+        super().__init__(f"the engine step failed: {type(cause).__name__}: {cause}")
+        self.request_ids = request_ids
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one step produced for one sequence (sample `index`) of a request: a delta."""
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[Logprob]
+    finish_reason: FinishReason | None
+    # The stop token id or stop string that ended the sequence, if one did.
+    stop_reason: int | str | None
+    num_prompt_tokens: int
+    # Prompt tokens whose KV came from the prefix cache.
+    num_cached_tokens: int
+    # Tokens generated so far by this sequence.
+    num_output_tokens: int
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class _Request:
+    request_id: str
+    seqs: list[Sequence]
+    arrival_time: float
+    detokenizers: list[IncrementalDetokenizer | None]
+    scheduled_time: float | None = None
+    first_token_time: float | None = None
+    # Sequences whose final output was emitted.
+    num_done: int = 0
+    last_token_times: list[float] = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner: ModelRunner,
+        tokenizer: Any | None = None,
+        metrics: EngineMetrics | None = None,
+    ) -> None:
+        self.config = config
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.metrics = metrics or EngineMetrics.disabled()
+        self.max_model_len = runner.max_model_len
+        self.max_tokens_limit = min(
+            config.max_tokens_limit or self.max_model_len, self.max_model_len
+        )
+        self._seq_ids = itertools.count()
+        self._incoming: collections.deque[_Request] = collections.deque()
+        self._aborts: collections.deque[str] = collections.deque()
+        self._aborted_early: set[str] = set()
+        self._requests: dict[str, _Request] = {}
+        self.reset_cache()
+
+    def reset_cache(self) -> None:
+        """A fresh block pool and scheduler over the runner's (new) KV cache; no request
+        may be in flight."""
+        self.kv_cache = KVCacheManager(
+            self.runner.num_blocks,
+            self.config.block_size,
+            enable_prefix_caching=self.config.enable_prefix_caching,
+        )
+        limits = SchedulerLimits(
+            max_num_seqs=self.config.max_num_seqs,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            priority_aging_steps=self.config.priority_aging_steps,
+        )
+        self.scheduler = Scheduler(limits, self.kv_cache, self.runner.sampler.eos_token_ids)
+
+    # ---- requests (any thread) ----------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+    ) -> None:
+        """Validate and queue a request; InputError / CapacityError leave no trace."""
+        max_tokens = self.check_request(prompt_token_ids, params)
+        if len(self._incoming) + self.scheduler.num_unfinished >= self.config.max_waiting:
+            raise CapacityError(
+                f"{self.config.max_waiting} sequences are already queued or running; retry later"
+            )
+        seqs = [
+            Sequence(
+                next(self._seq_ids),
+                request_id,
+                prompt_token_ids,
+                params,
+                max_tokens=max_tokens,
+                block_size=self.config.block_size,
+                index=i,
+                priority=priority,
+            )
+            for i in range(params.n)
+        ]
+        detokenizers: list[IncrementalDetokenizer | None] = [
+            IncrementalDetokenizer(
+                self.tokenizer,
+                prompt_token_ids,
+                stop=params.stop,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+                skip_special_tokens=params.skip_special_tokens,
+            )
+            if self.tokenizer is not None
+            else None
+            for _ in seqs
+        ]
+        self._incoming.append(_Request(request_id, seqs, time.monotonic(), detokenizers))
+
+    def abort_request(self, request_id: str) -> None:
+        """Finish the request's sequences at the next step boundary, freeing their blocks."""
+        self._aborts.append(request_id)
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Raise InputError for a request this engine cannot serve; return its max_tokens."""
+        params.validate()
+        n_prompt = len(prompt_token_ids)
+        if n_prompt == 0:
+            raise InputError("the prompt is empty; send at least one token", param="prompt")
+        vocab = self.runner.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise InputError(f"prompt token ids {bad[:5]} are outside [0, {vocab})", param="prompt")
+        if params.n > self.config.max_n:
+            raise InputError(
+                f"n={params.n} exceeds this model's limit of {self.config.max_n}", param="n"
+            )
+        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
+            raise InputError(
+                f"logprobs={params.logprobs} exceeds this model's limit of "
+                f"{self.config.max_logprobs}",
+                param="logprobs",
+            )
+        for token in (*params.logit_bias, *params.stop_token_ids):
+            if token >= vocab:
+                param = "logit_bias" if token in params.logit_bias else "stop_token_ids"
+                raise InputError(
+                    f"token id {token} is outside the vocabulary [0, {vocab})", param=param
+                )
+        room = self.max_model_len - n_prompt
+        if room < 1:
+            raise InputError(
+                f"the prompt has {n_prompt} tokens but this model's context is "
+                f"{self.max_model_len} tokens, leaving no room to generate",
+                param="prompt",
+            )
+        if params.max_tokens is None:
+            return min(self.config.default_max_tokens, room, self.max_tokens_limit)
+        if params.max_tokens > self.max_tokens_limit:
+            raise InputError(
+                f"max_tokens={params.max_tokens} exceeds this model's limit of "
+                f"{self.max_tokens_limit}",
+                param="max_tokens",
+            )
+        if params.max_tokens > room:
+            raise InputError(
+                f"this model's context is {self.max_model_len} tokens, but the request needs "
+                f"{n_prompt + params.max_tokens} ({n_prompt} in the prompt plus max_tokens="
+                f"{params.max_tokens}); shorten the prompt or lower max_tokens",
+                param="max_tokens",
+            )
+        return params.max_tokens
+
+    # ---- the loop (engine thread) ------------------------------------------------------
+    def has_work(self) -> bool:
+        return bool(self._incoming or self._aborts or self.scheduler.num_unfinished)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._requests) + len(self._incoming)
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step; outputs for every sequence that got a token or finished."""
+        self._apply_aborts()
+        self._apply_incoming()
+        scheduler = self.scheduler
+        queries, hits = self.kv_cache.prefix_queries, self.kv_cache.prefix_hits
+        output = scheduler.schedule()
+        scheduled_at = time.monotonic()
+        try:
+            sampled = self.runner.execute(output)
+        except Exception as e:
+            raise EngineStepError(self._fail_all(), e) from e
+        updated = scheduler.update(output, sampled.token_ids)
+        now = time.monotonic()
+        for item in output.scheduled:
+            request = self._requests.get(item.seq.request_id)
+            if request is not None and request.scheduled_time is None:
+                request.scheduled_time = scheduled_at
+                self.metrics.observe_latency("queue", scheduled_at - request.arrival_time)
+        outputs = [self._emit(seq, sampled.logprobs[row], now) for seq, row in updated]
+        self.metrics.observe_step(
+            running=len(scheduler.running),
+            waiting=len(scheduler.waiting),
+            kv_usage=self.kv_cache.usage,
+            prefix_queries=self.kv_cache.prefix_queries - queries,
+            prefix_hits=self.kv_cache.prefix_hits - hits,
+            generated=len(updated),
+            preempted=output.num_preempted,
+        )
+        return outputs
+
+    def _apply_incoming(self) -> None:
+        while self._incoming:
+            request = self._incoming.popleft()
+            if request.request_id in self._aborted_early:
+                continue  # aborted before it ever ran
+            self._requests[request.request_id] = request
+            request.last_token_times = [request.arrival_time] * len(request.seqs)
+            self.metrics.observe_arrival(request.seqs[0].num_prompt_tokens)
+            for seq in request.seqs:
+                self.scheduler.add(seq)
+        # An add always precedes its abort, so any id left here belonged to a request that
+        # had already finished.
+        self._aborted_early.clear()
+
+    def _apply_aborts(self) -> None:
+        while self._aborts:
+            request_id = self._aborts.popleft()
+            request = self._requests.pop(request_id, None)
+            if request is None:
+                # Still incoming (skipped when applied) or already finished. The incoming
+                # queue is never rebuilt here: another thread may be appending to it.
+                self._aborted_early.add(request_id)
+                continue
+            for seq in request.seqs:
+                self.scheduler.finish(seq, FinishReason.ABORT)
+
+    def _emit(self, seq: Sequence, logprob: Logprob | None, now: float) -> RequestOutput:
+        request = self._requests[seq.request_id]
+        token = seq.token_ids[-1]
+        text = ""
+        detokenizer = request.detokenizers[seq.index]
+        if detokenizer is not None:
+            text, stop = detokenizer.push([token])
+            if stop is not None and not seq.is_finished:
+                self.scheduler.finish(seq, FinishReason.STOP, stop)
+            if seq.is_finished:
+                text += detokenizer.flush()
+        if seq.num_output_tokens > 1:
+            self.metrics.observe_latency("itl", now - request.last_token_times[seq.index])
+        elif request.first_token_time is None:
+            request.first_token_time = now
+            self.metrics.observe_latency("ttft", now - request.arrival_time)
+        request.last_token_times[seq.index] = now
+        if seq.is_finished:
+            request.num_done += 1
+            if request.num_done == len(request.seqs):
+                del self._requests[seq.request_id]
+                self.metrics.observe_latency("e2e", now - request.arrival_time)
+        return RequestOutput(
+            request_id=seq.request_id,
+            index=seq.index,
+            token_ids=[token],
+            text=text,
+            logprobs=[logprob] if logprob is not None else [],
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            num_output_tokens=seq.num_output_tokens,
+        )
+
+    def _fail_all(self) -> list[str]:
+        """After a failed step: end every request and forget cached blocks (their contents
+        are undefined), so the engine can serve new requests. Returns the ended ids."""
+        log.exception("LLM engine step failed; aborting %d requests", len(self._requests))
+        for request in self._requests.values():
+            for seq in request.seqs:
+                self.scheduler.finish(seq, FinishReason.ABORT)
+        failed = list(self._requests)
+        self._requests.clear()
+        self.kv_cache.reset_prefix_cache()
+        return failed

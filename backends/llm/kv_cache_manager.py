@@ -1,0 +1,107 @@
+"""Which blocks a sequence gets: prefix-cache lookups, slot allocation, freeing. Pure Python.
+
+Policy over `BlockPool`'s mechanism. A sequence's block table is `seq.block_ids`; block `i`
+holds the KV of tokens `[i * block_size, (i + 1) * block_size)`. A full block is registered
+in the prefix cache as soon as the step that fills it is scheduled: the runner writes every
+layer's new KV before any attention reads it, so another sequence scheduled in the same step
+(the other samples of an `n > 1` request, say) may already share it.
+"""
+
+from __future__ import annotations
+
+from backends.llm.block_pool import BlockPool
+from backends.llm.sequence import ROOT_HASH, Sequence
+
+
+class KVCacheManager:
+    """Allocates KV blocks to sequences. `allocate_slots` either meets the whole request or
+    changes nothing and returns False; what to do then (preempt, wait) is the scheduler's."""
+
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks, enable_prefix_caching=enable_prefix_caching)
+        # Prompt tokens looked up in the prefix cache, and how many of them were found.
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks in use by live sequences (cached free blocks count as free)."""
+        return self.pool.usage
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def can_ever_fit(self, num_tokens: int) -> bool:
+        """Whether one sequence of `num_tokens` fits in the whole cache."""
+        return self.blocks_for(num_tokens) <= self.pool.num_blocks
+
+    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+        """Blocks holding the longest cached prefix of `seq`'s full blocks. The last token
+        is never covered: it must run through the model to produce the next token's logits."""
+        if not self.enable_prefix_caching or seq.num_computed_tokens:
+            return []
+        hits: list[int] = []
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        for i in range(max_blocks):
+            parent = seq.block_hashes[i - 1] if i else ROOT_HASH
+            block_id = self.pool.lookup(seq.block_hashes[i], parent, seq.block_tokens(i))
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def allocate_slots(
+        self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] | None = None
+    ) -> bool:
+        """Give `seq` room for `num_new_tokens` more tokens after its computed ones (and after
+        `cached_blocks`, a prefix hit taken on admission). On success the cached blocks are
+        in the block table and counted as computed; on failure nothing changed."""
+        cached = cached_blocks or []
+        num_cached_tokens = len(cached) * self.block_size
+        computed = seq.num_computed_tokens + num_cached_tokens
+        total = computed + num_new_tokens
+        needed = self.blocks_for(total) - len(seq.block_ids) - len(cached)
+        # Cached blocks nobody holds sit in the free queue; sharing them shrinks it.
+        reclaimed = sum(1 for b in cached if self.pool.blocks[b].ref_count == 0)
+        if needed > self.pool.num_free_blocks - reclaimed:
+            return False
+        if cached_blocks is not None and self.enable_prefix_caching:
+            self.prefix_queries += seq.num_tokens
+            self.prefix_hits += num_cached_tokens
+        if cached:
+            self.pool.share(cached)
+            seq.block_ids.extend(cached)
+            seq.num_computed_tokens = computed
+            seq.num_cached_tokens = num_cached_tokens
+        if needed > 0:
+            new_blocks = self.pool.allocate(needed)
+            assert new_blocks is not None  # checked above
+            seq.block_ids.extend(new_blocks)
+        self._register_full_blocks(seq, computed, total)
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        """Release `seq`'s blocks, tail first. Blocks past its computed tokens were
+        registered for a step that will not run for it now, so they are forgotten; the
+        others stay findable in the prefix cache until reused."""
+        for block_id in seq.block_ids[seq.num_computed_tokens // self.block_size :]:
+            self.pool.forget_if_private(block_id)
+        self.pool.free(reversed(seq.block_ids))
+        seq.block_ids = []
+
+    def reset_prefix_cache(self) -> None:
+        self.pool.reset_prefix_cache()
+
+    def _register_full_blocks(self, seq: Sequence, computed: int, total: int) -> None:
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        for i in range(computed // bs, total // bs):
+            parent = seq.block_hashes[i - 1] if i else ROOT_HASH
+            self.pool.register(seq.block_ids[i], seq.block_hashes[i], parent, seq.block_tokens(i))

@@ -1,0 +1,268 @@
+"""The forward pass: a Hugging Face decoder over the paged KV cache, one packed batch a step.
+
+Contract: `execute(scheduler_output)` runs every scheduled token of every sequence as one
+`(1, T)` row with explicit positions, computes logits only at the last token of sequences
+that sample, and returns the sampled tokens. The model is the stock transformers class loaded
+with our registered attention (`backends.llm.attention`), so no architecture is rewritten;
+only the ones verified against transformers' own `generate` are accepted. The runner owns the
+KV-cache tensors (per layer, keys and values: `(2, blocks, block_size, kv_heads, head_dim)`)
+and knows nothing about requests, text or HTTP.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from backends.errors import LoadError
+from backends.llm import attention
+from backends.llm.attention import PagedAttentionMetadata, PrefillChunk
+from backends.llm.config import EngineConfig
+from backends.llm.sampler import Sampler, SamplerOutput
+from backends.llm.scheduler import SchedulerOutput
+from backends.llm.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+# model_type -> what was verified: greedy output equal to transformers' generate.
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "llama": "Llama",
+    "mistral": "Mistral (sliding window)",
+    "qwen2": "Qwen2",
+    "qwen3": "Qwen3",
+    "phi3": "Phi-3",
+    "gemma2": "Gemma 2 (alternating sliding window, soft-capping)",
+}
+
+
+def supported_list() -> str:
+    return ", ".join(f"{k} ({v})" for k, v in SUPPORTED_ARCHITECTURES.items())
+
+
+def kv_shape(config: Any) -> tuple[int, int, int]:
+    """(layers, kv_heads, head_dim) of a transformers config."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return config.num_hidden_layers, kv_heads, head_dim
+
+
+def kv_bytes_per_block(config: Any, block_size: int, dtype: torch.dtype) -> int:
+    layers, kv_heads, head_dim = kv_shape(config)
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * layers * kv_heads * block_size * head_dim * element
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: Any,
+        engine_config: EngineConfig,
+        device: str,
+        *,
+        batched_decode: bool | None = None,
+    ) -> None:
+        self.model = model
+        self.config = model.config
+        self.block_size = engine_config.block_size
+        self.dtype: torch.dtype = model.dtype
+        self.device = torch.device(device)
+        per_block = kv_bytes_per_block(self.config, self.block_size, self.dtype)
+        self.num_blocks = engine_config.kv_cache_bytes // per_block
+        if self.num_blocks < 1:
+            raise LoadError(
+                f"kv_cache_bytes={engine_config.kv_cache_bytes} holds no KV block of this "
+                f"model ({per_block} bytes per block of {self.block_size} tokens); raise it"
+            )
+        limits = [self.config.max_position_embeddings, self.num_blocks * self.block_size]
+        if engine_config.max_model_len is not None:
+            limits.append(engine_config.max_model_len)
+        self.max_model_len = min(limits)
+        self.vocab_size: int = self.config.vocab_size
+        self.sampler = Sampler(_eos_ids(model))
+        # Decodes in one padded call (accelerators) or one call each (CPU); None: by device.
+        self.batched_decode = batched_decode
+        self.kv_caches: list[torch.Tensor] = []
+        self.allocate_kv_cache()
+
+    @classmethod
+    def load(
+        cls,
+        artifact_dir: Path,
+        device: str,
+        dtype: torch.dtype | None,
+        engine_config: EngineConfig,
+        *,
+        allow_pickle: bool = False,
+        trust_remote_code: bool = False,
+        batched_decode: bool | None = None,
+    ) -> ModelRunner:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        try:
+            config = AutoConfig.from_pretrained(
+                artifact_dir, local_files_only=True, trust_remote_code=trust_remote_code
+            )
+        except Exception as e:
+            raise LoadError(f"cannot read the model config in {artifact_dir}: {e}") from e
+        if config.model_type not in SUPPORTED_ARCHITECTURES:
+            raise LoadError(
+                f"architecture {config.model_type!r} is not supported by the LLM engine; "
+                f"supported: {supported_list()}"
+            )
+        attention.register()
+        try:
+            model: Any = AutoModelForCausalLM.from_pretrained(
+                artifact_dir,
+                dtype=dtype if dtype is not None else "auto",
+                attn_implementation=attention.ATTENTION_NAME,
+                local_files_only=True,
+                use_safetensors=not allow_pickle,
+                trust_remote_code=trust_remote_code,
+            )
+        except Exception as e:
+            raise LoadError(f"cannot load the model in {artifact_dir}: {e}") from e
+        model.eval()
+        model.to(torch.device(device))
+        return cls(model, engine_config, device, batched_decode=batched_decode)
+
+    # ---- memory -----------------------------------------------------------------------
+    def allocate_kv_cache(self) -> None:
+        layers, kv_heads, head_dim = kv_shape(self.config)
+        shape = (2, self.num_blocks, self.block_size, kv_heads, head_dim)
+        self.kv_caches = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(layers)
+        ]
+
+    def release_kv_cache(self) -> None:
+        self.kv_caches = []
+
+    def kv_cache_bytes(self) -> int:
+        return sum(kv.nbytes for kv in self.kv_caches)
+
+    def to(self, device: str) -> None:
+        """Move the weights (and any KV cache, reallocated empty) to `device`."""
+        self.device = torch.device(device)
+        self.model.to(self.device)
+        if self.kv_caches:
+            self.allocate_kv_cache()
+
+    # ---- one step -----------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput) -> SamplerOutput:
+        self.sampler.forget(output.finished_seq_ids)
+        if output.is_empty:
+            return SamplerOutput([], [])
+        inputs = self._prepare(output)
+        logits = self.model(
+            input_ids=inputs.input_ids,
+            position_ids=inputs.positions,
+            logits_to_keep=inputs.logits_indices,
+            use_cache=False,
+            paged_metadata=inputs.metadata,
+        ).logits[0]  # (S, V)
+        return self.sampler(logits, inputs.sampling_seqs)
+
+    def _prepare(self, output: SchedulerOutput) -> _StepInputs:
+        bs = self.block_size
+        device = self.device
+        token_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        last_token: dict[int, int] = {}  # seq_id -> packed index of its last token
+
+        decode_blocks: list[int] = []  # every decode's table, concatenated
+        decode_widths: list[int] = []
+        decode_lens: list[int] = []
+        for item in output.scheduled:
+            if item.num_tokens != 1:
+                continue
+            seq, pos = item.seq, item.start
+            last_token[seq.seq_id] = len(token_ids)
+            token_ids.append(seq.token_ids[pos])
+            positions.append(pos)
+            slots.append(seq.block_ids[pos // bs] * bs + pos % bs)
+            decode_lens.append(pos + 1)
+            decode_blocks.extend(seq.block_ids[: pos // bs + 1])
+            decode_widths.append(pos // bs + 1)
+        # One tensor for all tables, split per sequence (views cost less than tensors).
+        decode_tables = torch.tensor(decode_blocks, dtype=torch.long, device=device).split(
+            decode_widths
+        )
+
+        prefills: list[PrefillChunk] = []
+        for item in output.scheduled:
+            if item.num_tokens == 1:
+                continue
+            seq, start, end = item.seq, item.start, item.start + item.num_tokens
+            t0 = len(token_ids)
+            table = seq.block_ids
+            token_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            last_token[seq.seq_id] = len(token_ids) - 1
+            blocks = torch.tensor(table[: -(-end // bs)], dtype=torch.long, device=device)
+            prefills.append(PrefillChunk(t0, len(token_ids), start, blocks))
+
+        decode_batch = None
+        batched = self.batched_decode
+        if batched is None:
+            batched = self.device.type != "cpu"
+        if batched and decode_lens:
+            width = max(decode_widths)
+            rows = [row + [0] * (width - len(row)) for row in _split(decode_blocks, decode_widths)]
+            decode_batch = (
+                torch.tensor(rows, dtype=torch.long, device=device),
+                torch.tensor(decode_lens, dtype=torch.long, device=device),
+            )
+
+        sampling = [item.seq for item in output.scheduled if item.sample]
+        metadata = PagedAttentionMetadata(
+            kv_caches=self.kv_caches,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            decode_tables=list(decode_tables),
+            decode_batch=decode_batch,
+            decode_lens=decode_lens,
+            prefills=prefills,
+        )
+        return _StepInputs(
+            input_ids=torch.tensor([token_ids], dtype=torch.long, device=device),
+            positions=torch.tensor([positions], dtype=torch.long, device=device),
+            logits_indices=torch.tensor(
+                [last_token[seq.seq_id] for seq in sampling], dtype=torch.long, device=device
+            ),
+            metadata=metadata,
+            sampling_seqs=sampling,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class _StepInputs:
+    input_ids: torch.Tensor  # (1, T)
+    positions: torch.Tensor  # (1, T)
+    logits_indices: torch.Tensor  # (S,): the packed index of each sampling sequence's token
+    metadata: PagedAttentionMetadata
+    sampling_seqs: list[Sequence]
+
+
+def _eos_ids(model: Any) -> list[int]:
+    ids: set[int] = set()
+    for source in (model.generation_config, model.config):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list | tuple):
+            ids.update(int(v) for v in value)
+    return sorted(ids)
+
+
+def _split(values: list[int], widths: list[int]) -> list[list[int]]:
+    out, start = [], 0
+    for width in widths:
+        out.append(values[start : start + width])
+        start += width
+    return out

@@ -1,0 +1,224 @@
+"""Which tokens of which sequences run in the next step. Pure Python, no torch.
+
+Each step has a token budget (`max_num_batched_tokens`) and a sequence cap (`max_num_seqs`).
+Running sequences come first: every one that needs a single token (a decode) gets it, then
+longer ones (prompts, recomputation after preemption) get chunks of what is left, so a long
+prompt spreads over steps and mixes with decodes (chunked prefill). Waiting sequences are
+admitted last, in order of precedence, and only while their blocks can be allocated; the first
+that cannot be admitted stops admission, so a large request is never overtaken forever.
+
+Precedence is `(priority - age // priority_aging_steps, arrival)`, lower first: FCFS inside a
+priority, and a request that waits long enough outranks any newcomer, so none starves. When
+blocks run out, the running sequence of lowest precedence (lowest priority, then latest
+arrival) is preempted: its blocks are freed and it waits to be recomputed, usually largely
+from the prefix cache since freed blocks keep their contents until reused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from backends.llm.kv_cache_manager import KVCacheManager
+from backends.llm.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class ScheduledSequence:
+    seq: Sequence
+    # This step computes tokens `seq.token_ids[start : start + num_tokens]`.
+    start: int
+    num_tokens: int
+    # The chunk ends at the sequence's last token, so the step samples its next token.
+    sample: bool
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """The one message the runner gets per step."""
+
+    # Sequences with a single token this step first (attention batches them together),
+    # then the longer chunks; tokens are packed in this order.
+    scheduled: list[ScheduledSequence]
+    # Sum of `num_tokens` over `scheduled`.
+    num_batched_tokens: int
+    # Sequences that finished or were aborted since the last step: drop their sampler state.
+    finished_seq_ids: list[int] = field(default_factory=list)
+    # Sequences preempted while scheduling this step (counted by metrics).
+    num_preempted: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SchedulerLimits:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    priority_aging_steps: int
+
+
+class Scheduler:
+    def __init__(
+        self, limits: SchedulerLimits, kv_cache: KVCacheManager, eos_token_ids: Iterable[int]
+    ) -> None:
+        if limits.max_num_batched_tokens < limits.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({limits.max_num_batched_tokens}) must be at least "
+                f"max_num_seqs ({limits.max_num_seqs}) so every running sequence can decode"
+            )
+        self.limits = limits
+        self.kv_cache = kv_cache
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.num_steps = 0
+        self.num_preemptions = 0
+        self._finished_ids: list[int] = []
+
+    # ---- queue ------------------------------------------------------------------------
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, seq: Sequence) -> None:
+        seq.arrival = self.num_steps
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def finish(
+        self, seq: Sequence, reason: FinishReason, stop_reason: int | str | None = None
+    ) -> None:
+        """End `seq` now (a stop string, an abort) and free its blocks."""
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.kv_cache.free(seq)
+        seq.finish(reason, stop_reason)
+        self._finished_ids.append(seq.seq_id)
+
+    # ---- one step ---------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        self.num_steps += 1
+        budget = self.limits.max_num_batched_tokens
+        self.running.sort(key=self._precedence)
+        chosen: dict[int, ScheduledSequence] = {}
+        preempted = 0
+
+        # Decodes first, then chunks; within each, in precedence order.
+        decodes = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
+        chunks = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
+        for seq in decodes + chunks:
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if num_new <= 0:
+                continue
+            while not self.kv_cache.allocate_slots(seq, num_new):
+                victim = self.running[-1]
+                refund = chosen.pop(victim.seq_id, None)
+                if refund is not None:
+                    budget += refund.num_tokens
+                self._preempt(victim)
+                preempted += 1
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            chosen[seq.seq_id] = ScheduledSequence(
+                seq,
+                seq.num_computed_tokens,
+                num_new,
+                seq.num_computed_tokens + num_new == seq.num_tokens,
+            )
+            budget -= num_new
+
+        # Admit waiting sequences only when memory is not already short.
+        if not preempted:
+            budget = self._admit(chosen, budget)
+
+        scheduled = sorted(chosen.values(), key=lambda s: s.num_tokens > 1)
+        finished, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(
+            scheduled=scheduled,
+            num_batched_tokens=self.limits.max_num_batched_tokens - budget,
+            finished_seq_ids=finished,
+            num_preempted=preempted,
+        )
+
+    def update(self, output: SchedulerOutput, sampled: list[int]) -> list[tuple[Sequence, int]]:
+        """Record the step's progress and the tokens sampled for entries with `sample` set,
+        in order. Returns `(sequence, row in sampled)` for each sequence that got a token;
+        those that finished are freed."""
+        row = -1
+        updated = []
+        for item in output.scheduled:
+            seq = item.seq
+            if item.sample:
+                row += 1
+            if seq.is_finished:
+                continue  # aborted while the step ran
+            seq.num_computed_tokens = item.start + item.num_tokens
+            if not item.sample:
+                continue
+            token = sampled[row]
+            seq.append_token(token)
+            updated.append((seq, row))
+            self._check_stop(seq, token)
+        return updated
+
+    # ---- helpers ----------------------------------------------------------------------
+    def _admit(self, chosen: dict[int, ScheduledSequence], budget: int) -> int:
+        self.waiting.sort(key=self._precedence)
+        admitted = 0
+        while (
+            admitted < len(self.waiting)
+            and budget > 0
+            and len(self.running) < self.limits.max_num_seqs
+        ):
+            seq = self.waiting[admitted]
+            cached = self.kv_cache.find_cached_prefix(seq)
+            num_new = min(seq.num_tokens - len(cached) * self.kv_cache.block_size, budget)
+            if not self.kv_cache.allocate_slots(seq, num_new, cached):
+                break
+            admitted += 1
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            start = seq.num_computed_tokens
+            chosen[seq.seq_id] = ScheduledSequence(
+                seq, start, num_new, start + num_new == seq.num_tokens
+            )
+            budget -= num_new
+        del self.waiting[:admitted]
+        return budget
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.kv_cache.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+        self.num_preemptions += 1
+
+    def _precedence(self, seq: Sequence) -> tuple[int, int, int]:
+        age = self.num_steps - seq.arrival
+        return (seq.priority - age // self.limits.priority_aging_steps, seq.arrival, seq.seq_id)
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        params = seq.params
+        produced = seq.num_output_tokens
+        if produced >= params.min_tokens:
+            if not params.ignore_eos and token in self.eos_token_ids:
+                self.finish(seq, FinishReason.STOP)
+                return
+            if token in params.stop_token_ids:
+                self.finish(seq, FinishReason.STOP, token)
+                return
+        if produced >= seq.max_tokens or seq.num_tokens >= self.limits.max_model_len:
+            self.finish(seq, FinishReason.LENGTH)

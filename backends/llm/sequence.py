@@ -1,0 +1,148 @@
+"""The state of one generated sequence; pure Python, no torch.
+
+There is no prefill phase or decode phase: a sequence has `num_tokens` (prompt plus output)
+and `num_computed_tokens` whose KV is in the cache, and each step computes some of the
+difference. A prompt is a long difference (spread over steps by chunked prefill), a decode
+a difference of one, a preempted sequence (its blocks freed) starts again from zero.
+
+Full blocks of tokens get a chained hash, `hash((parent hash, block tokens))`, computed as
+blocks fill; the prefix cache finds identical prefixes by these hashes.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from backends.llm.sampling_params import SamplingParams
+
+# The parent hash of a sequence's first block.
+ROOT_HASH = 0
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # eos, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens, or the model's context is full
+    ABORT = "abort"  # the client went away or the request was cancelled
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """A generated token's log-probability and, when asked, the most likely alternatives."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def block_hash(parent: int, tokens: tuple[int, ...]) -> int:
+    return hash((parent, tokens))
+
+
+class Sequence:
+    """One sample of one request: its tokens, progress, KV blocks and stopping state."""
+
+    __slots__ = (
+        "arrival",
+        "block_hashes",
+        "block_ids",
+        "block_size",
+        "finish_reason",
+        "index",
+        "max_tokens",
+        "num_cached_tokens",
+        "num_computed_tokens",
+        "num_preemptions",
+        "num_prompt_tokens",
+        "params",
+        "priority",
+        "request_id",
+        "seq_id",
+        "status",
+        "stop_reason",
+        "token_ids",
+    )
+
+    def __init__(
+        self,
+        seq_id: int,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        max_tokens: int,
+        block_size: int,
+        index: int = 0,
+        priority: int = 0,
+        arrival: int = 0,
+    ) -> None:
+        self.seq_id = seq_id
+        self.request_id = request_id
+        self.index = index
+        self.params = params
+        self.max_tokens = max_tokens
+        self.priority = priority
+        # The step at which the request arrived: FCFS order and priority aging.
+        self.arrival = arrival
+        self.block_size = block_size
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        # Prompt tokens served from the prefix cache when first scheduled.
+        self.num_cached_tokens = 0
+        self.num_preemptions = 0
+        self.block_ids: list[int] = []
+        self.block_hashes: list[int] = []
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        # The stop token id or stop string that ended the sequence, if one did.
+        self.stop_reason: int | str | None = None
+        self._hash_full_blocks()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        if len(self.token_ids) % self.block_size == 0:
+            self._hash_full_blocks()
+
+    def block_tokens(self, block_index: int) -> tuple[int, ...]:
+        start = block_index * self.block_size
+        return tuple(self.token_ids[start : start + self.block_size])
+
+    def finish(self, reason: FinishReason, stop_reason: int | str | None = None) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+
+    def _hash_full_blocks(self) -> None:
+        num_full = len(self.token_ids) // self.block_size
+        for i in range(len(self.block_hashes), num_full):
+            parent = self.block_hashes[i - 1] if i else ROOT_HASH
+            self.block_hashes.append(block_hash(parent, self.block_tokens(i)))
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.request_id}#{self.index}, {self.status.value}, "
+            f"computed {self.num_computed_tokens}/{self.num_tokens}, blocks {len(self.block_ids)})"
+        )

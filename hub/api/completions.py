@@ -1,0 +1,356 @@
+"""Text generation: OpenAI's `/v1/completions` and `/v1/chat/completions`, and the per-model
+`/models/{name}/generate` routes, each with `stream: true` as server-sent events.
+
+A streamed response holds the model (the manager's `acquire`) until its last event is sent or
+the client goes away; either way the engine request is aborted if unfinished, which frees its
+KV blocks at once. Every response, streamed too, names its version in `X-Hub-Model-Version`.
+Streams end with a usage event (choices empty) and `data: [DONE]`, as OpenAI's do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Depends, Response
+from fastapi.responses import StreamingResponse
+
+from backends.llm.backend import LLMBackend
+from backends.llm.sampling_params import SamplingParams
+from backends.llm.sequence import Logprob
+from hub.api.deps import HubDep, RouteKey, require_user
+from hub.api.errors import error_body
+from hub.api.generation import Choice, Generation, start_generation
+from hub.api.openai_schemas import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionCreate,
+    ChatCompletionPublic,
+    ChoiceLogprobs,
+    CompletionChoice,
+    CompletionCreate,
+    CompletionLogprobs,
+    CompletionPublic,
+    GenerateBody,
+    GeneratedChoice,
+    GeneratedLogprob,
+    GeneratePublic,
+    Prompt,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+from hub.api.serving import VERSION_HEADER
+from hub.errors import BadRequest
+from hub.routing import Route
+from hub.state import Hub
+
+router = APIRouter(tags=["generation"], dependencies=[Depends(require_user)])
+
+# OpenAI's default for the legacy completions endpoint.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+# ---- /v1/completions ---------------------------------------------------------------------
+@router.post("/v1/completions", response_model=CompletionPublic)
+async def create_completion(
+    body: CompletionCreate, hub: HubDep, response: Response, route_key: RouteKey = None
+) -> CompletionPublic | StreamingResponse:
+    route = hub.router.route(body.model, route_key=route_key or body.user)
+    if body.suffix:
+        raise BadRequest("suffix (fill-in-the-middle) is not supported", param="suffix")
+    if body.best_of is not None and body.best_of != body.n:
+        raise BadRequest("best_of other than n is not supported", param="best_of")
+    if body.echo and body.logprobs is not None:
+        raise BadRequest(
+            "echo with logprobs (prompt log-probabilities) is not supported", param="echo"
+        )
+
+    def build(backend: LLMBackend) -> tuple[list[list[int]], SamplingParams]:
+        params = body.sampling_params(
+            max_tokens=body.max_tokens,
+            logprobs=body.logprobs,
+            default_max_tokens=COMPLETIONS_DEFAULT_MAX_TOKENS,
+        )
+        return _encode_prompts(body.prompt, backend), params
+
+    gen = await start_generation(
+        hub, route, "completions", build, priority=body.priority, keep_alive=body.keep_alive
+    )
+    if body.stream:
+        return _sse(gen, _completion_events(gen, body))
+    async with gen:
+        choices = await gen.collect()
+    response.headers[VERSION_HEADER] = str(route.version)
+    return CompletionPublic(
+        id=f"cmpl-{gen.id}",
+        created=gen.created,
+        model=route.name,
+        choices=[
+            CompletionChoice(
+                index=c.index,
+                text=_echo(gen, c.index, body.echo) + c.text,
+                logprobs=_completion_logprobs(gen.backend, c.logprobs)
+                if body.logprobs is not None
+                else None,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+            for c in choices
+        ],
+        usage=_usage(gen),
+    )
+
+
+def _encode_prompts(prompt: Prompt, backend: LLMBackend) -> list[list[int]]:
+    if isinstance(prompt, str):
+        return [backend.encode(prompt)]
+    if not prompt:
+        raise BadRequest("prompt must not be an empty list", param="prompt")
+    if all(isinstance(p, str) for p in prompt):
+        return [backend.encode(p) for p in prompt]  # type: ignore[arg-type]
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]  # type: ignore[arg-type]
+    return [list(p) for p in prompt]  # type: ignore[arg-type]
+
+
+def _echo(gen: Generation, index: int, echo: bool) -> str:
+    return gen.backend.decode(gen.prompts[index // gen.params.n]) if echo else ""
+
+
+async def _completion_events(gen: Generation, body: CompletionCreate) -> AsyncIterator[str]:
+    head = {
+        "id": f"cmpl-{gen.id}",
+        "object": "text_completion",
+        "created": gen.created,
+        "model": gen.route.name,
+    }
+    started: set[int] = set()
+    async for index, out in gen.deltas():
+        text = out.text
+        if index not in started:
+            started.add(index)
+            text = _echo(gen, index, body.echo) + text
+        logprobs = None
+        if body.logprobs is not None:
+            logprobs = _completion_logprobs(gen.backend, out.logprobs).model_dump()
+        finish = out.finish_reason.value if out.finish_reason else None
+        if not text and finish is None and logprobs is None:
+            continue  # held back for a possible stop string
+        choice = {
+            "index": index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": finish,
+            "stop_reason": out.stop_reason,
+        }
+        yield _event({**head, "choices": [choice]})
+    yield _event({**head, "choices": [], "usage": _usage(gen).model_dump()})
+
+
+def _completion_logprobs(backend: LLMBackend, logprobs: list[Logprob]) -> CompletionLogprobs:
+    result = CompletionLogprobs()
+    for lp in logprobs:
+        result.tokens.append(backend.decode([lp.token_id]))
+        result.token_logprobs.append(lp.logprob)
+        result.top_logprobs.append({backend.decode([t]): v for t, v in lp.top})
+    return result
+
+
+# ---- /v1/chat/completions ----------------------------------------------------------------
+@router.post("/v1/chat/completions", response_model=ChatCompletionPublic)
+async def create_chat_completion(
+    body: ChatCompletionCreate, hub: HubDep, response: Response, route_key: RouteKey = None
+) -> ChatCompletionPublic | StreamingResponse:
+    route = hub.router.route(body.model, route_key=route_key or body.user)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+
+    def build(backend: LLMBackend) -> tuple[list[list[int]], SamplingParams]:
+        prompt = backend.encode_chat([m.as_template_input() for m in body.messages])
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        return [prompt], body.sampling_params(max_tokens=max_tokens, logprobs=logprobs)
+
+    gen = await start_generation(
+        hub, route, "chat", build, priority=body.priority, keep_alive=body.keep_alive
+    )
+    if body.stream:
+        return _sse(gen, _chat_events(gen, logprobs is not None))
+    async with gen:
+        choices = await gen.collect()
+    response.headers[VERSION_HEADER] = str(route.version)
+    return ChatCompletionPublic(
+        id=f"chatcmpl-{gen.id}",
+        created=gen.created,
+        model=route.name,
+        choices=[
+            ChatChoice(
+                index=c.index,
+                message=AssistantMessage(content=c.text),
+                logprobs=_chat_logprobs(gen.backend, c.logprobs) if logprobs is not None else None,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+            for c in choices
+        ],
+        usage=_usage(gen),
+    )
+
+
+async def _chat_events(gen: Generation, with_logprobs: bool) -> AsyncIterator[str]:
+    head = {
+        "id": f"chatcmpl-{gen.id}",
+        "object": "chat.completion.chunk",
+        "created": gen.created,
+        "model": gen.route.name,
+    }
+    started: set[int] = set()
+    async for index, out in gen.deltas():
+        delta: dict[str, Any] = {}
+        if index not in started:
+            started.add(index)
+            delta["role"] = "assistant"
+        if out.text:
+            delta["content"] = out.text
+        finish = out.finish_reason.value if out.finish_reason else None
+        if not delta and finish is None and not with_logprobs:
+            continue
+        choice: dict[str, Any] = {
+            "index": index,
+            "delta": delta,
+            "finish_reason": finish,
+            "logprobs": None,
+        }
+        if with_logprobs:
+            choice["logprobs"] = _chat_logprobs(gen.backend, out.logprobs).model_dump()
+        yield _event({**head, "choices": [choice]})
+    yield _event({**head, "choices": [], "usage": _usage(gen).model_dump()})
+
+
+def _chat_logprobs(backend: LLMBackend, logprobs: list[Logprob]) -> ChoiceLogprobs:
+    def top(token_id: int, value: float) -> TopLogprob:
+        text = backend.decode([token_id])
+        return TopLogprob(token=text, logprob=value, bytes=list(text.encode()))
+
+    return ChoiceLogprobs(
+        content=[
+            TokenLogprob(
+                **top(lp.token_id, lp.logprob).model_dump(),
+                top_logprobs=[top(t, v) for t, v in lp.top],
+            )
+            for lp in logprobs
+        ]
+    )
+
+
+# ---- /models/{name}/generate -------------------------------------------------------------
+@router.post("/models/{name}/generate", response_model=GeneratePublic)
+async def generate_routed(
+    name: str, body: GenerateBody, hub: HubDep, response: Response, route_key: RouteKey = None
+) -> GeneratePublic | StreamingResponse:
+    route = hub.router.route(name, route_key=route_key or body.user)
+    return await _generate(hub, route, body, response)
+
+
+@router.post("/models/{name}/versions/{version}/generate", response_model=GeneratePublic)
+async def generate_version(
+    name: str, version: str, body: GenerateBody, hub: HubDep, response: Response
+) -> GeneratePublic | StreamingResponse:
+    return await _generate(hub, hub.router.route_version(name, version), body, response)
+
+
+async def _generate(
+    hub: Hub, route: Route, body: GenerateBody, response: Response
+) -> GeneratePublic | StreamingResponse:
+    given = [f for f in ("prompt", "prompt_token_ids", "messages") if getattr(body, f) is not None]
+    if len(given) != 1:
+        raise BadRequest(
+            "send exactly one of prompt, prompt_token_ids or messages",
+            param=given[-1] if given else "prompt",
+        )
+
+    def build(backend: LLMBackend) -> tuple[list[list[int]], SamplingParams]:
+        if body.prompt is not None:
+            prompt = backend.encode(body.prompt)
+        elif body.prompt_token_ids is not None:
+            prompt = list(body.prompt_token_ids)
+        else:
+            prompt = backend.encode_chat([m.as_template_input() for m in body.messages or []])
+        return [prompt], body.sampling_params(max_tokens=body.max_tokens, logprobs=body.logprobs)
+
+    gen = await start_generation(
+        hub, route, "generate", build, priority=body.priority, keep_alive=body.keep_alive
+    )
+    if body.stream:
+        return _sse(gen, _generate_events(gen))
+    async with gen:
+        choices = await gen.collect()
+    response.headers[VERSION_HEADER] = str(route.version)
+    return GeneratePublic(
+        id=gen.id,
+        model=route.name,
+        version=route.version,
+        choices=[_generated(c) for c in choices],
+        usage=_usage(gen),
+    )
+
+
+def _generated(c: Choice) -> GeneratedChoice:
+    return GeneratedChoice(
+        index=c.index,
+        text=c.text,
+        token_ids=c.token_ids,
+        finish_reason=c.finish_reason,
+        stop_reason=c.stop_reason,
+        logprobs=[
+            GeneratedLogprob(token_id=lp.token_id, logprob=lp.logprob, top=list(lp.top))
+            for lp in c.logprobs
+        ]
+        or None,
+    )
+
+
+async def _generate_events(gen: Generation) -> AsyncIterator[str]:
+    async for index, out in gen.deltas():
+        choice = Choice(index)
+        choice.add(out)
+        yield _event(_generated(choice).model_dump())
+    yield _event({"usage": _usage(gen).model_dump()})
+
+
+# ---- shared ------------------------------------------------------------------------------
+def _usage(gen: Generation) -> Usage:
+    return Usage(
+        prompt_tokens=gen.prompt_tokens,
+        completion_tokens=gen.completion_tokens,
+        total_tokens=gen.prompt_tokens + gen.completion_tokens,
+        prompt_tokens_details={"cached_tokens": gen.cached_tokens},
+    )
+
+
+def _event(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def _sse(gen: Generation, events: AsyncIterator[str]) -> StreamingResponse:
+    """Stream `events`; on the way out (done, failed or the client gone) abort what is
+    unfinished and release the model."""
+
+    async def body() -> AsyncIterator[str]:
+        try:
+            async for event in events:
+                yield event
+        except Exception as e:  # the engine failed mid-stream: tell the client, then stop
+            await gen.close(type(e), e, e.__traceback__)
+            yield _event(error_body(str(e), "server_error"))
+        finally:
+            # Shielded: a client that went away cancels this task, and the model must still
+            # be released (its blocks are freed synchronously, first thing in `close`).
+            await asyncio.shield(gen.close())
+        yield "data: [DONE]\n\n"
+
+    headers = {VERSION_HEADER: str(gen.route.version), "Cache-Control": "no-cache"}
+    return StreamingResponse(body(), media_type="text/event-stream", headers=headers)

@@ -1,0 +1,173 @@
+"""One HTTP request's text generation, from acquiring the model to its last token.
+
+`start_generation` enters `serve(...)` (so the manager counts the request in flight and never
+evicts the model under it), builds the prompts and submits them. Errors up to that point
+(a bad prompt, a context overflow) propagate before any byte of a response is sent, so they
+become proper 4xx answers. The returned `Generation` then yields the engine's deltas; closing
+it (the response finished, the client went away, a task was cancelled) aborts whatever is
+still running, which frees its KV blocks, and only then releases the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from types import TracebackType
+
+from backends.llm.async_engine import RequestStream
+from backends.llm.backend import LLMBackend
+from backends.llm.engine import RequestOutput
+from backends.llm.sampling_params import SamplingParams
+from backends.llm.sequence import Logprob
+from hub.api.serving import require_kind, serve
+from hub.routing import Route
+from hub.state import Hub
+
+# What a route makes of the backend: the prompts (token ids), their sampling parameters.
+PromptBuilder = Callable[[LLMBackend], tuple[list[list[int]], SamplingParams]]
+
+
+@dataclass
+class Choice:
+    """Everything generated for one choice (prompt i, sample j) so far."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Logprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def add(self, out: RequestOutput) -> None:
+        self.text += out.text
+        self.token_ids += out.token_ids
+        self.logprobs += out.logprobs
+        if out.finish_reason is not None:
+            self.finish_reason = out.finish_reason.value
+            self.stop_reason = out.stop_reason
+
+
+@dataclass
+class Generation:
+    """The engine requests of one HTTP request (one per prompt) and the model they hold."""
+
+    backend: LLMBackend
+    route: Route
+    prompts: list[list[int]]
+    params: SamplingParams
+    streams: list[RequestStream]
+    _exit: contextlib.AsyncExitStack
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    _closed: bool = False
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    def choice_index(self, prompt: int, out: RequestOutput) -> int:
+        return prompt * self.params.n + out.index
+
+    async def deltas(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(choice index, delta) as the engine produces them, all prompts interleaved."""
+        async for prompt, out in _merge(self.streams):
+            self.completion_tokens += len(out.token_ids)
+            if out.index == 0 and out.num_output_tokens == len(out.token_ids):
+                self.cached_tokens += out.num_cached_tokens
+            yield self.choice_index(prompt, out), out
+
+    async def collect(self) -> list[Choice]:
+        choices = [Choice(i) for i in range(len(self.prompts) * self.params.n)]
+        async for index, out in self.deltas():
+            choices[index].add(out)
+        return choices
+
+    async def close(
+        self,
+        exc_type: type[BaseException] | None = None,
+        exc: BaseException | None = None,
+        tb: TracebackType | None = None,
+    ) -> None:
+        """Abort unfinished requests (freeing their blocks), then release the model."""
+        if self._closed:
+            return
+        self._closed = True
+        for stream in self.streams:
+            stream.abort()
+        await self._exit.__aexit__(exc_type, exc, tb)
+
+    async def __aenter__(self) -> Generation:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close(exc_type, exc, tb)
+
+
+async def start_generation(
+    hub: Hub,
+    route: Route,
+    endpoint: str,
+    build: PromptBuilder,
+    *,
+    priority: int = 0,
+    keep_alive: float | None = None,
+) -> Generation:
+    """Acquire the model and submit the request's prompts; raises before anything streams."""
+    require_kind(route, "llm", endpoint)
+    stack = contextlib.AsyncExitStack()
+    backend = await stack.enter_async_context(serve(hub, route, endpoint, keep_alive=keep_alive))
+    streams: list[RequestStream] = []
+    try:
+        assert isinstance(backend, LLMBackend)
+        prompts, params = build(backend)
+        for prompt in prompts:
+            streams.append(backend.submit(prompt, params, priority=priority))
+    except BaseException as e:
+        for stream in streams:
+            stream.abort()
+        await stack.__aexit__(type(e), e, e.__traceback__)
+        raise
+    return Generation(backend, route, prompts, params, streams, stack)
+
+
+async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out))
+        except Exception as e:
+            queue.put_nowait((i, e))
+        finally:
+            queue.put_nowait((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            i, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()

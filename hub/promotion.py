@@ -1,0 +1,108 @@
+"""Promotion and rollback: the only way `staging` and `production` move.
+
+`promote(name, version, to)` runs the candidate through the validation gate, stores the
+result on the version, and only if it passed moves the alias (MLflow + audit event, with a
+compare-and-set against the alias value seen before the gate ran, so concurrent promotions of
+one model serialise and none silently overwrites another). Production requires having passed
+staging unless `registry.require_staging` is off. `rollback(name)` moves production back to
+the version before it in the promotion history. Within one hub, promotions of a model also
+queue on an asyncio lock so two gates never run for it at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import defaultdict
+from dataclasses import dataclass
+
+from hub.catalog import Catalog
+from hub.errors import BadRequest, Conflict, HubError
+from hub.validation import GateResult, ValidationGate
+from registry.aliases import STAGES
+from registry.errors import ConflictError
+from registry.service import Registry
+from registry.views import EventView
+
+log = logging.getLogger(__name__)
+
+
+class ValidationFailed(HubError):
+    status_code = 422
+    error_type = "validation_failed"
+
+
+@dataclass(frozen=True)
+class Promotion:
+    event: EventView
+    validation: GateResult
+
+
+class Promoter:
+    def __init__(
+        self, registry: Registry, gate: ValidationGate, catalog: Catalog, *, require_staging: bool
+    ) -> None:
+        self.registry = registry
+        self.gate = gate
+        self.catalog = catalog
+        self.require_staging = require_staging
+        self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
+
+    async def promote(
+        self, name: str, version: int, to: str, *, actor: str, reason: str = ""
+    ) -> Promotion:
+        if to not in STAGES:
+            raise BadRequest(
+                f"unknown stage {to!r}; promote to one of {', '.join(STAGES)}", param="to"
+            )
+        async with self._locks[name]:
+            view = await asyncio.to_thread(self.registry.get_version, name, version)
+            current = (await asyncio.to_thread(self.registry.get_model, name)).aliases.get(to)
+            if current == version:
+                raise Conflict(f"{name}@{to} already points to version {version}")
+            if to == "production" and self.require_staging:
+                passed = await asyncio.to_thread(self.registry.aliases.passed_stage, name, version)
+                if not passed:
+                    raise Conflict(
+                        f"{name} v{version} has not passed staging; promote it to staging first "
+                        "(or set registry.require_staging: false)"
+                    )
+            result = await self.gate.run(view)
+            await asyncio.to_thread(
+                self.registry.record_validation, name, version, result.as_dict()
+            )
+            if not result.passed:
+                await asyncio.to_thread(
+                    self.registry.aliases.record_rejection, name, to, version,
+                    current=current, actor=actor, reason=reason, validation=result.as_dict(),
+                )  # fmt: skip
+                raise ValidationFailed(
+                    f"{name} v{version} failed its validation gate; {to} is unchanged: "
+                    + "; ".join(result.reasons),
+                    code="validation_failed",
+                )
+            try:
+                event = await asyncio.to_thread(
+                    self.registry.aliases.move, name, to, version,
+                    actor=actor, reason=reason, action="promote",
+                    validation=result.as_dict(), expected=current,
+                )  # fmt: skip
+            except ConflictError as e:
+                raise Conflict(str(e)) from e
+        await self.catalog.refresh()
+        return Promotion(event, result)
+
+    async def rollback(self, name: str, *, actor: str, reason: str = "") -> EventView:
+        async with self._locks[name]:
+            try:
+                current, previous = await asyncio.to_thread(
+                    self.registry.aliases.rollback_target, name
+                )
+                event = await asyncio.to_thread(
+                    self.registry.aliases.move, name, "production", previous,
+                    actor=actor, reason=reason, action="rollback", expected=current,
+                )  # fmt: skip
+            except ConflictError as e:
+                raise Conflict(str(e)) from e
+        await self.catalog.refresh()
+        return event

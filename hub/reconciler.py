@@ -1,0 +1,143 @@
+"""Keeps the hub converged on the registry: follows alias moves without a restart, records
+drift between MLflow and SQL, and keeps configured models' serving versions loaded.
+
+Every `registry.poll_interval` seconds — or at once when MLflow's webhook (or the hub's own
+promotion) kicks it — the reconciler repairs alias drift (recording MLflow's state in the
+audit log), refreshes the catalog the router serves from, and, when a model's serving version
+changed, preloads the new one if the model is configured with `preload` or `pin`; a `pin`
+moves with the serving version (the new one is pinned, the old one unpinned). Requests in
+flight keep the backend they acquired; the old version is left to the manager's keep-alive
+and eviction like any idle model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from hub.catalog import Catalog
+from hub.errors import NotFound
+from hub.manager import ModelManager
+from hub.metrics import HubMetrics
+from registry.drift import Drift, find_drift
+from registry.service import Registry
+from registry.views import RegistrySnapshot
+
+log = logging.getLogger(__name__)
+
+
+class Reconciler:
+    def __init__(
+        self,
+        registry: Registry,
+        catalog: Catalog,
+        manager: ModelManager,
+        metrics: HubMetrics,
+        *,
+        poll_interval: float,
+        version_check_every: int = 10,
+        keep_loaded: frozenset[str] = frozenset(),
+        pinned: frozenset[str] = frozenset(),
+    ) -> None:
+        self.registry = registry
+        self.catalog = catalog
+        self.manager = manager
+        self.metrics = metrics
+        self.poll_interval = poll_interval
+        self.version_check_every = max(1, version_check_every)
+        self.keep_loaded = keep_loaded | pinned
+        self.pinned = pinned
+        self.drift: list[Drift] = []
+        self.last_error: str | None = None
+        # Completed reconcile passes; tests and probes use it as a logical clock.
+        self.rounds = 0
+        self._lock = asyncio.Lock()
+        self._kick = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._followups: set[asyncio.Task[None]] = set()
+        catalog.on_change(self._serving_changed)
+
+    def kick(self) -> None:
+        """Reconcile now instead of at the next poll (webhooks, the hub's own changes)."""
+        self._kick.set()
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._loop(), name="reconciler")
+
+    async def stop(self) -> None:
+        tasks = [t for t in (self._task, *self._followups) if t is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._task = None
+
+    async def reconcile(self, *, check_versions: bool = False) -> None:
+        """One pass: repair alias drift, refresh what is served. Passes never overlap."""
+        async with self._lock:
+            await self._reconcile(check_versions)
+            self.rounds += 1
+
+    async def _reconcile(self, check_versions: bool) -> None:
+        registry = self.registry
+        drift = await asyncio.to_thread(
+            find_drift, registry.db, registry.mlflow, registry.aliases,
+            versions=check_versions, repair=True,
+        )  # fmt: skip
+        for item in drift:
+            log.warning("registry drift (%s, %s): %s%s", item.model, item.kind, item.detail,
+                        " - recorded in the audit log" if item.repaired else "")  # fmt: skip
+        if check_versions or any(d.kind == "alias" for d in drift):
+            self.drift = drift if check_versions else [
+                *[d for d in self.drift if d.kind == "version"], *drift
+            ]  # fmt: skip
+        for kind in ("alias", "version"):
+            self.metrics.registry_drift.labels(kind).set(
+                sum(1 for d in self.drift if d.kind == kind and not d.repaired)
+            )
+        await self.catalog.refresh()
+
+    async def _loop(self) -> None:
+        loops = 0
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._kick.wait(), self.poll_interval)
+            self._kick.clear()
+            try:
+                await self.reconcile(check_versions=loops % self.version_check_every == 0)
+                self.last_error = None
+            except Exception as e:  # keep serving the last good snapshot
+                self.last_error = f"{type(e).__name__}: {e}"
+                log.warning("reconciling with the registry failed: %s", self.last_error)
+            loops += 1
+
+    async def _serving_changed(self, old: RegistrySnapshot, new: RegistrySnapshot) -> None:
+        for name, model in new.models.items():
+            before = old.models.get(name)
+            now = model.default_version()
+            was = before.default_version() if before is not None else None
+            if before is None or now == was or now is None:
+                continue
+            log.info("%s is now served by v%s (was v%s)", name, now, was)
+            if name in self.keep_loaded:
+                task = asyncio.create_task(
+                    self._preload(name, now, was), name=f"preload {name}@{now}"
+                )
+                self._followups.add(task)
+                task.add_done_callback(self._followups.discard)
+
+    async def _preload(self, name: str, version: int, was: int | None) -> None:
+        try:
+            if name not in self.pinned:
+                await self.manager.load(name, version)
+                return
+            await self.manager.pin(name, version)
+            if was is not None:
+                # The version no longer served becomes evictable like any idle model.
+                with contextlib.suppress(NotFound):
+                    await self.manager.unpin(name, was)
+        except Exception as e:
+            log.error("preloading %s v%d after its alias moved failed: %s", name, version, e)

@@ -1,0 +1,55 @@
+"""Kind-specific replays for shadow traffic (see hub.traffic.shadow.Replay).
+
+Routes build one per request and hand it to `mirror_to_shadow` with the primary's output.
+The LLM's greedy replay belongs with the LLM routes: `run` generates with the same prompt
+and sampling parameters (temperature 0) and `compare` is `exact_match`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from backends.base import Backend
+from backends.embedder import EmbedderBackend
+from hub.traffic.shadow import mean_cosine, rank_correlation
+
+
+@dataclass(frozen=True)
+class EmbeddingReplay:
+    """Embed the same texts; compared by mean cosine similarity of the vectors."""
+
+    texts: Sequence[str]
+    truncate: bool = True
+
+    async def run(self, backend: Backend) -> np.ndarray:
+        if not isinstance(backend, EmbedderBackend):
+            raise TypeError(f"shadow backend is a {backend.kind}, not an embedder")
+        result = await backend.embed(list(self.texts), truncate=self.truncate)
+        return np.asarray(result.vectors)
+
+    def compare(self, primary: Any, shadow: Any) -> float | None:
+        return mean_cosine(primary, shadow)
+
+
+@dataclass(frozen=True)
+class RerankReplay:
+    """Score the same query and documents; compared by Spearman rank correlation of the
+    scores. The primary output is the list of scores in document order."""
+
+    query: str
+    documents: Sequence[str]
+    truncate: bool = True
+
+    async def run(self, backend: Backend) -> list[float]:
+        rerank = getattr(backend, "rerank", None)
+        if rerank is None:
+            raise TypeError(f"shadow backend is a {backend.kind}, not a reranker")
+        scored = await rerank(self.query, list(self.documents), truncate=self.truncate)
+        return [float(s) for s in scored.scores]
+
+    def compare(self, primary: Any, shadow: Any) -> float | None:
+        return rank_correlation(primary, shadow)

@@ -1,0 +1,140 @@
+"""Versioned routing's moving parts for one hub, and the hooks `serve()` calls.
+
+The router picks a version (hub.routing); everything after that lives here: fault
+injection, per-version samples (hub.traffic.stats), the shadow mirror queue
+(hub.traffic.shadow) and the canary controller (hub.traffic.canary). `serve()` calls
+`begin` before acquiring the model, `inject_faults` next, and `finish` when the request is
+over; routes add tokens and mirror material through hub.traffic.request.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry
+
+from hub.catalog import Catalog
+from hub.manager import ModelManager
+from hub.promotion import Promoter
+from hub.routing import Route
+from hub.settings import TrafficSettings
+from hub.traffic import request as requests
+from hub.traffic.canary import CanaryController
+from hub.traffic.faults import FaultInjector
+from hub.traffic.in_flight import InFlight
+from hub.traffic.metrics import TrafficMetrics
+from hub.traffic.request import ServedRequest
+from hub.traffic.shadow import MirrorJob, ShadowMirror
+from hub.traffic.stats import TrafficStats
+from registry.service import Registry
+from registry.views import RegistrySnapshot, TrafficPolicyView
+
+
+class TrafficService:
+    def __init__(
+        self,
+        settings: TrafficSettings,
+        registry: Registry,
+        catalog: Catalog,
+        manager: ModelManager,
+        promoter: Promoter,
+        metrics_registry: CollectorRegistry,
+        *,
+        require_staging: bool,
+        clock: Callable[[], float] = time.time,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.settings = settings
+        self.registry = registry
+        self.catalog = catalog
+        self.metrics = TrafficMetrics(metrics_registry)
+        self.stats = TrafficStats(settings.sample_window)
+        self.in_flight = InFlight()
+        self.faults = FaultInjector(self.metrics, rng)
+        self.shadow = ShadowMirror(
+            manager,
+            self.stats,
+            self.metrics,
+            self.in_flight,
+            queue_size=settings.shadow_queue_size,
+            workers=settings.shadow_workers,
+            when_idle=settings.shadow_when_idle,
+            max_wait=settings.shadow_max_wait,
+        )
+        self.canaries = CanaryController(
+            registry,
+            catalog,
+            promoter,
+            self.stats,
+            self.metrics,
+            require_staging=require_staging,
+            tick_interval=settings.canary_tick,
+            clock=clock,
+        )
+        self._rng = rng or random.Random()
+        catalog.on_change(self._policies_changed)
+
+    async def start(self) -> None:
+        self.shadow.start()
+        self.canaries.start_loop()
+
+    async def stop(self) -> None:
+        await self.canaries.stop()
+        await self.shadow.stop()
+
+    def policy(self, name: str) -> TrafficPolicyView | None:
+        """The stored policy of `name` as this hub serves it (None: the default)."""
+        return self.catalog.snapshot.traffic.get(name)
+
+    # ---- hooks of serve() ---------------------------------------------------------------
+    def begin(self, route: Route) -> ServedRequest:
+        """A request starts: decide whether it is mirrored."""
+        public = route.public_name
+        policy = self.policy(public)
+        shadow = policy.shadow if policy is not None else None
+        if shadow is not None and (
+            (shadow.model, shadow.version) == (route.name, route.version)
+            or self._rng.random() * 100 >= shadow.percent
+        ):
+            shadow = None
+        request = ServedRequest(route, shadow=shadow)
+        requests.enter(request)
+        return request
+
+    async def inject_faults(self, route: Route) -> None:
+        await self.faults.apply(self.policy(route.public_name), route)
+
+    def finish(self, request: ServedRequest, *, latency_s: float, status: int | None) -> None:
+        """The request is over with HTTP `status` (None: cancelled, e.g. the client left,
+        which says nothing about the model and is not recorded)."""
+        requests.leave(request)
+        route = request.route
+        if status is None:
+            return
+        error = status >= 500
+        self.stats.record(
+            route.public_name,
+            route.label,
+            latency_s=latency_s,
+            error=error,
+            routed=route.split,
+            tokens=request.tokens,
+        )
+        if not error and request.shadow is not None and request.replay is not None:
+            self.shadow.offer(
+                MirrorJob(
+                    model=route.public_name,
+                    shadow=request.shadow,
+                    kind=route.kind,
+                    replay=request.replay,
+                    output=request.output,
+                    primary_latency_s=latency_s,
+                )
+            )
+
+    async def _policies_changed(self, old: RegistrySnapshot, new: RegistrySnapshot) -> None:
+        for name in old.traffic.keys() | new.traffic.keys():
+            if old.traffic.get(name) != new.traffic.get(name):
+                self.stats.new_epoch(name)

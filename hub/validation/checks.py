@@ -1,0 +1,99 @@
+"""Per-kind checks of the validation gate: a smoke inference and the evaluation set."""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from hub.validation.evalset import EmbedderCase, EvalSet
+
+if TYPE_CHECKING:
+    from hub.validation.gate import Check
+
+SMOKE_TEXTS = ["The validation gate checks this model.", "hello"]
+
+
+def _check(name: str, passed: bool, detail: str) -> Check:
+    from hub.validation.gate import Check
+
+    return Check(name, passed, detail)
+
+
+async def smoke(kind: str, backend: Any) -> list[Check]:
+    if kind == "embedder":
+        return await _smoke_embedder(backend)
+    if kind == "reranker":
+        return await _smoke_reranker(backend)
+    return [_check("smoke", False, f"no smoke test is defined for kind {kind!r}")]
+
+
+async def evaluate(eval_set: EvalSet, backend: Any) -> Check:
+    outcomes: list[tuple[bool, str]] = []
+    for i, case in enumerate(eval_set.cases):
+        label = case.name or f"case {i}"
+        if isinstance(case, EmbedderCase):
+            ok, detail = await _embedder_case(case, backend)
+        else:
+            ok, detail = False, f"cases of type {type(case).__name__} are not supported"
+        outcomes.append((ok, f"{label}: {detail}"))
+    passed = sum(ok for ok, _ in outcomes)
+    rate = passed / len(outcomes)
+    failures = [d for ok, d in outcomes if not ok]
+    detail = f"{passed}/{len(outcomes)} cases passed (need {eval_set.min_pass_rate:.0%})"
+    if failures:
+        detail += "; failed: " + "; ".join(failures[:5])
+    return _check("eval_set", rate >= eval_set.min_pass_rate, detail)
+
+
+async def _smoke_embedder(backend: Any) -> list[Check]:
+    result = await backend.embed(SMOKE_TEXTS)
+    vectors = np.asarray(result.vectors)
+    dim = backend.dimension
+    shape_ok = vectors.shape == (len(SMOKE_TEXTS), dim)
+    finite = bool(np.isfinite(vectors).all())
+    norms = np.linalg.norm(vectors, axis=1) if finite else np.zeros(len(vectors))
+    nonzero = bool(finite and (norms > 1e-6).all())
+    return [
+        _check("dimension", shape_ok, f"vectors {vectors.shape}, model dimension {dim}"),
+        _check("finite", finite, "all values finite" if finite else "NaN or inf in the output"),
+        _check("non_degenerate", nonzero, f"vector norms {np.round(norms, 4).tolist()}"),
+    ]
+
+
+async def _smoke_reranker(backend: Any) -> list[Check]:
+    scored = await backend.rerank(SMOKE_TEXTS[0], SMOKE_TEXTS)
+    scores = np.asarray(scored.scores, dtype=np.float64)
+    count_ok = scores.shape == (len(SMOKE_TEXTS),)
+    finite = bool(np.isfinite(scores).all())
+    return [
+        _check("scores", count_ok, f"{scores.size} scores for {len(SMOKE_TEXTS)} documents"),
+        _check("finite", finite, "all scores finite" if finite else "NaN or inf in the scores"),
+    ]
+
+
+async def _embedder_case(case: EmbedderCase, backend: Any) -> tuple[bool, str]:
+    texts = [case.text] + [t for t in (case.similar_to, case.dissimilar_to) if t is not None]
+    vectors = np.asarray((await backend.embed(texts)).vectors, dtype=np.float64)
+    unit = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+    details, ok = [], True
+    idx = 1
+    if case.similar_to is not None and case.min_cosine is not None:
+        cos = float(unit[0] @ unit[idx])
+        ok &= cos >= case.min_cosine
+        details.append(f"cosine to similar {cos:.4f} (min {case.min_cosine})")
+        idx += 1
+    if case.dissimilar_to is not None and case.max_cosine is not None:
+        cos = float(unit[0] @ unit[idx])
+        ok &= cos <= case.max_cosine
+        details.append(f"cosine to dissimilar {cos:.4f} (max {case.max_cosine})")
+    return bool(ok), ", ".join(details)
+
+
+def _text_matches(text: str, equals: str | None, contains: str | None, regex: str | None) -> bool:
+    return (
+        (equals is None or text == equals)
+        and (contains is None or contains in text)
+        and (regex is None or re.search(regex, text) is not None)
+    )

@@ -1,0 +1,159 @@
+"""The LLM backend's lifecycle and the async engine: memory predicted and measured, offload
+and restore, unload, refusal of unverified architectures, aborts that free blocks at once."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from backends.base import BackendContext
+from backends.errors import BackendClosedError, InputError, LoadError
+from backends.kinds import backend_class
+from backends.llm.backend import LLMBackend
+from backends.llm.sampling_params import SamplingParams
+from backends.loading import module_bytes
+from tests.backends.llm.support import build_model
+
+KV = 2 * 2**20
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_model(tmp_path_factory.mktemp("backend-model"), "llama")
+
+
+def loaded(folder: Path, **config: object) -> LLMBackend:
+    backend = LLMBackend(BackendContext("tiny", "1", {"kv_cache_bytes": KV, **config}))
+    backend.load(folder, "cpu", torch.float32)
+    return backend
+
+
+def test_kind_llm_is_served_by_the_llm_backend() -> None:
+    assert backend_class("llm") is LLMBackend
+
+
+def test_predicted_memory_covers_weights_and_the_kv_reservation(llama: Path) -> None:
+    predicted = LLMBackend.predict_memory(llama, {"kv_cache_bytes": "2MiB"})
+    backend = loaded(llama)
+    try:
+        measured = backend.memory_bytes()
+        weights = module_bytes(backend.engine.runner.model)
+        assert KV - 64 * 1024 < measured - weights <= KV  # whole blocks of the reservation
+        assert measured <= predicted < measured + 128 * 2**20
+    finally:
+        backend.unload()
+    bigger = LLMBackend.predict_memory(llama, {"kv_cache_bytes": "66MiB"})
+    assert bigger - predicted == 64 * 2**20
+    fraction = LLMBackend.predict_memory(
+        llama, {"kv_cache_fraction": 0.25}, device_budget_bytes=400 * 2**20
+    )
+    assert fraction - predicted == 100 * 2**20 - KV
+    with pytest.raises(LoadError, match="device budget"):
+        LLMBackend.predict_memory(llama, {"kv_cache_fraction": 0.25})
+    with pytest.raises(LoadError, match="kv_cache_bytes"):
+        LLMBackend.predict_memory(llama, {"kv_cache_bytes": "lots"})
+
+
+def test_an_unverified_architecture_is_refused_listing_the_supported(
+    llama: Path, tmp_path: Path
+) -> None:
+    folder = shutil.copytree(llama, tmp_path / "gpt2ish")
+    config = json.loads((folder / "config.json").read_text())
+    config["model_type"] = "gpt_neox"
+    (folder / "config.json").write_text(json.dumps(config))
+    backend = LLMBackend(BackendContext("odd", "1", {}))
+    with pytest.raises(LoadError) as info:
+        backend.load(folder, "cpu")
+    message = str(info.value)
+    assert "gpt_neox" in message
+    assert all(a in message for a in ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2"))
+
+
+def test_bad_runtime_config_is_refused_naming_the_key(llama: Path) -> None:
+    with pytest.raises(LoadError, match="block_size"):
+        loaded(llama, block_size=0)
+
+
+async def test_offload_restore_and_unload(llama: Path) -> None:
+    backend = loaded(llama)
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    prompt = backend.encode("The harbour town")
+
+    async def text() -> str:
+        return "".join([out.text async for out in backend.generate(prompt, params)])
+
+    before = await text()
+    full = backend.memory_bytes()
+    backend.offload()
+    assert backend.device == "cpu" and backend.memory_bytes() < full  # the KV cache is gone
+    with pytest.raises(BackendClosedError, match="offloaded"):
+        backend.submit(prompt, params)
+    backend.restore("cpu")
+    assert backend.memory_bytes() == full
+    assert await text() == before
+    await backend.aclose()
+    backend.unload()
+    assert backend.device is None and backend.memory_bytes() == 0
+    with pytest.raises(BackendClosedError):
+        backend.submit(prompt, params)
+
+
+async def test_bad_requests_fail_before_anything_is_queued(llama: Path) -> None:
+    backend = loaded(llama, max_model_len=32)
+    try:
+        with pytest.raises(InputError, match="32"):
+            backend.submit(list(range(10, 40)), SamplingParams(max_tokens=8))
+        with pytest.raises(InputError, match="empty"):
+            backend.submit([], SamplingParams())
+        assert not backend.engine.has_work()
+    finally:
+        await backend.aclose()
+        backend.unload()
+
+
+async def test_an_abandoned_or_cancelled_request_frees_its_blocks_at_once(llama: Path) -> None:
+    backend = loaded(llama)
+    engine = backend.engine
+    long = SamplingParams(temperature=0.0, max_tokens=1500, ignore_eos=True)
+    prompt = backend.encode("The harbour town woke slowly on winter mornings.")
+    try:
+        # Leaving the loop early (a client gone) aborts the request.
+        count = 0
+        async for _ in backend.generate(prompt, long):
+            count += 1
+            if count == 3:
+                break
+        await _wait_idle(backend)
+
+        # A task cancelled mid-stream (a timeout) does too.
+        async def consume() -> None:
+            async for _ in backend.generate(prompt, long):
+                pass
+
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(consume(), timeout=0.3)
+        await _wait_idle(backend)
+        assert engine.scheduler.num_steps < 1500, "the requests ran to the end"
+    finally:
+        await backend.aclose()
+        backend.unload()
+
+
+async def _wait_idle(backend: LLMBackend) -> None:
+    for _ in range(200):
+        if not backend.engine.has_work() and backend.engine.kv_cache.pool.num_used_blocks == 0:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("the aborted request still holds KV blocks")
+
+
+def test_engine_settings_are_checked_at_load(llama: Path) -> None:
+    with pytest.raises(LoadError, match="max_num_batched_tokens"):
+        loaded(llama, max_num_seqs=64, max_num_batched_tokens=32)
+    with pytest.raises(LoadError, match="either kv_cache_bytes or kv_cache_fraction"):
+        LLMBackend.predict_memory(llama, {"kv_cache_bytes": 10**6, "kv_cache_fraction": 0.1})
