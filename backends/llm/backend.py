@@ -7,14 +7,14 @@ back as `RequestOutput` deltas; the hub's routes shape them into OpenAI response
 Memory: `predict_memory` is the weights (from safetensors headers, in the configured dtype)
 plus the KV-cache reservation (`kv_cache_bytes`, or `kv_cache_fraction` of the device
 budget) plus a small allowance for activations; `memory_bytes` measures parameters, buffers
-and the KV-cache tensors. `offload` keeps the weights in host memory and drops the KV cache;
-`restore` brings the weights back and allocates an empty cache.
+and the KV-cache tensors. `offload` parks the weights in one host buffer (backends.parking)
+and drops the KV cache; `restore` copies them back in one transfer and allocates an empty
+cache; `unload` frees the weights in place without waiting for the garbage collector.
 """
 
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
@@ -36,6 +36,7 @@ from backends.loading import (
     require_safe_weights,
     tensor_bytes_from_headers,
 )
+from backends.parking import ParkedWeights, park, release
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ class LLMBackend(Backend):
         self._runner: ModelRunner | None = None
         self._engine: AsyncLLMEngine | None = None
         self._metrics = EngineMetrics.disabled()
-        self._offloaded = False
+        self._parked: ParkedWeights | None = None
 
     @classmethod
     def predict_memory(
@@ -160,27 +161,36 @@ class LLMBackend(Backend):
 
     # ---- lifecycle --------------------------------------------------------------------
     def memory_bytes(self) -> int:
-        if self._runner is None:
+        if self._runner is None or self._parked is not None:
             return 0
         return module_bytes(self._runner.model) + self._runner.kv_cache_bytes()
 
+    def offload_bytes(self) -> int:
+        """Host bytes an offload keeps: the weights only (the KV cache is dropped)."""
+        return module_bytes(self._require_runner().model)
+
     def offload(self) -> None:
         runner = self._require_runner()
+        if self._parked is not None:
+            return
         if self._loaded_engine().engine.has_work():
             raise RuntimeError(f"{self.context.model} has requests in flight; cannot offload")
         runner.release_kv_cache()
-        runner.to("cpu")
-        self._offloaded = True
+        self._parked = park(runner.model)
         self._device = "cpu"
         self._metrics.reset_gauges()
         _release_device_memory()
 
     def restore(self, device: str) -> None:
         runner = self._require_runner()
-        runner.to(device)
+        if self._parked is not None:
+            self._parked.restore(device)
+            self._parked = None
+            runner.device = torch.device(device)
+        else:
+            runner.to(device)
         runner.allocate_kv_cache()
         self._loaded_engine().engine.reset_cache()
-        self._offloaded = False
         self._device = device
 
     async def aclose(self) -> None:
@@ -190,17 +200,22 @@ class LLMBackend(Backend):
     def unload(self) -> None:
         if self._engine is not None:
             self._engine.shutdown()
+        if self._parked is not None:
+            self._parked.discard()
+        elif self._runner is not None:
+            self._runner.release_kv_cache()
+            release(self._runner.model)  # frees the weights now, cycles in the model or not
+        self._parked = None
         self._engine = None
         self._runner = None
         self.tokenizer = None
         self._device = None
         self._metrics.reset_gauges()
-        gc.collect()
         _release_device_memory()
 
     def _require(self) -> AsyncLLMEngine:
         engine = self._loaded_engine()
-        if self._offloaded:
+        if self._parked is not None:
             raise BackendClosedError(f"LLM {self.context.model} is offloaded; restore it first")
         return engine
 

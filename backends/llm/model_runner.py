@@ -101,7 +101,9 @@ class ModelRunner:
         trust_remote_code: bool = False,
         batched_decode: bool | None = None,
     ) -> ModelRunner:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig
+
+        from backends.loading import load_causal_lm
 
         try:
             config = AutoConfig.from_pretrained(
@@ -116,18 +118,19 @@ class ModelRunner:
             )
         attention.register()
         try:
-            model: Any = AutoModelForCausalLM.from_pretrained(
+            # Weights go straight from the safetensors files onto the device (no random init
+            # of parameters about to be overwritten, no copy into preallocated ones).
+            model: Any = load_causal_lm(
                 artifact_dir,
-                dtype=dtype if dtype is not None else "auto",
-                attn_implementation=attention.ATTENTION_NAME,
-                local_files_only=True,
-                use_safetensors=not allow_pickle,
+                device,
+                dtype,
                 trust_remote_code=trust_remote_code,
+                attn_implementation=attention.ATTENTION_NAME,
             )
+        except LoadError:
+            raise
         except Exception as e:
             raise LoadError(f"cannot load the model in {artifact_dir}: {e}") from e
-        model.eval()
-        model.to(torch.device(device))
         return cls(model, engine_config, device, batched_decode=batched_decode)
 
     # ---- memory -----------------------------------------------------------------------

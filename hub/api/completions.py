@@ -83,7 +83,7 @@ async def create_completion(
         return _sse(gen, _completion_events(gen, body))
     async with gen:
         choices = await gen.collect()
-    response.headers[VERSION_HEADER] = str(route.version)
+    response.headers[VERSION_HEADER] = route.label
     return CompletionPublic(
         id=f"cmpl-{gen.id}",
         created=gen.created,
@@ -181,7 +181,7 @@ async def create_chat_completion(
         return _sse(gen, _chat_events(gen, logprobs is not None))
     async with gen:
         choices = await gen.collect()
-    response.headers[VERSION_HEADER] = str(route.version)
+    response.headers[VERSION_HEADER] = route.label
     return ChatCompletionPublic(
         id=f"chatcmpl-{gen.id}",
         created=gen.created,
@@ -288,7 +288,7 @@ async def _generate(
         return _sse(gen, _generate_events(gen))
     async with gen:
         choices = await gen.collect()
-    response.headers[VERSION_HEADER] = str(route.version)
+    response.headers[VERSION_HEADER] = route.label
     return GeneratePublic(
         id=gen.id,
         model=route.name,
@@ -352,5 +352,5 @@ def _sse(gen: Generation, events: AsyncIterator[str]) -> StreamingResponse:
             await asyncio.shield(gen.close())
         yield "data: [DONE]\n\n"
 
-    headers = {VERSION_HEADER: str(gen.route.version), "Cache-Control": "no-cache"}
+    headers = {VERSION_HEADER: gen.route.label, "Cache-Control": "no-cache"}
     return StreamingResponse(body(), media_type="text/event-stream", headers=headers)

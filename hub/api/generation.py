@@ -26,6 +26,8 @@ from backends.llm.sequence import Logprob
 from hub.api.serving import require_kind, serve
 from hub.routing import Route
 from hub.state import Hub
+from hub.traffic.replays import GenerationReplay
+from hub.traffic.request import ServedRequest, current_request
 
 # What a route makes of the backend: the prompts (token ids), their sampling parameters.
 PromptBuilder = Callable[[LLMBackend], tuple[list[list[int]], SamplingParams]]
@@ -61,11 +63,17 @@ class Generation:
     params: SamplingParams
     streams: list[RequestStream]
     _exit: contextlib.AsyncExitStack
+    # The traffic layer's handle on this request (tokens for the readout, shadow mirroring);
+    # kept here because a stream finishes in another task than the one that started it.
+    served: ServedRequest | None = None
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
     cached_tokens: int = 0
     completion_tokens: int = 0
     _closed: bool = False
+    # Each choice's text, kept only when the request is mirrored to a shadow version.
+    _texts: dict[int, str] | None = None
+    _finished: set[int] = field(default_factory=set)
 
     @property
     def prompt_tokens(self) -> int:
@@ -76,11 +84,18 @@ class Generation:
 
     async def deltas(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(choice index, delta) as the engine produces them, all prompts interleaved."""
+        if self.served is not None and self.served.shadow is not None:
+            self._texts = {}
         async for prompt, out in _merge(self.streams):
             self.completion_tokens += len(out.token_ids)
             if out.index == 0 and out.num_output_tokens == len(out.token_ids):
                 self.cached_tokens += out.num_cached_tokens
-            yield self.choice_index(prompt, out), out
+            index = self.choice_index(prompt, out)
+            if self._texts is not None:
+                self._texts[index] = self._texts.get(index, "") + out.text
+            if out.finish_reason is not None:
+                self._finished.add(index)
+            yield index, out
 
     async def collect(self) -> list[Choice]:
         choices = [Choice(i) for i in range(len(self.prompts) * self.params.n)]
@@ -100,7 +115,26 @@ class Generation:
         self._closed = True
         for stream in self.streams:
             stream.abort()
+        self._report(complete=exc is None)
         await self._exit.__aexit__(exc_type, exc, tb)
+
+    def _report(self, *, complete: bool) -> None:
+        """Hand the traffic layer the generated token count and, for a finished greedy
+        request selected for shadowing, the texts to compare the shadow's with."""
+        served = self.served
+        if served is None or served.finished:
+            return
+        served.tokens += self.completion_tokens
+        choices = len(self.prompts) * self.params.n
+        if (
+            served.shadow is not None
+            and self._texts is not None
+            and complete
+            and len(self._finished) == choices
+            and self.params.greedy
+        ):
+            served.replay = GenerationReplay(self.prompts, self.params)
+            served.output = [self._texts.get(i, "") for i in range(choices)]
 
     async def __aenter__(self) -> Generation:
         return self
@@ -127,6 +161,7 @@ async def start_generation(
     require_kind(route, "llm", endpoint)
     stack = contextlib.AsyncExitStack()
     backend = await stack.enter_async_context(serve(hub, route, endpoint, keep_alive=keep_alive))
+    served = current_request()
     streams: list[RequestStream] = []
     try:
         assert isinstance(backend, LLMBackend)
@@ -138,7 +173,7 @@ async def start_generation(
             stream.abort()
         await stack.__aexit__(type(e), e, e.__traceback__)
         raise
-    return Generation(backend, route, prompts, params, streams, stack)
+    return Generation(backend, route, prompts, params, streams, stack, served=served)
 
 
 async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:

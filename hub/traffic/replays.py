@@ -1,8 +1,9 @@
 """Kind-specific replays for shadow traffic (see hub.traffic.shadow.Replay).
 
 Routes build one per request and hand it to `mirror_to_shadow` with the primary's output.
-The LLM's greedy replay belongs with the LLM routes: `run` generates with the same prompt
-and sampling parameters (temperature 0) and `compare` is `exact_match`.
+LLM requests are mirrored only when greedy (temperature 0), where the same model gives the
+same text: `GenerationReplay` generates with the same prompts and parameters and compares by
+exact match.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import numpy as np
 
 from backends.base import Backend
 from backends.embedder import EmbedderBackend
-from hub.traffic.shadow import mean_cosine, rank_correlation
+from hub.traffic.shadow import exact_match, mean_cosine, rank_correlation
 
 
 @dataclass(frozen=True)
@@ -53,3 +54,28 @@ class RerankReplay:
 
     def compare(self, primary: Any, shadow: Any) -> float | None:
         return rank_correlation(primary, shadow)
+
+
+@dataclass(frozen=True)
+class GenerationReplay:
+    """Generate from the same prompt token ids with the same (greedy) sampling parameters;
+    the output is every choice's text, compared by exact match."""
+
+    prompts: Sequence[Sequence[int]]
+    params: Any  # backends.llm.sampling_params.SamplingParams
+
+    async def run(self, backend: Backend) -> list[str]:
+        from backends.llm.backend import LLMBackend
+
+        if not isinstance(backend, LLMBackend):
+            raise TypeError(f"shadow backend is a {backend.kind}, not an llm")
+        texts: list[str] = []
+        for prompt in self.prompts:
+            choices: dict[int, str] = {}
+            async for out in backend.generate(list(prompt), self.params):
+                choices[out.index] = choices.get(out.index, "") + out.text
+            texts.extend(choices.get(i, "") for i in range(self.params.n))
+        return texts
+
+    def compare(self, primary: Any, shadow: Any) -> float | None:
+        return exact_match(primary, shadow)

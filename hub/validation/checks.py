@@ -7,12 +7,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hub.validation.evalset import EmbedderCase, EvalSet
+from hub.validation.evalset import EmbedderCase, EvalSet, LLMCase
 
 if TYPE_CHECKING:
     from hub.validation.gate import Check
 
 SMOKE_TEXTS = ["The validation gate checks this model.", "hello"]
+SMOKE_PROMPT = "The validation gate checks that this model"
+SMOKE_TOKENS = 4
 
 
 def _check(name: str, passed: bool, detail: str) -> Check:
@@ -24,6 +26,8 @@ def _check(name: str, passed: bool, detail: str) -> Check:
 async def smoke(kind: str, backend: Any) -> list[Check]:
     if kind == "embedder":
         return await _smoke_embedder(backend)
+    if kind == "llm":
+        return await _smoke_llm(backend)
     if kind == "reranker":
         return await _smoke_reranker(backend)
     return [_check("smoke", False, f"no smoke test is defined for kind {kind!r}")]
@@ -35,6 +39,8 @@ async def evaluate(eval_set: EvalSet, backend: Any) -> Check:
         label = case.name or f"case {i}"
         if isinstance(case, EmbedderCase):
             ok, detail = await _embedder_case(case, backend)
+        elif isinstance(case, LLMCase):
+            ok, detail = await _llm_case(case, backend)
         else:
             ok, detail = False, f"cases of type {type(case).__name__} are not supported"
         outcomes.append((ok, f"{label}: {detail}"))
@@ -91,9 +97,36 @@ async def _embedder_case(case: EmbedderCase, backend: Any) -> tuple[bool, str]:
     return bool(ok), ", ".join(details)
 
 
-def _text_matches(text: str, equals: str | None, contains: str | None, regex: str | None) -> bool:
-    return (
-        (equals is None or text == equals)
-        and (contains is None or contains in text)
-        and (regex is None or re.search(regex, text) is not None)
+async def _greedy(backend: Any, prompt: str, max_tokens: int) -> tuple[str, list[float]]:
+    """Greedy text for `prompt` and the log-probability of each generated token."""
+    from backends.llm.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0)
+    text, logprobs = "", list[float]()
+    async for out in backend.generate(backend.encode(prompt), params):
+        text += out.text
+        logprobs.extend(lp.logprob for lp in out.logprobs)
+    return text, logprobs
+
+
+async def _smoke_llm(backend: Any) -> list[Check]:
+    text, logprobs = await _greedy(backend, SMOKE_PROMPT, SMOKE_TOKENS)
+    finite = bool(logprobs) and all(np.isfinite(lp) for lp in logprobs)
+    return [
+        _check("generates", bool(logprobs), f"{len(logprobs)} tokens: {text[:60]!r}"),
+        _check(
+            "finite",
+            finite,
+            "log-probabilities finite" if finite else f"non-finite log-probabilities {logprobs}",
+        ),
+    ]
+
+
+async def _llm_case(case: LLMCase, backend: Any) -> tuple[bool, str]:
+    text, _ = await _greedy(backend, case.prompt, case.max_tokens)
+    ok = (
+        (case.expect_equals is None or text == case.expect_equals)
+        and (case.expect_contains is None or case.expect_contains in text)
+        and (case.expect_regex is None or re.search(case.expect_regex, text) is not None)
     )
+    return ok, f"greedy output {text[:80]!r}"

@@ -197,3 +197,24 @@ def test_alias_moved_in_mlflow_is_followed_within_a_poll(
     assert not np.allclose(first, second)  # really another model's output
     latest = client.get("/admin/registry/events").json()[0]
     assert (latest["action"], latest["actor"], latest["version"]) == ("sync", "reconciler", 2)
+
+
+def test_an_llm_with_corrupt_weights_fails_its_gate(
+    client: TestClient, tiny_llm_dir: Path, tmp_path: Path
+) -> None:
+    import shutil
+
+    corrupt = tmp_path / "corrupt-llm"
+    shutil.copytree(tiny_llm_dir, corrupt)
+    tensors = load_file(corrupt / "model.safetensors")
+    save_file({k: v.fill_(float("nan")) for k, v in tensors.items()}, corrupt / "model.safetensors")
+    config = {"kv_cache_bytes": "4MiB"}
+    register(client, "chat", "llm", tiny_llm_dir, config=config)
+    register(client, "chat", "llm", corrupt, config=config)
+    ok = promote(client, 1, "staging", model="chat")
+    assert ok.status_code == 200, ok.text
+    checks = {c["name"]: c["passed"] for c in ok.json()["validation"]["checks"]}
+    assert checks == {"load": True, "generates": True, "finite": True}
+    r = promote(client, 2, "staging", model="chat")
+    assert r.status_code == 422 and "non-finite log-probabilities" in r.json()["error"]["message"]
+    assert client.get("/v1/models").json()["data"][0]["aliases"] == {"staging": 1}

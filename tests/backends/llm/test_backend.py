@@ -94,7 +94,8 @@ async def test_offload_restore_and_unload(llama: Path) -> None:
     with pytest.raises(BackendClosedError, match="offloaded"):
         backend.submit(prompt, params)
     backend.restore("cpu")
-    assert backend.memory_bytes() == full
+    # Restored weights live in one block, each tensor aligned to 256 bytes: a little padding.
+    assert 0 <= backend.memory_bytes() - full < 64 * 1024
     assert await text() == before
     await backend.aclose()
     backend.unload()
