@@ -12,7 +12,6 @@ queued fails with BackendClosedError, the weights are freed at once).
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -27,6 +26,7 @@ from backends.batching import DynamicBatcher
 from backends.errors import BackendClosedError, LoadError
 from backends.loading import module_bytes, require_safe_weights, tensor_bytes_from_headers
 from backends.parking import ParkedWeights, park, release
+from backends.threads import intraop_threads
 from backends.tokenization import Encoded, EncoderTokenizer
 
 # Activations and the tokenizer on top of the weights: a small fixed allowance.
@@ -160,7 +160,7 @@ class BatchedEncoderBackend(Backend, Generic[P, R]):
         threads = config.get("worker_threads", max(1, cores // limits.forward_workers))
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise LoadError(f"runtime config worker_threads={threads!r}: expected an integer >= 1")
-        return limits, _intraop_threads(threads)
+        return limits, intraop_threads(threads)
 
     async def _submit(self, payload: P, size: int) -> list[R]:
         batcher = self._batcher
@@ -172,26 +172,6 @@ class BatchedEncoderBackend(Backend, Generic[P, R]):
         if self._stages is None:
             raise BackendClosedError(f"{self.kind.value} {self.context.model} is not loaded")
         return self._stages
-
-
-_threads_guard = threading.Lock()
-
-
-def _intraop_threads(n: int) -> Callable[[], None]:
-    """A forward thread's start hook: run this thread's torch ops on `n` threads."""
-
-    def start() -> None:
-        # torch.set_num_threads sets the calling thread's OpenMP/MKL thread count, and also
-        # the count every thread starting later begins with; a helper thread puts that default
-        # back, so other models' threads keep theirs.
-        with _threads_guard:
-            default = torch.get_num_threads()
-            torch.set_num_threads(n)
-            helper = threading.Thread(target=torch.set_num_threads, args=(default,))
-            helper.start()
-            helper.join()
-
-    return start
 
 
 def model_max_length(model: Any, configured: Any) -> int:

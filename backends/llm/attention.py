@@ -13,10 +13,11 @@ blocks). Then each single-token sequence (a decode) attends over exactly its own
 its blocks are gathered (keys and values in one call) and its query heads, viewed as
 `(kv_heads, group, D)`, meet their shared K/V head in two small matmuls. Measured on CPU, this
 beats one padded, masked batch per step by about 2x: padding and masks cost more than the
-per-sequence calls. Those calls are too small for torch's intra-op threads, so with more than
-one thread two Python threads share the decodes. A sliding window is a slice of the context,
-not a mask. On an accelerator, where one big kernel beats many small ones, the decodes instead
-attend in one padded, masked SDPA call (which then picks its fused kernels). Each longer chunk
+per-sequence calls. Those calls are too small for torch's intra-op threads, so they run on one
+thread each, and with more than one core two Python threads share the decodes. A sliding
+window is a slice of the context, not a mask. On an accelerator, where one big kernel beats
+many small ones, the decodes instead attend in one padded, masked SDPA call (which then picks
+its fused kernels). Each longer chunk
 (a prompt, or a recomputation) attends with SDPA over its own context (`enable_gqa`, a causal
 kernel when it has no earlier context). Soft-capped layers (Gemma 2) cap the logits on the
 explicit path, since SDPA cannot.
@@ -30,6 +31,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from backends.threads import set_this_thread, single_threaded
 
 ATTENTION_NAME = "hub_paged"
 
@@ -173,16 +176,20 @@ def _decode_each(
     attended = out[:b].view(b, num_kv_heads, group, head_dim)
     tables, lens = meta.decode_tables, meta.decode_lens
     args = (queries, blocks, tables, lens, attended, sliding_window, softcap)
-    if b < _SPLIT_MIN_DECODES or torch.get_num_threads() < 2:
-        _decode_rows(range(b), *args)
-        return
-    # The per-sequence ops are too small for torch's intra-op threads, so two Python threads
-    # share the sequences (the ops release the GIL); interleaved, so both get long and short.
-    helper = _helper().submit(_decode_rows_in_inference_mode, range(1, b, 2), *args)
-    try:
-        _decode_rows(range(0, b, 2), *args)
-    finally:
-        helper.result()
+    cores = torch.get_num_threads()
+    # The per-sequence ops are too small for torch's intra-op threads: an OpenMP team meeting
+    # at a barrier after each one makes them 2-3x slower than one thread. So they run on one
+    # thread, and with more than one core two Python threads share the sequences (the ops
+    # release the GIL), interleaved so both get long and short ones.
+    with single_threaded():
+        if b < _SPLIT_MIN_DECODES or cores < 2:
+            _decode_rows(range(b), *args)
+            return
+        helper = _helper().submit(_decode_rows_in_inference_mode, range(1, b, 2), *args)
+        try:
+            _decode_rows(range(0, b, 2), *args)
+        finally:
+            helper.result()
 
 
 # Below this many decodes a second thread costs more than it saves.
@@ -193,7 +200,12 @@ _helper_pool: ThreadPoolExecutor | None = None
 def _helper() -> ThreadPoolExecutor:
     global _helper_pool
     if _helper_pool is None:
-        _helper_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="paged-attention")
+        _helper_pool = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="paged-attention",
+            initializer=set_this_thread,
+            initargs=(1,),
+        )
     return _helper_pool
 
 

@@ -1,0 +1,45 @@
+"""Per-thread torch thread counts: one thread's setting never leaks into another's."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from backends.threads import set_this_thread, single_threaded
+
+
+def _count_in_new_thread() -> int:
+    seen: list[int] = []
+    thread = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    return seen[0]
+
+
+def test_set_this_thread_leaves_other_threads_alone() -> None:
+    start = torch.get_num_threads()
+    seen: list[int] = []
+
+    def worker() -> None:
+        set_this_thread(start + 1)
+        seen.append(torch.get_num_threads())
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert seen == [start + 1]
+    assert torch.get_num_threads() == start
+    assert _count_in_new_thread() == start
+
+
+def test_single_threaded_restores_the_count() -> None:
+    start = torch.get_num_threads()
+    set_this_thread(2)
+    try:
+        with single_threaded():
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+    finally:
+        set_this_thread(start)
+    assert _count_in_new_thread() == start
