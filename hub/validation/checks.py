@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hub.validation.evalset import EmbedderCase, EvalSet, LLMCase
+from hub.validation.evalset import EmbedderCase, EvalSet, LLMCase, RerankerCase
 
 if TYPE_CHECKING:
     from hub.validation.gate import Check
@@ -41,6 +41,8 @@ async def evaluate(eval_set: EvalSet, backend: Any) -> Check:
             ok, detail = await _embedder_case(case, backend)
         elif isinstance(case, LLMCase):
             ok, detail = await _llm_case(case, backend)
+        elif isinstance(case, RerankerCase):
+            ok, detail = await _reranker_case(case, backend)
         else:
             ok, detail = False, f"cases of type {type(case).__name__} are not supported"
         outcomes.append((ok, f"{label}: {detail}"))
@@ -77,6 +79,21 @@ async def _smoke_reranker(backend: Any) -> list[Check]:
         _check("scores", count_ok, f"{scores.size} scores for {len(SMOKE_TEXTS)} documents"),
         _check("finite", finite, "all scores finite" if finite else "NaN or inf in the scores"),
     ]
+
+
+async def _reranker_case(case: RerankerCase, backend: Any) -> tuple[bool, str]:
+    scores = [float(s) for s in (await backend.rerank(case.query, case.documents)).scores]
+    top = max(range(len(scores)), key=scores.__getitem__)
+    ok, details = True, [f"top document {top} scored {scores[top]:.4f}"]
+    if case.expect_top is not None and top != case.expect_top:
+        ok = False
+        details.append(
+            f"expected document {case.expect_top} (scored {scores[case.expect_top]:.4f})"
+        )
+    if case.min_top_score is not None and not scores[top] >= case.min_top_score:
+        ok = False
+        details.append(f"below the minimum {case.min_top_score}")
+    return ok, ", ".join(details)
 
 
 async def _embedder_case(case: EmbedderCase, backend: Any) -> tuple[bool, str]:

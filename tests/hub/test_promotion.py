@@ -218,3 +218,57 @@ def test_an_llm_with_corrupt_weights_fails_its_gate(
     r = promote(client, 2, "staging", model="chat")
     assert r.status_code == 422 and "non-finite log-probabilities" in r.json()["error"]["message"]
     assert client.get("/v1/models").json()["data"][0]["aliases"] == {"staging": 1}
+
+
+def test_a_reranker_is_gated_by_its_scores_and_its_eval_set(
+    client: TestClient, tiny_reranker_dir: Path, tmp_path: Path
+) -> None:
+    import shutil
+
+    corrupt = tmp_path / "corrupt-reranker"
+    shutil.copytree(tiny_reranker_dir, corrupt)
+    tensors = load_file(corrupt / "model.safetensors")
+    save_file(
+        {k: v.fill_(float("nan")) if v.is_floating_point() else v for k, v in tensors.items()},
+        corrupt / "model.safetensors",
+    )
+    register(client, "rr", "reranker", tiny_reranker_dir)
+    ok = promote(client, 1, "staging", model="rr")
+    assert ok.status_code == 200, ok.text
+    checks = {c["name"]: c["passed"] for c in ok.json()["validation"]["checks"]}
+    assert checks == {"load": True, "scores": True, "finite": True}
+
+    # The eval set holds the version to the order it ranks documents in today.
+    query, documents = "where do cats sleep", ["cats sleep on the sofa", "stock prices fell"]
+    r = client.post("/v1/rerank", json={"model": "rr", "query": query, "documents": documents})
+    assert r.status_code == 200, r.text
+    top = r.json()["results"][0]["index"]
+    case = {"query": query, "documents": documents}
+    register(
+        client,
+        "rr",
+        "reranker",
+        tiny_reranker_dir,
+        eval_set={"cases": [{**case, "expect_top": top}]},
+    )
+    register(
+        client,
+        "rr",
+        "reranker",
+        tiny_reranker_dir,
+        eval_set={"cases": [{**case, "expect_top": 1 - top}]},
+    )
+    register(client, "rr", "reranker", corrupt)
+    passed = promote(client, 2, "staging", model="rr")
+    assert passed.status_code == 200, passed.text
+    checks = {c["name"]: c for c in passed.json()["validation"]["checks"]}
+    assert checks["eval_set"]["passed"] and "1/1 cases passed" in checks["eval_set"]["detail"]
+    wrong = promote(client, 3, "staging", model="rr")
+    assert wrong.status_code == 422
+    assert f"expected document {1 - top}" in wrong.json()["error"]["message"]
+    broken = promote(client, 4, "staging", model="rr")
+    assert (
+        broken.status_code == 422
+        and "NaN or inf in the scores" in broken.json()["error"]["message"]
+    )
+    assert client.get("/v1/models").json()["data"][0]["aliases"] == {"staging": 2}
