@@ -10,6 +10,10 @@ from __future__ import annotations
 class BackendError(Exception):
     """Base class of every error a backend raises on purpose."""
 
+    # The version that raised it as `X-Hub-Model-Version` names it, set by the hub so the
+    # error answer names the version like every other answer does.
+    served_by: str | None = None
+
 
 class InputError(BackendError):
     """The request cannot be served as asked (too long, wrong shape, unsupported option)."""

@@ -10,8 +10,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from backends.errors import BackendClosedError, CapacityError, InputError, LoadError
+from backends.errors import (
+    BackendClosedError,
+    BackendError,
+    CapacityError,
+    InputError,
+    LoadError,
+)
 from hub.api.bodies import ClientGone
+from hub.api.serving import VERSION_HEADER
 from hub.errors import HubError
 from registry.errors import (
     ConflictError,
@@ -32,6 +39,14 @@ def error_body(message: str, error_type: str, param: str | None = None, code: An
 def _json(status: int, message: str, error_type: str, param: str | None = None,
           code: Any = None, headers: dict[str, str] | None = None) -> JSONResponse:  # fmt: skip
     return JSONResponse(error_body(message, error_type, param, code), status, headers=headers)
+
+
+def _served_by(e: BackendError, headers: dict[str, str] | None = None) -> dict[str, str]:
+    """`headers` plus the version that answered, when the error came from one."""
+    headers = dict(headers or {})
+    if e.served_by is not None:
+        headers[VERSION_HEADER] = e.served_by
+    return headers
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -62,16 +77,17 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(InputError)
     async def _input(_: Request, e: InputError) -> JSONResponse:
-        return _json(400, str(e), "invalid_request_error", e.param)
+        return _json(400, str(e), "invalid_request_error", e.param, headers=_served_by(e))
 
     @app.exception_handler(CapacityError)
     async def _capacity(_: Request, e: CapacityError) -> JSONResponse:
-        headers = {"Retry-After": str(max(1, round(e.retry_after)))}
+        headers = _served_by(e, {"Retry-After": str(max(1, round(e.retry_after)))})
         return _json(503, str(e), "service_unavailable", headers=headers)
 
     @app.exception_handler(BackendClosedError)
     async def _closed(_: Request, e: BackendClosedError) -> JSONResponse:
-        return _json(503, str(e), "service_unavailable", headers={"Retry-After": "1"})
+        headers = _served_by(e, {"Retry-After": "1"})
+        return _json(503, str(e), "service_unavailable", headers=headers)
 
     @app.exception_handler(LoadError)
     async def _load(_: Request, e: LoadError) -> JSONResponse:

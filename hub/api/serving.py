@@ -69,11 +69,13 @@ async def serve(
         # The error answer (an injected fault, a load failure) names the version too.
         e.headers.setdefault(VERSION_HEADER, route.label)
         raise
-    except InputError:
+    except InputError as e:
         status = "400"
+        e.served_by = route.label
         raise
-    except (CapacityError, BackendClosedError):
+    except (CapacityError, BackendClosedError) as e:
         status = "503"
+        e.served_by = route.label
         raise
     except asyncio.CancelledError:
         status = "cancelled"

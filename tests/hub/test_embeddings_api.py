@@ -137,6 +137,8 @@ def test_truncate_false_refuses_long_input(client: TestClient, tiny_embedder_dir
         "/v1/embeddings", json={"model": "emb", "input": ["short", long], "truncate": False}
     )
     assert r.status_code == 400 and "input[1]" in r.json()["error"]["message"]
+    # The model's own refusal names the version that refused, like every answer.
+    assert r.headers["X-Hub-Model-Version"] == ok.headers["X-Hub-Model-Version"] == "1"
 
 
 def test_register_refusals_via_api(client: TestClient, tmp_path: Path) -> None:

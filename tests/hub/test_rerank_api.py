@@ -99,6 +99,7 @@ def test_refusals(reranker: TestClient, tiny_embedder_dir: Path) -> None:
     long = {"model": "rr", "query": QUERY, "documents": DOCUMENTS, "truncate": False}
     r = reranker.post("/v1/rerank", json=long)
     assert r.status_code == 400 and "documents[3]" in r.json()["error"]["message"]
+    assert r.headers["X-Hub-Model-Version"] == "1"
 
 
 @pytest.mark.parametrize(
