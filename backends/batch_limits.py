@@ -12,7 +12,7 @@ from typing import Any
 class BatchLimits:
     """How a model's batches are formed; read from a version's runtime config."""
 
-    # Padded tokens per batch (batch size times its longest input).
+    # Padded tokens per batch (batch size times its longest input; real tokens when unpadded).
     max_batch_tokens: int = 16384
     # Inputs per batch.
     max_batch_size: int = 32
@@ -28,6 +28,9 @@ class BatchLimits:
     # to be worth splitting. Small on a CPU (a pass costs about its tokens), large on a GPU
     # (a pass costs about the same whatever its size).
     batch_overhead_tokens: int = 32
+    # Whether the model runs batches unpadded (packed into one row): then a batch costs its
+    # real tokens, and `max_batch_tokens` counts those. Set by the backend, not the config.
+    unpadded: bool = False
 
     @classmethod
     def from_runtime_config(cls, config: Mapping[str, Any]) -> BatchLimits:

@@ -77,11 +77,14 @@ class BatchMetrics:
         self._request = collectors.request_seconds.labels(*labels)
         self._queued = collectors.queued_inputs.labels(*labels)
 
-    def observe_batch(self, lengths: Sequence[int], forward_s: float, queued: int) -> None:
-        """One forward batch of inputs of these token `lengths` took `forward_s`."""
+    def observe_batch(
+        self, lengths: Sequence[int], forward_s: float, queued: int, *, unpadded: bool = False
+    ) -> None:
+        """One forward batch of inputs of these token `lengths` took `forward_s`; an unpadded
+        batch (packed into one row) ran exactly its tokens."""
         self._size.observe(len(lengths))
         self._tokens.observe(sum(lengths))
-        self._padded.observe(len(lengths) * max(lengths, default=0))
+        self._padded.observe(sum(lengths) if unpadded else len(lengths) * max(lengths, default=0))
         self._forward.observe(forward_s)
         self._queued.set(queued)
 

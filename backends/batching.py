@@ -16,7 +16,9 @@ a token id out of range) fails as a whole, before any of it reaches the model.
 Batches. Whenever a forward thread is free it takes the oldest pooled input and grows a batch
 around it in length order while the batch's cost per real token falls, the cost being a fixed
 `batch_overhead_tokens` per forward pass plus `size * longest` padded tokens; `size * longest
-<= max_batch_tokens` and `size <= max_batch_size` bound it. Starting from the oldest input means
+<= max_batch_tokens` and `size <= max_batch_size` bound it. A model that runs batches
+unpadded (`BatchLimits.unpadded`) pays only for real tokens, so its batches grow to the
+budgets, which then count real tokens. Starting from the oldest input means
 no input starves; the cost rule groups similar lengths (padding is paid for) unless a pass is
 dear enough that one big batch wins. One payload's inputs may land in several batches and are
 reassembled in order. An idle model waits up to `batch_wait_s` after the oldest input arrived,
@@ -303,16 +305,23 @@ class DynamicBatcher(Generic[P, I, R]):
         overhead = self.limits.batch_overhead_tokens
         max_tokens, max_size = self.limits.max_batch_tokens, self.limits.max_batch_size
         cost = (overhead + longest) / real
+        unpadded = self.limits.unpadded
         while hi - lo < max_size:
             size = hi - lo + 1
             # A shorter neighbour (left) is padded up to `longest`; a longer one (right) pads
-            # every input already in the batch up to its own length.
+            # every input already in the batch up to its own length. Unpadded, a batch costs
+            # its real tokens, so it grows to its budgets.
             left = right = float("inf")
-            if lo > 0 and size * longest <= max_tokens:
-                left = (overhead + size * longest) / (real + pool[lo - 1].item.length)
+            if lo > 0:
+                left_len = pool[lo - 1].item.length
+                tokens = real + left_len if unpadded else size * longest
+                if tokens <= max_tokens:
+                    left = (overhead + tokens) / (real + left_len)
             right_len = pool[hi].item.length if hi < len(pool) else 0
-            if hi < len(pool) and size * right_len <= max_tokens:
-                right = (overhead + size * right_len) / (real + right_len)
+            if hi < len(pool):
+                tokens = real + right_len if unpadded else size * right_len
+                if tokens <= max_tokens:
+                    right = (overhead + tokens) / (real + right_len)
             if min(left, right) > cost:
                 break  # any neighbour would cost more per token than it brings
             if left <= right:
@@ -357,7 +366,9 @@ class DynamicBatcher(Generic[P, I, R]):
         if self._metrics is not None:
             end = time.perf_counter()
             lengths = [s.item.length for s in batch]
-            self._metrics.observe_batch(lengths, end - start, self._queued)
+            self._metrics.observe_batch(
+                lengths, end - start, self._queued, unpadded=self.limits.unpadded
+            )
             for request, _ in done:
                 started = request.started_at if request.started_at is not None else start
                 self._metrics.observe_request(started - request.submitted_at,

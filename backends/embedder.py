@@ -3,13 +3,15 @@
 Pooling and normalisation are whatever the model folder's own modules say (`modules.json`):
 each batch runs the loaded `SentenceTransformer`'s module pipeline (Transformer -> Pooling ->
 Normalize ...) on inputs tokenized as its `encode` tokenizes them, so vectors equal `encode`'s
-up to float noise from padding. Concurrent requests share batches (`backends.batching`); one
+up to float noise. On a CPU a batch runs unpadded, packed into one row (`backends.unpadded`),
+where the pipeline allows it exactly. Concurrent requests share batches (`backends.batching`); one
 request's inputs may span several batches and come back in order.
 
 Runtime config (a version's `config` at registration; all optional): the batching keys of
 `BatchLimits` (`max_batch_tokens`, `max_batch_size`, `batch_wait_ms`, `max_queue`),
-`max_seq_length` (lower the model's maximum input tokens) and `matryoshka_dims` (the
-`dimensions` a request may ask for, e.g. `[256, 128, 64]`, for models trained to be truncated).
+`max_seq_length` (lower the model's maximum input tokens), `matryoshka_dims` (the
+`dimensions` a request may ask for, e.g. `[256, 128, 64]`, for models trained to be truncated)
+and `unpadded` (true / false; by default true on a CPU).
 """
 
 from __future__ import annotations
@@ -23,10 +25,16 @@ import numpy as np
 import torch
 
 from backends.base import BackendContext, ModelKind
-from backends.encoder import BatchedEncoderBackend, model_max_length, sentence_transformers_kwargs
+from backends.encoder import (
+    BatchedEncoderBackend,
+    model_max_length,
+    sentence_transformers_kwargs,
+    unpadded_setting,
+)
 from backends.errors import InputError, LoadError
 from backends.loading import require_safe_weights
 from backends.tokenization import Encoded, EncoderTokenizer
+from backends.unpadded import UnpaddedEncoder
 
 # One input: a text, or content token ids (no special tokens).
 EmbedInput = str | Sequence[int]
@@ -54,12 +62,21 @@ class _EmbedRequest:
 
 
 class _EmbedStages:
-    """Tokenize requests' inputs; run a padded batch through the module pipeline."""
+    """Tokenize requests' inputs; run a batch through the module pipeline, packed into one
+    row when `packed` is set (`backends.unpadded`), else padded."""
 
-    def __init__(self, model: Any, tokenizer: EncoderTokenizer, device: str) -> None:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: EncoderTokenizer,
+        device: str,
+        packed: UnpaddedEncoder | None = None,
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.device = device
+        self.packed = packed
+        self.unpadded = packed is not None
 
     def tokenize(self, payloads: Sequence[_EmbedRequest]) -> list[list[Encoded] | BaseException]:
         # The texts of every request that arrived together go through one tokenizer call.
@@ -112,10 +129,13 @@ class _EmbedStages:
         return self.tokenizer.wrap_ids(ids)
 
     def forward(self, items: Sequence[Encoded]) -> list[_Row]:
-        features = self.tokenizer.pad(items)
-        features = {k: v.to(self.device) for k, v in features.items()}
         with torch.inference_mode():
-            out = self.model(features)["sentence_embedding"]  # (n, dim)
+            if self.packed is not None:
+                out = self.packed.embed(items, self.device)  # (n, dim)
+            else:
+                features = self.tokenizer.pad(items)
+                features = {k: v.to(self.device) for k, v in features.items()}
+                out = self.model(features)["sentence_embedding"]
         vectors = out.float().cpu().numpy()
         return [(vectors[i], item.length) for i, item in enumerate(items)]
 
@@ -161,7 +181,10 @@ class EmbedderBackend(BatchedEncoderBackend[_EmbedRequest, _Row]):
         )
         self._dimension = int(dim)
         self._normalized = any(type(m).__name__ == "Normalize" for m in model)
-        self._start(_EmbedStages(model, tokenizer, device), device)
+        packed = None
+        if unpadded_setting(self.context.runtime_config, device):
+            packed = UnpaddedEncoder.probe(model, tokenizer)
+        self._start(_EmbedStages(model, tokenizer, device, packed), device)
 
     @property
     def dimension(self) -> int:

@@ -48,6 +48,8 @@ class EncoderStages(Protocol[P_contra, R_co]):
     model: torch.nn.Module
     tokenizer: EncoderTokenizer
     device: str
+    # Whether `forward` runs a batch unpadded (packed into one row), so padding costs nothing.
+    unpadded: bool
 
     def tokenize(self, payloads: Sequence[P_contra]) -> list[list[Encoded] | BaseException]: ...
 
@@ -131,6 +133,7 @@ class BatchedEncoderBackend(Backend, Generic[P, R]):
         if registry is not None:
             metrics = BatchMetrics(registry, self.context.model, self.context.version)
         limits, on_worker_start = self._execution(device)
+        limits = replace(limits, unpadded=stages.unpadded)
         self._batcher = DynamicBatcher(
             stages,
             limits,
@@ -172,6 +175,18 @@ class BatchedEncoderBackend(Backend, Generic[P, R]):
         if self._stages is None:
             raise BackendClosedError(f"{self.kind.value} {self.context.model} is not loaded")
         return self._stages
+
+
+def unpadded_setting(config: Mapping[str, Any], device: str) -> bool:
+    """The runtime config's `unpadded` (true / false), by default true on a CPU, where a packed
+    batch saves the padding's compute, and false on an accelerator, where one padded SDPA call
+    beats an attention call per input."""
+    value = config.get("unpadded")
+    if value is None:
+        return device.startswith("cpu")
+    if not isinstance(value, bool):
+        raise LoadError(f"runtime config unpadded={value!r}: expected true or false")
+    return value
 
 
 def model_max_length(model: Any, configured: Any) -> int:

@@ -59,6 +59,8 @@ class _RerankStages:
         self.tokenizer = tokenizer
         self.device = device
         self.activation = model.activation_fn
+        # A classification head reads fixed positions, so cross-encoders run padded batches.
+        self.unpadded = False
 
     def tokenize(self, payloads: Sequence[_RerankRequest]) -> list[list[Encoded] | BaseException]:
         # The pairs of every request that arrived together go through one tokenizer call.

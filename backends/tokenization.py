@@ -56,7 +56,7 @@ class EncoderTokenizer:
             )
         self.max_length = max_length
         self.vocab_size = vocab_size
-        self._uses_types = "token_type_ids" in getattr(tokenizer, "model_input_names", ())
+        self.uses_types = "token_type_ids" in getattr(tokenizer, "model_input_names", ())
         self._pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self._pad_left = getattr(tokenizer, "padding_side", "right") == "left"
         side = getattr(tokenizer, "truncation_side", "right")
@@ -87,7 +87,7 @@ class EncoderTokenizer:
         if truncate and len(content) > room:
             content = content[len(content) - room :] if self._truncate_left else content[:room]
         full = self._prefix + content + self._suffix
-        return Encoded(full, [0] * len(full) if self._uses_types else None)
+        return Encoded(full, [0] * len(full) if self.uses_types else None)
 
     def first_invalid_id(self, ids: Sequence[int]) -> int | None:
         """The first id the model has no embedding for, if any."""
@@ -98,7 +98,7 @@ class EncoderTokenizer:
         return None
 
     def _wrap(self, encodings: list[Encoding]) -> list[Encoded]:
-        if self._uses_types:
+        if self.uses_types:
             return [Encoded(e.ids, e.type_ids) for e in encodings]
         return [Encoded(e.ids, None) for e in encodings]
 
@@ -143,6 +143,6 @@ class EncoderTokenizer:
             "input_ids": torch.tensor(ids, dtype=torch.long),
             "attention_mask": torch.tensor(mask, dtype=torch.long),
         }
-        if self._uses_types:
+        if self.uses_types:
             features["token_type_ids"] = torch.tensor(types, dtype=torch.long)
         return features

@@ -147,6 +147,21 @@ async def test_a_batch_grows_while_its_cost_per_token_falls(
     b.close()
 
 
+async def test_an_unpadded_model_batches_unlike_lengths_under_a_real_token_budget(
+    model: UpperModel,
+) -> None:
+    # The same interleaved inputs as above with a small overhead: padded they split by length,
+    # unpadded (padding costs nothing) they share batches up to the budget of real tokens.
+    b = batcher(model, batch_overhead_tokens=2, max_batch_size=64, max_batch_tokens=60,
+                unpadded=True)  # fmt: skip
+    texts = ["L" * 20, "s"] * 5
+    assert await submit(b, texts) == [t.upper() for t in texts]
+    assert all(sum(map(len, batch)) <= 60 for batch in model.batches)
+    assert any({"s", "L" * 20} <= set(batch) for batch in model.batches)
+    assert len(model.batches) == 2  # 105 real tokens: 5 x 20 + 5 x 1, two passes of <= 60
+    b.close()
+
+
 async def test_idle_model_waits_for_a_batch_as_large_as_the_last(model: UpperModel) -> None:
     b = batcher(model, batch_wait_s=60.0, max_batch_size=8)
     # Nothing ran before: a lone request does not wait.

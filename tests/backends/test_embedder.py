@@ -70,6 +70,50 @@ async def test_minilm_concurrent_mixed_lengths_equal_encode(minilm_dir: Path) ->
     assert cosine(got, st_encode(minilm_dir, texts)).min() >= 0.9999
 
 
+async def test_unpadded_and_padded_batches_agree_and_both_equal_encode(
+    tiny_embedder_dir: Path,
+) -> None:
+    texts = sentences(16, seed=3, longest=50)
+    expected = st_encode(tiny_embedder_dir, texts)
+    for unpadded in (True, False):
+        backend = loaded(tiny_embedder_dir, unpadded=unpadded, max_batch_size=16)
+        try:
+            # Packed or not is what the batcher plans for: unpadded batches cost real tokens.
+            assert backend._require().unpadded is unpadded
+            assert backend._batcher is not None and backend._batcher.limits.unpadded is unpadded
+            results = await asyncio.gather(*(backend.embed([t]) for t in texts))
+            # The model still answers sentence-transformers' own padded encode unchanged.
+            direct = np.asarray(backend.model.encode(texts[:4]))  # type: ignore[operator]
+        finally:
+            backend.unload()
+        got = np.concatenate([r.vectors for r in results])
+        assert cosine(got, expected).min() >= 0.9999
+        assert cosine(direct, expected[:4]).min() >= 0.9999
+
+
+def test_pipelines_that_cannot_run_unpadded_stay_padded(
+    tiny_embedder_dir: Path, tiny_reranker_dir: Path
+) -> None:
+    from sentence_transformers import CrossEncoder, SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Pooling
+
+    from backends.unpadded import UnpaddedEncoder
+
+    cross = CrossEncoder(str(tiny_reranker_dir), device="cpu")
+    assert "does not start with Transformer, Pooling" in str(UnpaddedEncoder.refusal([cross.model]))
+    embedder = SentenceTransformer(str(tiny_embedder_dir), device="cpu")
+    assert UnpaddedEncoder.refusal(embedder) is None
+    unusual = [embedder[0], embedder[1], Pooling(embedder[1].embedding_dimension)]
+    assert "read token embeddings after Pooling" in str(UnpaddedEncoder.refusal(unusual))
+    embedder[0].auto_model.config.is_decoder = True
+    assert UnpaddedEncoder.refusal(embedder) == "the model is a decoder"
+
+
+def test_a_bad_unpadded_setting_fails_the_load(tiny_embedder_dir: Path) -> None:
+    with pytest.raises(LoadError, match="unpadded='yes'"):
+        loaded(tiny_embedder_dir, unpadded="yes")
+
+
 async def test_token_ids_embed_like_their_text(
     tiny: EmbedderBackend, tiny_embedder_dir: Path
 ) -> None:
