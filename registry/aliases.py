@@ -29,8 +29,8 @@ from registry.views import EventView
 log = logging.getLogger(__name__)
 
 STAGES = ("staging", "production")
-# Audit events that record an attempt without moving the alias.
-NON_MOVES = frozenset({"rejected"})
+# Audit events that move no alias: a refused promotion, a traffic policy change.
+NON_MOVES = frozenset({"rejected", "traffic"})
 # Sentinel for "do not check where the alias points before moving it".
 ANY = object()
 

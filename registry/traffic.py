@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session, selectinload
 
 from registry.db import Database
 from registry.errors import ConflictError, InvalidTrafficError, NotFoundError
-from registry.schema import Canary, RegisteredModel, TrafficPolicy, TrafficSplit
+from registry.schema import AliasEvent, Canary, RegisteredModel, TrafficPolicy, TrafficSplit
 from registry.views import FaultView, ShadowView, SplitView, TrafficPolicyView
 
 WEIGHT_TOTAL = 100.0
@@ -168,7 +168,41 @@ class TrafficBook:
                     weight=float(split.weight),
                 )
             )
+        # Every change is in the audit log next to the alias moves (it moves no alias).
+        s.add(
+            AliasEvent(
+                model_id=model.id,
+                alias="",
+                action="traffic",
+                actor=actor,
+                reason=_describe(model.name, splits, shadow, faults),
+            )
+        )
         s.flush()
+
+
+def _describe(
+    name: str,
+    splits: Sequence[SplitView],
+    shadow: ShadowView | None,
+    faults: Sequence[FaultView],
+) -> str:
+    """The new policy in a line: "split v1 90%, v2 10%; shadow v3 5%; faults v2 10% errors"."""
+
+    def version(model: str, v: int) -> str:
+        return f"v{v}" if model == name else f"{model}@{v}"
+
+    parts = [
+        "split " + ", ".join(f"{version(x.model, x.version)} {x.weight:g}%" for x in splits)
+        if splits
+        else "default split (everything to production)"
+    ]
+    if shadow is not None:
+        parts.append(f"shadow {version(shadow.model, shadow.version)} {shadow.percent:g}%")
+    for f in faults:
+        delay = f" + {f.delay_ms:g} ms" if f.delay_ms else ""
+        parts.append(f"faults {version(f.model, f.version)} {f.error_percent:g}% errors{delay}")
+    return "; ".join(parts)
 
 
 def _refuse_during_canary(s: Session, model: RegisteredModel) -> None:

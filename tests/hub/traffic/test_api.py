@@ -57,6 +57,16 @@ async def test_policy_is_replaced_whole_and_bad_ones_are_400(
     cleared = r.json()
     assert cleared["default"] is True and cleared["shadow"] is None and cleared["faults"] == []
 
+    # Both changes are in the audit log, newest first; the refusals left no trace, and the
+    # alias history is untouched.
+    events = (await t.client.get("/admin/registry/events", params={"model": "emb"})).json()
+    traffic = [(e["action"], e["reason"]) for e in events if e["action"] == "traffic"]
+    assert traffic == [
+        ("traffic", "default split (everything to production)"),
+        ("traffic", "split v1 90%, v2 10%; shadow v2 5%; faults v2 1% errors + 2 ms"),
+    ]
+    assert (await t.client.get("/v1/models")).json()["data"][0]["aliases"] == {"production": 1}
+
 
 async def test_routing_is_sticky_per_key_and_names_can_bypass_it(two_versions: TrafficHub) -> None:
     t = two_versions
