@@ -346,6 +346,11 @@ def _sse(gen: Generation, events: AsyncIterator[str]) -> StreamingResponse:
         except Exception as e:  # the engine failed mid-stream: tell the client, then stop
             await gen.close(type(e), e, e.__traceback__)
             yield _event(error_body(str(e), "server_error"))
+        except (asyncio.CancelledError, GeneratorExit):
+            # The client went away mid-stream: recorded as such (499), not as a success.
+            gone = asyncio.CancelledError()
+            await asyncio.shield(gen.close(asyncio.CancelledError, gone, None))
+            raise
         finally:
             # Shielded: a client that went away cancels this task, and the model must still
             # be released (its blocks are freed synchronously, first thing in `close`).

@@ -240,3 +240,7 @@ def test_streaming_with_the_openai_client_and_a_disconnect_frees_the_blocks(
         [status] = httpx.get(f"{base}/admin/models").json()
         assert status["in_flight"] == 0, "the stream never released the model"
         assert metric(text, "hub_llm_generation_tokens_total") < 1000, "it was not aborted"
+        # Counted as a client that closed the request (nginx's 499), not as a success.
+        requests = [line for line in text.splitlines() if line.startswith("hub_requests_total{")]
+        gone = [line for line in requests if 'status="499"' in line]
+        assert len(gone) == 1 and gone[0].endswith(" 1.0"), requests
