@@ -27,17 +27,20 @@ def promote(client: TestClient, version: int, to: str, reason: str = "", model: 
     )
 
 
-@pytest.fixture
-def corrupt_embedder_dir(tiny_embedder_dir: Path, tmp_path: Path) -> Path:
-    """A well-formed folder whose weights are NaN: it loads, but its outputs are garbage."""
+def corrupt_copy(source: Path, out: Path) -> Path:
+    """A copy of `source` whose float weights are NaN: it loads, but its outputs are garbage."""
     import shutil
 
-    out = tmp_path / "corrupt"
-    shutil.copytree(tiny_embedder_dir, out)
+    shutil.copytree(source, out)
     tensors = load_file(out / "model.safetensors")
     tensors = {k: v.fill_(float("nan")) if v.is_floating_point() else v for k, v in tensors.items()}
     save_file(tensors, out / "model.safetensors")
     return out
+
+
+@pytest.fixture
+def corrupt_embedder_dir(tiny_embedder_dir: Path, tmp_path: Path) -> Path:
+    return corrupt_copy(tiny_embedder_dir, tmp_path / "corrupt")
 
 
 def test_staging_then_production_then_rollback(
@@ -202,12 +205,7 @@ def test_alias_moved_in_mlflow_is_followed_within_a_poll(
 def test_an_llm_with_corrupt_weights_fails_its_gate(
     client: TestClient, tiny_llm_dir: Path, tmp_path: Path
 ) -> None:
-    import shutil
-
-    corrupt = tmp_path / "corrupt-llm"
-    shutil.copytree(tiny_llm_dir, corrupt)
-    tensors = load_file(corrupt / "model.safetensors")
-    save_file({k: v.fill_(float("nan")) for k, v in tensors.items()}, corrupt / "model.safetensors")
+    corrupt = corrupt_copy(tiny_llm_dir, tmp_path / "corrupt-llm")
     config = {"kv_cache_bytes": "4MiB"}
     register(client, "chat", "llm", tiny_llm_dir, config=config)
     register(client, "chat", "llm", corrupt, config=config)
@@ -223,15 +221,7 @@ def test_an_llm_with_corrupt_weights_fails_its_gate(
 def test_a_reranker_is_gated_by_its_scores_and_its_eval_set(
     client: TestClient, tiny_reranker_dir: Path, tmp_path: Path
 ) -> None:
-    import shutil
-
-    corrupt = tmp_path / "corrupt-reranker"
-    shutil.copytree(tiny_reranker_dir, corrupt)
-    tensors = load_file(corrupt / "model.safetensors")
-    save_file(
-        {k: v.fill_(float("nan")) if v.is_floating_point() else v for k, v in tensors.items()},
-        corrupt / "model.safetensors",
-    )
+    corrupt = corrupt_copy(tiny_reranker_dir, tmp_path / "corrupt-reranker")
     register(client, "rr", "reranker", tiny_reranker_dir)
     ok = promote(client, 1, "staging", model="rr")
     assert ok.status_code == 200, ok.text
