@@ -25,10 +25,7 @@ import json
 import os
 import platform
 import random
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,6 +35,11 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as `python benchmarks/<name>.py` from anywhere
+    sys.path.insert(0, str(REPO))
+
+from tests.support.process import hub_process, read_log  # noqa: E402
+
 RESULTS = REPO / "benchmarks" / "results"
 MODEL = "minilm"
 
@@ -108,12 +110,6 @@ def process_cpu_seconds(pid: int) -> float:
 
 
 # ---- the hub as a real process --------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _hub_config(root: Path, source: str, runtime_config: dict[str, Any]) -> Path:
     config = {
         "database_url": f"sqlite:///{root / 'hub.db'}",
@@ -138,22 +134,10 @@ def hub_server(
     """`hub serve` with the model registered and loaded; yields its base URL and process id."""
     import httpx
 
-    port = _free_port()
     config = _hub_config(root, source, runtime_config)
-    log = (root / "hub.log").open("w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "hub.cli", "serve", "--config", str(config)],
-        cwd=root, stdout=log, stderr=subprocess.STDOUT,
-        env={**os.environ, "HUB_PORT": str(port), "HF_HUB_OFFLINE": "1",
-             "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-             **env},
-    )  # fmt: skip
-    base = f"http://127.0.0.1:{port}"
-    try:
+    with hub_process(config, cwd=root, env=env, timeout=300) as (base, proc):
         deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"hub exited: {(root / 'hub.log').read_text()[-3000:]}")
+        while True:  # ready, then serving: the preloaded model answers
             try:
                 r = httpx.post(f"{base}/v1/embeddings", json={"model": MODEL, "input": "warm"},
                                timeout=30)  # fmt: skip
@@ -162,16 +146,10 @@ def hub_server(
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                raise TimeoutError(f"hub not serving: {(root / 'hub.log').read_text()[-3000:]}")
+                logs = "\n".join(read_log(str(p)) for p in root.glob("hub-*.log"))
+                raise TimeoutError(f"hub not serving:\n{logs}")
             time.sleep(0.5)
         yield base, proc.pid
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
 
 
 async def drive(

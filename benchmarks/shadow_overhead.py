@@ -18,7 +18,8 @@ idle gaps between requests.
     python benchmarks/shadow_overhead.py --quick         # a smoke run (tiny embedder)
     python benchmarks/shadow_overhead.py --eager         # also without shadow_when_idle
 
-Results go to `benchmarks/results/shadow_overhead.json` and `.png`.
+Results go to `benchmarks/results/shadow_overhead.json` and `.png` (`shadow_overhead-quick.*` with
+`--quick`).
 """
 
 from __future__ import annotations
@@ -29,10 +30,7 @@ import json
 import os
 import platform
 import random
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -44,6 +42,11 @@ from typing import Any
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as `python benchmarks/<name>.py` from anywhere
+    sys.path.insert(0, str(REPO))
+
+from tests.support.process import hub_process  # noqa: E402
+
 RESULTS = REPO / "benchmarks" / "results"
 MODEL = "emb"
 
@@ -62,16 +65,9 @@ def make_sentences(n: int, seed: int = 0) -> list[str]:
     ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def model_sources(kind: str, root: Path) -> tuple[str, str]:
     """Folders of v1 and v2: MiniLM and MiniLM again (other weights are not shipped; the same
     weights cost the same, which is what is measured), or two tiny embedders."""
-    sys.path.insert(0, str(REPO))
     if kind == "minilm":
         from hub.demo import minilm_dir
 
@@ -88,9 +84,6 @@ def model_sources(kind: str, root: Path) -> tuple[str, str]:
 @contextmanager
 def hub_server(root: Path, env: dict[str, str]) -> Iterator[str]:
     """`hub serve` on a fresh SQLite registry under `root`; yields its base URL."""
-    import httpx
-
-    port = _free_port()
     config = {
         "database_url": f"sqlite:///{root / 'hub.db'}",
         "mlflow_tracking_uri": f"sqlite:///{root / 'mlflow.db'}",
@@ -101,43 +94,8 @@ def hub_server(root: Path, env: dict[str, str]) -> Iterator[str]:
         "log_level": "warning",
     }
     (root / "hub.yaml").write_text(json.dumps(config))  # JSON is YAML
-    log = (root / "hub.log").open("w")
-    pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "hub.cli", "serve", "--config", str(root / "hub.yaml")],
-        cwd=root,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env={
-            **os.environ,
-            "HUB_PORT": str(port),
-            "HF_HUB_OFFLINE": "1",
-            "PYTHONPATH": pythonpath,
-            **env,
-        },
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"hub exited: {(root / 'hub.log').read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{base}/health/ready", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"hub not ready: {(root / 'hub.log').read_text()[-3000:]}")
-            time.sleep(0.5)
+    with hub_process(root / "hub.yaml", cwd=root, env=env, timeout=300) as (base, _):
         yield base
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
 
 
 def _ok(r: Any) -> Any:
@@ -408,9 +366,11 @@ def main() -> None:
         "runs": runs,
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "shadow_overhead.json").write_text(json.dumps(report, indent=2))
-    plot(report, RESULTS / "shadow_overhead.png")
-    print(f"wrote {RESULTS / 'shadow_overhead.json'} and .png")
+    # A smoke run (--quick) never replaces the measured results.
+    out = RESULTS / ("shadow_overhead-quick" if args.quick else "shadow_overhead")
+    out.with_suffix(".json").write_text(json.dumps(report, indent=2))
+    plot(report, out.with_suffix(".png"))
+    print(f"wrote {out.with_suffix('.json')} and .png")
 
 
 if __name__ == "__main__":
