@@ -34,7 +34,7 @@ from backends.encoder import (
 from backends.errors import InputError, LoadError
 from backends.loading import require_safe_weights
 from backends.tokenization import Encoded, EncoderTokenizer
-from backends.unpadded import UnpaddedEncoder
+from backends.unpadded import UnpaddedEncoder, padded_embed
 
 # One input: a text, or content token ids (no special tokens).
 EmbedInput = str | Sequence[int]
@@ -133,9 +133,7 @@ class _EmbedStages:
             if self.packed is not None:
                 out = self.packed.embed(items, self.device)  # (n, dim)
             else:
-                features = self.tokenizer.pad(items)
-                features = {k: v.to(self.device) for k, v in features.items()}
-                out = self.model(features)["sentence_embedding"]
+                out = padded_embed(self.model, self.tokenizer, items, self.device)
         vectors = out.float().cpu().numpy()
         return [(vectors[i], item.length) for i, item in enumerate(items)]
 

@@ -5,12 +5,12 @@ layer, so a batcher must trade batch size (fewer, cheaper passes) against paddin
 unlike lengths). Packed, the inputs of a batch are concatenated into one `(1, T)` row with
 positions restarting at each input, every linear layer runs on real tokens only, and
 attention runs per input over its own tokens: `varlen_attention`, registered with
-transformers' `AttentionInterface`, reads the inputs' bounds from the `cu_seq_lens_q` keyword
-(the name transformers' own variable-length attention uses). The pooling module then reduces
-the flat output per input (sentence-transformers' `Pooling` accepts `cu_seq_lens_q`), and the
-modules after it (`Normalize`, `Dense`) see ordinary sentence embeddings. On a CPU this makes
-a pass 20-35% cheaper than the padded one for MiniLM-sized models and lets batches grow as
-large as the queue allows.
+transformers' `AttentionInterface`, takes the inputs' bounds as the `hub_bounds` keyword of
+the model's forward. The pooling module then reduces the flat output per input
+(sentence-transformers' `Pooling` accepts the bounds as `cu_seq_lens_q`), and the
+modules after it (`Normalize`, `Dense`) see ordinary sentence embeddings. On a CPU, MiniLM
+took 18-35% less time per sentence packed than in padded batches of the same unsorted inputs
+(4 to 28 per batch), and batches may grow as large as the queue allows.
 
 Only pipelines it can run exactly are packed: a `Transformer` whose model supports the
 attention interface and is not a decoder, then `Pooling`, then only `Normalize` / `Dense`.
@@ -93,7 +93,6 @@ class UnpaddedEncoder:
     """Runs a sentence-transformers pipeline on packed batches; see the module docstring."""
 
     def __init__(self, model: Any, tokenizer: EncoderTokenizer) -> None:
-        self.model = model
         self.tokenizer = tokenizer
         modules = list(model)
         self._transformer = modules[0].auto_model
@@ -131,7 +130,7 @@ class UnpaddedEncoder:
             previous = auto_model.config._attn_implementation
             device = next(model.parameters()).device
             with torch.inference_mode():
-                padded = _padded(model, tokenizer, items, device)
+                padded = padded_embed(model, tokenizer, items, device)
                 register()
                 auto_model.set_attn_implementation(ATTENTION_NAME)
                 unpadded = cls(model, tokenizer)
@@ -170,9 +169,10 @@ class UnpaddedEncoder:
         return embeddings
 
 
-def _padded(
-    model: Any, tokenizer: EncoderTokenizer, items: Sequence[Encoded], device: torch.device
+def padded_embed(
+    model: Any, tokenizer: EncoderTokenizer, items: Sequence[Encoded], device: torch.device | str
 ) -> torch.Tensor:
+    """(n, dim) sentence embeddings of `items`, one padded pass of the whole pipeline."""
     features = {k: v.to(device) for k, v in tokenizer.pad(items).items()}
     embeddings: torch.Tensor = model(features)["sentence_embedding"]
     return embeddings
