@@ -12,6 +12,8 @@ ignored), so every system produces the same number of useful tokens.
 - `hf_generate_batch`: transformers' own continuous batching (`generate_batch`'s manager,
   with each request's own max_new_tokens), started before the clock.
 - `engine`: our `LLMEngine`, text detokenized as it would be for a client.
+- `engine_torch_attention`: the same engine with its native CPU decode kernel off (decode
+  attention in plain torch), as it runs where no C compiler is found.
 
 It also measures time to first token for a 512-token shared system prompt without and with
 a prefix-cache hit, and KV-cache waste (allocated block slots against tokens stored, over
@@ -165,10 +167,12 @@ def hf_generate_batch(model: Any, requests: list[Request], pad: int) -> Phase:
     return Phase("hf_generate_batch", len(requests), produced, seconds)
 
 
-def make_engine(model_dir: Path, config: EngineConfig) -> LLMEngine:
+def make_engine(model_dir: Path, config: EngineConfig, *, native_decode: bool = True) -> LLMEngine:
     from transformers import AutoTokenizer
 
-    runner = ModelRunner.load(model_dir, "cpu", torch.float32, config)
+    runner = ModelRunner.load(
+        model_dir, "cpu", torch.float32, config, native_decode=None if native_decode else False
+    )
     return LLMEngine(config, runner, AutoTokenizer.from_pretrained(model_dir))
 
 
@@ -177,7 +181,7 @@ def greedy(max_tokens: int) -> SamplingParams:
 
 
 def engine_throughput(
-    engine: LLMEngine, requests: list[Request]
+    engine: LLMEngine, requests: list[Request], name: str = "engine"
 ) -> tuple[Phase, list[list[int]], dict[str, float]]:
     engine.add_request("warmup", requests[0].prompt[:8], greedy(2))
     while engine.has_work():
@@ -191,7 +195,7 @@ def engine_throughput(
     for i, r in enumerate(requests):
         engine.add_request(str(i), r.prompt, greedy(r.max_tokens))
     with tqdm(
-        total=sum(r.max_tokens for r in requests), desc="engine", leave=False, mininterval=2.0
+        total=sum(r.max_tokens for r in requests), desc=name, leave=False, mininterval=2.0
     ) as bar:
         while engine.has_work():
             for out in engine.step():
@@ -208,7 +212,7 @@ def engine_throughput(
     seconds = time.perf_counter() - start
     ordered = [outputs[str(i)] for i in range(len(requests))]
     waste = {"kv_waste_fraction": 1 - stored / allocated, "kv_waste_peak_step": peak_waste}
-    phase = Phase("engine", len(requests), sum(len(o) for o in ordered), seconds)
+    phase = Phase(name, len(requests), sum(len(o) for o in ordered), seconds)
     return phase, ordered, waste
 
 
@@ -255,6 +259,11 @@ def plot(results: dict[str, Any], path: Path) -> None:
     left.set_title(f"Throughput, {results['workload']['requests']} requests, {results['model']}")
     left.tick_params(axis="x", rotation=20)
     t = results["prefix_cache"]
+    if t is None:  # --skip ttft
+        right.set_visible(False)
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        return
     ttfts = [t["ttft_without_hit_s"] * 1000, t["ttft_with_hit_s"] * 1000]
     bars = right.bar(["no prefix hit", "prefix hit"], ttfts, color=["#999999", "#1f77b4"])
     right.bar_label(bars, fmt="%.0f ms")
@@ -306,7 +315,16 @@ def main() -> None:
 
     phases: list[Phase] = []
     hf_outputs: list[list[int]] | None = None
-    steps = ["hf_one_at_a_time", "hf_static_batching", "hf_generate_batch", "engine", "ttft"]
+    plain_outputs: list[list[int]] | None = None
+    prefix: dict[str, float] | None = None
+    steps = [
+        "hf_one_at_a_time",
+        "hf_static_batching",
+        "hf_generate_batch",
+        "engine_torch_attention",
+        "engine",
+        "ttft",
+    ]
     for step in tqdm([s for s in steps if s not in args.skip], desc="phases"):
         cpu_start = time.process_time()
         if step == "hf_one_at_a_time":
@@ -315,6 +333,10 @@ def main() -> None:
             phase = hf_static_batching(model, work, pad, args.static_batch_size)
         elif step == "hf_generate_batch":
             phase = hf_generate_batch(model, work, pad)
+        elif step == "engine_torch_attention":
+            plain = make_engine(model_dir, config, native_decode=False)
+            phase, plain_outputs, _ = engine_throughput(plain, work, step)
+            del plain
         elif step == "engine":
             phase, engine_outputs, waste = engine_throughput(engine, work)
         else:
@@ -328,6 +350,8 @@ def main() -> None:
         )
 
     by_name = {p.name: p for p in phases}
+    # The engine is plotted last, beside what it is compared with.
+    phases = [p for p in phases if p.name != "engine"] + [by_name["engine"]]
     ours = by_name["engine"].tokens_per_s
     results: dict[str, Any] = {
         "model": f"Llama {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M fp32",
@@ -363,6 +387,10 @@ def main() -> None:
     if hf_outputs is not None:
         results["engine_equals_hf_greedy"] = sum(
             a == b for a, b in zip(engine_outputs, hf_outputs, strict=True)
+        )
+    if plain_outputs is not None:
+        results["engine_equals_torch_attention_greedy"] = sum(
+            a == b for a, b in zip(engine_outputs, plain_outputs, strict=True)
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")

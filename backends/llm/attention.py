@@ -9,18 +9,23 @@ and `softcap`. transformers builds no mask for an unknown implementation; the pe
 
 Per layer: the step's new K/V are written into the paged cache through the slot mapping (all
 of them, before any read, so sequences scheduled together may share freshly filled prefix
-blocks). Then each single-token sequence (a decode) attends over exactly its own context:
-its blocks are gathered (keys and values in one call) and its query heads, viewed as
-`(kv_heads, group, D)`, meet their shared K/V head in two small matmuls. Measured on CPU, this
-beats one padded, masked batch per step by about 2x: padding and masks cost more than the
-per-sequence calls. Those calls are too small for torch's intra-op threads, so they run on one
-thread each, and with more than one core two Python threads share the decodes. A sliding
-window is a slice of the context, not a mask. On an accelerator, where one big kernel beats
-many small ones, the decodes instead attend in one padded, masked SDPA call (which then picks
-its fused kernels). Each longer chunk
-(a prompt, or a recomputation) attends with SDPA over its own context (`enable_gqa`, a causal
-kernel when it has no earlier context). Soft-capped layers (Gemma 2) cap the logits on the
-explicit path, since SDPA cannot.
+blocks). Then each single-token sequence (a decode) attends over exactly its own context.
+
+- On a CPU in float32: one call per layer to a native kernel (`backends.llm.cpu_kernels`)
+  that reads each context in place from its blocks, on torch's OpenMP threads; gathering a
+  copy first moves about three times the memory.
+- On a CPU without the kernel (no compiler, other dtypes): each decode's blocks are gathered
+  (keys and values in one call) and its query heads, viewed as `(kv_heads, group, D)`, meet
+  their shared K/V head in two small matmuls. Measured on CPU, this beats one padded, masked
+  batch per step by about 2x. Those calls are too small for torch's intra-op threads, so
+  they run on one thread each, and with more than one core two Python threads share them.
+- On an accelerator, where one big kernel beats many small ones: one padded, masked SDPA
+  call for all decodes (which then picks its fused kernels).
+
+A sliding window is a slice of the context, not a mask. Each longer chunk (a prompt, or a
+recomputation) attends with SDPA over its own context (`enable_gqa`, a causal kernel when it
+has no earlier context). Soft-capped layers (Gemma 2) cap the logits on the explicit path,
+since SDPA cannot.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from backends.llm.cpu_kernels import PagedDecodeKernel
 from backends.threads import set_this_thread, single_threaded
 
 ATTENTION_NAME = "hub_paged"
@@ -50,6 +56,16 @@ class PrefillChunk:
     block_table: torch.Tensor  # (num_blocks,) long
 
 
+@dataclass(frozen=True)
+class NativeDecode:
+    """The decodes' tables and lengths as the native kernel reads them."""
+
+    kernel: PagedDecodeKernel
+    tables: torch.Tensor  # every decode's block ids, concatenated, int64
+    table_starts: torch.Tensor  # (B,) int64: where each decode's ids start in `tables`
+    lens: torch.Tensor  # (B,) int64: context lengths, own token included
+
+
 @dataclass
 class PagedAttentionMetadata:
     """Everything attention needs about one step; built once by the runner, read by every
@@ -63,6 +79,9 @@ class PagedAttentionMetadata:
     # for their context) and context lengths (their own token included).
     decode_tables: list[torch.Tensor] = field(default_factory=list)
     decode_lens: list[int] = field(default_factory=list)
+    # Set on a CPU when the native kernel is built (float32): it reads each decode's context
+    # in place from the cache blocks instead of gathering a copy.
+    native_decode: NativeDecode | None = None
     # Set on accelerators, where one big call beats many small ones: the decode tables
     # padded into one (B, max_blocks) tensor with block 0, and the lengths as a tensor.
     decode_batch: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -138,6 +157,8 @@ def paged_attention(
     out = query.new_empty(query.shape[2], num_heads, head_dim)  # (T, H, D)
     if meta.decode_batch is not None:
         _decode_batched(meta, query, blocks, out, scaling, sliding_window, softcap)
+    elif meta.native_decode is not None:
+        _decode_native(meta.native_decode, kv_cache, query, out, scaling, sliding_window, softcap)
     elif meta.decode_lens:
         _decode_each(meta, query, blocks, out, scaling, sliding_window, softcap)
 
@@ -235,6 +256,54 @@ def _decode_rows(
 def _decode_rows_in_inference_mode(*args: Any) -> None:
     with torch.inference_mode():  # grad mode is per thread; the caller's is not inherited
         _decode_rows(*args)
+
+
+def _decode_native(
+    native: NativeDecode,
+    kv_cache: torch.Tensor,  # (2, num_blocks, block_size, KV, D)
+    query: torch.Tensor,  # (1, H, T, D)
+    out: torch.Tensor,  # (T, H, D)
+    scaling: float,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> None:
+    """Each decode over its own context, read in place by the native kernel (the CPU path
+    for float32). A threaded build spreads the rows over torch's OpenMP threads itself;
+    otherwise, with more than one core, two Python threads share them (the call releases
+    the GIL), interleaved so both get long and short ones."""
+    b, (num_heads, head_dim) = len(native.lens), out.shape[1:]
+    num_kv_heads = kv_cache.shape[3]
+    group = num_heads // num_kv_heads
+    queries = query[0, :, :b].transpose(0, 1).reshape(b, num_kv_heads, group, head_dim)
+    queries = (queries * scaling).contiguous()
+    attended = out[:b].view(b, num_kv_heads, group, head_dim)
+
+    def rows(selected: range | None, threads: int = 1) -> None:
+        native.kernel(
+            queries,
+            kv_cache,
+            native.tables,
+            native.table_starts,
+            native.lens,
+            attended,
+            rows=selected,
+            threads=threads,
+            sliding_window=sliding_window,
+            softcap=softcap,
+        )
+
+    cores = torch.get_num_threads()
+    if native.kernel.threaded:  # rows spread over torch's own OpenMP threads
+        rows(None, cores)
+        return
+    if b < _SPLIT_MIN_DECODES or cores < 2:
+        rows(None)
+        return
+    helper = _helper().submit(rows, range(1, b, 2))
+    try:
+        rows(range(0, b, 2))
+    finally:
+        helper.result()
 
 
 def _decode_batched(

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from backends.errors import LoadError
-from backends.llm import attention
-from backends.llm.attention import PagedAttentionMetadata, PrefillChunk
+from backends.llm import attention, cpu_kernels
+from backends.llm.attention import NativeDecode, PagedAttentionMetadata, PrefillChunk
 from backends.llm.config import EngineConfig
 from backends.llm.sampler import Sampler, SamplerOutput
 from backends.llm.scheduler import SchedulerOutput
@@ -65,6 +65,7 @@ class ModelRunner:
         device: str,
         *,
         batched_decode: bool | None = None,
+        native_decode: bool | None = None,
     ) -> None:
         self.model = model
         self.config = model.config
@@ -86,6 +87,8 @@ class ModelRunner:
         self.sampler = Sampler(_eos_ids(model))
         # Decodes in one padded call (accelerators) or one call each (CPU); None: by device.
         self.batched_decode = batched_decode
+        # The native CPU decode kernel (float32); None: where it builds, False: never.
+        self.native_decode = native_decode
         self.kv_caches: list[torch.Tensor] = []
         self.allocate_kv_cache()
 
@@ -100,6 +103,7 @@ class ModelRunner:
         allow_pickle: bool = False,
         trust_remote_code: bool = False,
         batched_decode: bool | None = None,
+        native_decode: bool | None = None,
     ) -> ModelRunner:
         from transformers import AutoConfig
 
@@ -131,7 +135,13 @@ class ModelRunner:
             raise
         except Exception as e:
             raise LoadError(f"cannot load the model in {artifact_dir}: {e}") from e
-        return cls(model, engine_config, device, batched_decode=batched_decode)
+        return cls(
+            model,
+            engine_config,
+            device,
+            batched_decode=batched_decode,
+            native_decode=native_decode,
+        )
 
     # ---- memory -----------------------------------------------------------------------
     def allocate_kv_cache(self) -> None:
@@ -193,9 +203,8 @@ class ModelRunner:
             decode_blocks.extend(seq.block_ids[: pos // bs + 1])
             decode_widths.append(pos // bs + 1)
         # One tensor for all tables, split per sequence (views cost less than tensors).
-        decode_tables = torch.tensor(decode_blocks, dtype=torch.long, device=device).split(
-            decode_widths
-        )
+        all_tables = torch.tensor(decode_blocks, dtype=torch.long, device=device)
+        decode_tables = all_tables.split(decode_widths)
 
         prefills: list[PrefillChunk] = []
         for item in output.scheduled:
@@ -211,11 +220,22 @@ class ModelRunner:
             blocks = torch.tensor(table[: -(-end // bs)], dtype=torch.long, device=device)
             prefills.append(PrefillChunk(t0, len(token_ids), start, blocks))
 
-        decode_batch = None
+        decode_batch = native = None
         batched = self.batched_decode
         if batched is None:
             batched = self.device.type != "cpu"
-        if batched and decode_lens:
+        kernel = self._native_kernel() if not batched else None
+        if kernel is not None and decode_lens:
+            starts = [0]
+            for width in decode_widths[:-1]:
+                starts.append(starts[-1] + width)
+            native = NativeDecode(
+                kernel,
+                all_tables,
+                torch.tensor(starts, dtype=torch.long),
+                torch.tensor(decode_lens, dtype=torch.long),
+            )
+        elif batched and decode_lens:
             width = max(decode_widths)
             rows = [row + [0] * (width - len(row)) for row in _split(decode_blocks, decode_widths)]
             decode_batch = (
@@ -229,6 +249,7 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
             decode_tables=list(decode_tables),
             decode_batch=decode_batch,
+            native_decode=native,
             decode_lens=decode_lens,
             prefills=prefills,
         )
@@ -241,6 +262,13 @@ class ModelRunner:
             metadata=metadata,
             sampling_seqs=sampling,
         )
+
+    def _native_kernel(self) -> cpu_kernels.PagedDecodeKernel | None:
+        if self.native_decode is False:
+            return None
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            return None
+        return cpu_kernels.paged_decode()
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,16 +1,38 @@
 """The paged attention function against plain dense attention: decodes and prefill chunks
 (with and without earlier context) in one packed step, grouped-query heads, sliding windows,
-soft-capping, and both decode paths (per sequence; batched)."""
+soft-capping, and every decode path (per sequence in torch; batched; the native CPU kernel,
+threaded and serial, over head sizes that take its vector and scalar code)."""
 
 from __future__ import annotations
+
+import functools
+import os
+import shutil
+from dataclasses import dataclass
 
 import pytest
 import torch
 
-from backends.llm.attention import PagedAttentionMetadata, PrefillChunk, paged_attention
+from backends.llm import cpu_kernels
+from backends.llm.attention import (
+    NativeDecode,
+    PagedAttentionMetadata,
+    PrefillChunk,
+    paged_attention,
+)
 
-KV, H, D, BS = 2, 4, 8, 4
 NUM_BLOCKS = 128
+
+
+@dataclass(frozen=True)
+class Shape:
+    kv: int = 2  # key/value heads
+    heads: int = 4  # query heads
+    dim: int = 8  # head size
+    block: int = 4  # tokens per cache block
+
+
+SMALL = Shape()
 
 
 class Layer(torch.nn.Module):
@@ -27,8 +49,8 @@ def dense(
     scale: float,
 ) -> torch.Tensor:
     """Reference: queries at `positions` over keys 0..position, per head. q (n, H, D)."""
-    k = k.repeat_interleave(H // KV, dim=1)  # (L, H, D)
-    v = v.repeat_interleave(H // KV, dim=1)
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # (L, H, D)
+    v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     out = []
     for i, p in enumerate(positions):
         lo = 0 if window is None else max(0, p - window + 1)
@@ -43,29 +65,102 @@ def dense(
 MIXED = [(37, 1), (4, 1), (8, 12), (0, 9), (0, 1)]
 
 
+@functools.cache
+def native_kernel(openmp: bool) -> cpu_kernels.PagedDecodeKernel:
+    compiler = os.environ.get("CC") or "cc"
+    if shutil.which(compiler) is None:
+        pytest.skip(f"no C compiler {compiler!r}: the native decode kernel cannot be built")
+    kernel = cpu_kernels.load_paged_decode(openmp=openmp)
+    if openmp and not kernel.threaded:
+        pytest.skip("this process has no GNU OpenMP runtime (torch's) to build against")
+    return kernel
+
+
+DECODE_PATHS = ["each", "batched", "native", "native-serial"]
+
+
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("softcap", [None, 3.0])
-@pytest.mark.parametrize("decode_path", ["each", "batched"])
+@pytest.mark.parametrize("decode_path", DECODE_PATHS)
 def test_packed_step_equals_dense_attention(
     window: int | None, softcap: float | None, decode_path: str
 ) -> None:
-    check_step(MIXED, window, softcap, batched=decode_path == "batched")
+    check_step(MIXED, window, softcap, decode_path)
 
 
-def test_many_decodes_shared_by_two_threads_equal_dense_attention() -> None:
+# Head sizes the native kernel takes different code for: vectors of 8 (64 in registers, or
+# a remainder of the 64-wide tile) and plain scalar loops; blocks of 16 give it runs of 8
+# keys; one query head per key head, and eight.
+@pytest.mark.parametrize(
+    "shape",
+    [
+        Shape(kv=2, heads=4, dim=64, block=16),
+        Shape(kv=1, heads=8, dim=96, block=16),
+        Shape(kv=3, heads=3, dim=12, block=8),
+        Shape(kv=2, heads=4, dim=128, block=5),
+    ],
+    ids=str,
+)
+@pytest.mark.parametrize("decode_path", ["native", "native-serial", "each"])
+def test_native_decode_over_head_sizes_and_blocks_equals_dense_attention(
+    shape: Shape, decode_path: str
+) -> None:
+    plan = [(n, 1) for n in (0, 7, 8, 15, 16, 17, 40, 100)] + [(20, 9)]
+    for window, softcap in ((None, None), (33, None), (None, 2.0)):
+        check_step(plan, window, softcap, decode_path, shape)
+
+
+@pytest.mark.parametrize("decode_path", ["each", "native", "native-serial"])
+def test_many_decodes_shared_by_two_threads_equal_dense_attention(decode_path: str) -> None:
     plan = [(n, 1) for n in (3, 50, 17, 4, 33, 8, 21, 2, 40, 12, 5, 29)] + [(0, 7)]
     threads = torch.get_num_threads()
     torch.set_num_threads(2)  # the per-sequence decodes split over two threads
     try:
-        check_step(plan, 6, None, batched=False)
+        check_step(plan, 6, None, decode_path)
     finally:
         torch.set_num_threads(threads)
 
 
+def test_the_native_kernel_refuses_tensors_it_cannot_read() -> None:
+    kernel = native_kernel(False)
+    q = torch.zeros(1, 2, 2, 8)
+    cache = torch.zeros(2, 4, 4, 2, 8)
+    ids = torch.zeros(1, dtype=torch.long)
+    args = (cache, ids, ids, torch.ones(1, dtype=torch.long), torch.empty_like(q))
+    with pytest.raises(ValueError, match="float32"):
+        kernel(q.double(), *args, sliding_window=None, softcap=None)
+    with pytest.raises(ValueError, match="shapes disagree"):
+        kernel(torch.zeros(1, 2, 2, 4), *args, sliding_window=None, softcap=None)
+    with pytest.raises(ValueError, match="int64"):
+        kernel(q, cache, ids.int(), *args[2:], sliding_window=None, softcap=None)
+
+
+def test_without_a_compiler_the_engine_keeps_the_torch_path(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    monkeypatch.setenv("MODEL_HUB_KERNEL_CACHE", str(tmp_path))
+    cpu_kernels.paged_decode.cache_clear()
+    try:
+        assert cpu_kernels.paged_decode() is None
+        assert "no-such-compiler-here" in caplog.text
+        monkeypatch.setenv("CC", "cc")
+        monkeypatch.setenv("MODEL_HUB_CPU_KERNELS", "0")
+        cpu_kernels.paged_decode.cache_clear()
+        assert cpu_kernels.paged_decode() is None
+    finally:
+        cpu_kernels.paged_decode.cache_clear()
+
+
 def check_step(
-    plan: list[tuple[int, int]], window: int | None, softcap: float | None, *, batched: bool
+    plan: list[tuple[int, int]],
+    window: int | None,
+    softcap: float | None,
+    decode_path: str,
+    shape: Shape = SMALL,
 ) -> None:
     """Run one packed step of `plan` through paged attention; compare with dense."""
+    KV, H, D, BS = shape.kv, shape.heads, shape.dim, shape.block
     gen = torch.Generator().manual_seed(0)
     kv_cache = torch.zeros(2, NUM_BLOCKS, BS, KV, D)
     free = iter(torch.randperm(NUM_BLOCKS, generator=gen).tolist())  # scattered blocks
@@ -95,17 +190,26 @@ def check_step(
         t += n
     tables = [torch.tensor(table) for *_, table, _ in decodes]
     lens = [c + 1 for c, *_ in decodes]
-    batch = None
-    if batched:
+    batch = native = None
+    if decode_path == "batched":
         width = max(len(tb) for tb in tables)
         padded = torch.stack([torch.cat([tb, tb.new_zeros(width - len(tb))]) for tb in tables])
         batch = (padded, torch.tensor(lens))
+    elif decode_path.startswith("native"):
+        starts = torch.tensor([0] + [len(tb) for tb in tables[:-1]]).cumsum(0)
+        native = NativeDecode(
+            native_kernel(openmp=decode_path == "native"),
+            torch.cat(tables),
+            starts,
+            torch.tensor(lens),
+        )
     meta = PagedAttentionMetadata(
         kv_caches=[kv_cache],
         slot_mapping=slot_mapping,
         decode_tables=tables,
         decode_lens=lens,
         decode_batch=batch,
+        native_decode=native,
         prefills=prefills,
     )
     scale = 0.3
@@ -130,6 +234,6 @@ def check_step(
 
 
 def test_the_attention_function_refuses_to_run_without_step_metadata() -> None:
-    x = torch.zeros(1, H, 1, D)
+    x = torch.zeros(1, SMALL.heads, 1, SMALL.dim)
     with pytest.raises(RuntimeError, match="paged_metadata"):
-        paged_attention(Layer(), x, x[:, :KV], x[:, :KV], None)
+        paged_attention(Layer(), x, x[:, : SMALL.kv], x[:, : SMALL.kv], None)

@@ -1,0 +1,205 @@
+"""Native CPU kernels, compiled on first use with the machine's C compiler, called via ctypes.
+
+Decode attention on a CPU is bound by memory traffic: the whole context of every sequence is
+read once per layer and step. Gathering a sequence's blocks into one tensor first (what plain
+torch can do) copies that context and reads it twice more; `csrc/paged_decode.c` reads the
+keys and values in place from the cache blocks instead. It is plain C (no torch headers), so
+it builds in well under a second; the shared library is cached under
+`$MODEL_HUB_KERNEL_CACHE` (default `~/.cache/model-hub/kernels`), keyed by the source, the flags
+and the CPU, and reused by every later process.
+
+Where no compiler is found, or `MODEL_HUB_CPU_KERNELS=0` is set, `paged_decode()` returns None and
+the engine keeps its torch path; the reason is logged once. `CC` picks the compiler (`cc`
+by default).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
+# With OpenMP only where torch itself runs on GNU OpenMP: the library then links the
+# `libgomp.so.1` torch has already loaded, and the decode rows go to torch's own idle (still
+# spinning) OpenMP threads instead of a thread of ours competing with them. A second OpenMP
+# runtime would fight torch's, so elsewhere the build is serial and the caller splits rows
+# over threads. Without -march=native when the compiler refuses it.
+_OPENMP_FLAG_SETS = (
+    ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"],
+    ["-O3", "-fopenmp", "-fPIC", "-shared"],
+)
+_SERIAL_FLAG_SETS = (
+    ["-O3", "-march=native", "-fPIC", "-shared"],
+    ["-O3", "-fPIC", "-shared"],
+)
+
+
+class PagedDecodeKernel:
+    """`csrc/paged_decode.c`'s `hub_paged_decode_f32` with the checks ctypes cannot make."""
+
+    def __init__(self, library: ctypes.CDLL, path: Path) -> None:
+        self.path = path
+        fn = library.hub_paged_decode_f32
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        fn.argtypes = [ptr, ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, i64, i64, i64, i64]
+        fn.argtypes += [ctypes.c_float, ctypes.c_int, ptr]
+        fn.restype = ctypes.c_int
+        self._fn = fn  # ctypes releases the GIL for the call: threads can share a batch
+        # True: one call spreads its rows over torch's OpenMP threads by itself.
+        self.threaded = bool(library.hub_paged_decode_threaded())
+
+    def __call__(
+        self,
+        queries: torch.Tensor,  # (B, KV, G, D) float32, scaled
+        kv_cache: torch.Tensor,  # (2, num_blocks, block_size, KV, D) float32
+        tables: torch.Tensor,  # every row's block ids, concatenated, int64
+        table_starts: torch.Tensor,  # (B,) int64
+        lens: torch.Tensor,  # (B,) int64
+        out: torch.Tensor,  # (B, KV, G, D) float32, written
+        *,
+        rows: range | None = None,
+        threads: int = 1,
+        sliding_window: int | None,
+        softcap: float | None,
+    ) -> None:
+        """Rows `rows` (all by default) of `out`; `threads` is used by a threaded build."""
+        b, kv_heads, group, head_dim = queries.shape
+        _, num_blocks, block_size, cache_kv, cache_dim = kv_cache.shape
+        if (cache_kv, cache_dim) != (kv_heads, head_dim) or out.shape != queries.shape:
+            raise ValueError("paged decode: query, cache and output shapes disagree")
+        for t in (queries, kv_cache, out):
+            if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+                raise ValueError("paged decode needs contiguous float32 CPU tensors")
+        for t in (tables, table_starts, lens):
+            if t.dtype != torch.int64 or t.device.type != "cpu" or not t.is_contiguous():
+                raise ValueError("paged decode needs contiguous int64 tables and lengths")
+        if len(table_starts) != b or len(lens) != b:
+            raise ValueError("paged decode: one table start and length per row")
+        rows = range(b) if rows is None else rows
+        if rows.stop != b or rows.start < 0 or rows.step < 1:
+            raise ValueError(f"paged decode: rows {rows} do not end at the batch size {b}")
+        status = self._fn(
+            queries.data_ptr(),
+            kv_cache.data_ptr(),
+            num_blocks,
+            block_size,
+            kv_heads,
+            group,
+            head_dim,
+            tables.data_ptr(),
+            table_starts.data_ptr(),
+            lens.data_ptr(),
+            b,
+            rows.start,
+            rows.step,
+            sliding_window or 0,
+            float(softcap or 0.0),
+            threads,
+            out.data_ptr(),
+        )
+        if status != 0:
+            raise MemoryError("paged decode: no memory for its scratch buffers")
+
+
+@functools.cache
+def paged_decode() -> PagedDecodeKernel | None:
+    """The compiled kernel, built on first use; None (reason logged once) where it cannot be."""
+    if os.environ.get("MODEL_HUB_CPU_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
+        log.info("native CPU kernels off (MODEL_HUB_CPU_KERNELS); decode attention runs in torch")
+        return None
+    try:
+        return load_paged_decode(openmp=_torch_uses_gnu_openmp())
+    except RuntimeError as e:
+        log.warning("decode attention runs in torch (slower): %s", e)
+        return None
+
+
+def load_paged_decode(*, openmp: bool) -> PagedDecodeKernel:
+    """Build (or take from the cache) and load the kernel; `openmp` tries the threaded build
+    first. RuntimeError saying why when no build loads."""
+    compiler = os.environ.get("CC") or "cc"
+    if shutil.which(compiler) is None:
+        raise RuntimeError(f"no C compiler {compiler!r} on PATH (set CC to one)")
+    flag_sets = (_OPENMP_FLAG_SETS if openmp else ()) + _SERIAL_FLAG_SETS
+    errors = []
+    for flags in flag_sets:
+        try:
+            path = _build(SOURCE, compiler, flags)
+            return PagedDecodeKernel(ctypes.CDLL(str(path)), path)
+        except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
+            errors.append(f"[{' '.join(flags)}] {e}")
+    raise RuntimeError("native paged-decode kernel unavailable: " + "; ".join(errors))
+
+
+def cache_dir() -> Path:
+    explicit = os.environ.get("MODEL_HUB_KERNEL_CACHE")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "model-hub" / "kernels"
+
+
+def _build(source: Path, compiler: str, flags: list[str]) -> Path:
+    """The shared library of `source` built with `flags`, from the cache when it is there."""
+    code = source.read_bytes()
+    key = hashlib.sha256(
+        b"\0".join([code, " ".join([compiler, *flags]).encode(), _cpu_identity()])
+    ).hexdigest()[:16]
+    target = cache_dir() / f"{source.stem}-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: processes building at once never see half a file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        result = subprocess.run(
+            [compiler, *flags, "-o", tmp, str(source), "-lm"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if result.returncode != 0:
+            last = (result.stderr.strip().splitlines() or ["failed"])[-1]
+            raise RuntimeError(f"{compiler} could not build {source.name}: {last}")
+        os.replace(tmp, target)
+        log.info("built %s with %s %s", target, compiler, " ".join(flags))
+        return target
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _torch_uses_gnu_openmp() -> bool:
+    """Whether this process has GNU OpenMP (`libgomp`) loaded, as torch's Linux wheels do."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return False
+    return "libgomp" in maps
+
+
+def _cpu_identity() -> bytes:
+    """What -march=native depends on: the CPU's model and instruction-set flags."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor().encode() + platform.machine().encode()
+    wanted = [
+        line
+        for line in info.splitlines()
+        if line.startswith(("model name", "flags", "Features", "CPU part"))
+    ]
+    return "\n".join(dict.fromkeys(wanted)).encode()
