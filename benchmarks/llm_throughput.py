@@ -17,10 +17,12 @@ ignored), so every system produces the same number of useful tokens.
 
 It also measures time to first token for a 512-token shared system prompt without and with
 a prefix-cache hit, and KV-cache waste (allocated block slots against tokens stored, over
-every step of the engine's run). Results go to `benchmarks/results/llm_throughput.json` and
-`.png`. `--quick` runs a small workload for a smoke test.
+every step of the engine's run). The batched phases run in `--rounds` interleaved rounds
+(default 3) and report their medians; the one-at-a-time phase (minutes) runs once. Results
+go to `benchmarks/results/llm_throughput.json` and `.png`. `--quick` runs a small workload,
+one round, for a smoke test.
 
-    python benchmarks/llm_throughput.py [--quick] [--model-dir DIR]
+    python benchmarks/llm_throughput.py [--quick] [--rounds N] [--model-dir DIR]
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +73,8 @@ class Phase:
     # CPU time of this process over the phase: with one torch thread, the work done, which
     # other processes on a shared machine disturb much less than wall time.
     cpu_seconds: float = 0.0
+    # With --rounds: every round's seconds; `seconds` and `cpu_seconds` are the medians.
+    round_seconds: list[float] = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
@@ -291,6 +295,12 @@ def main() -> None:
     parser.add_argument(
         "--skip", nargs="*", default=[], help="phases to skip (hf_one_at_a_time ...)"
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="interleaved rounds of the batched phases; each reports its median (default 3)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "llm_throughput.json")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -301,6 +311,7 @@ def main() -> None:
     if not (model_dir / "config.json").is_file():
         build_benchmark_llm(model_dir)
     requests_n = 8 if args.quick else args.requests
+    args.rounds = 1 if args.quick else max(1, args.rounds)
     prompt_range, out_range = ((16, 64), (8, 32)) if args.quick else ((16, 256), (8, 256))
     model = load_hf(model_dir)
     vocab, pad = model.config.vocab_size, model.config.pad_token_id
@@ -317,6 +328,7 @@ def main() -> None:
     hf_outputs: list[list[int]] | None = None
     plain_outputs: list[list[int]] | None = None
     prefix: dict[str, float] | None = None
+    waste: dict[str, float] | None = None
     steps = [
         "hf_one_at_a_time",
         "hf_static_batching",
@@ -325,7 +337,18 @@ def main() -> None:
         "engine",
         "ttft",
     ]
-    for step in tqdm([s for s in steps if s not in args.skip], desc="phases"):
+    # Interleaved rounds: each phase once a round, so a slow spell of a shared machine hits
+    # every phase alike; one request at a time (minutes) and TTFT run in the first only.
+    once = {"hf_one_at_a_time", "ttft"}
+    plan = [
+        step
+        for r in range(args.rounds)
+        for step in steps
+        if step not in args.skip and (r == 0 or step not in once)
+    ]
+    plain = make_engine(model_dir, config, native_decode=False)
+    runs: dict[str, list[Phase]] = {}
+    for step in tqdm(plan, desc="phases"):
         cpu_start = time.process_time()
         if step == "hf_one_at_a_time":
             phase, hf_outputs = hf_one_at_a_time(model, work, pad)
@@ -334,20 +357,30 @@ def main() -> None:
         elif step == "hf_generate_batch":
             phase = hf_generate_batch(model, work, pad)
         elif step == "engine_torch_attention":
-            plain = make_engine(model_dir, config, native_decode=False)
             phase, plain_outputs, _ = engine_throughput(plain, work, step)
-            del plain
         elif step == "engine":
-            phase, engine_outputs, waste = engine_throughput(engine, work)
+            phase, engine_outputs, engine_waste = engine_throughput(engine, work)
+            waste = waste or engine_waste
         else:
             prefix = prefix_ttft(engine, vocab, 512, 2 if args.quick else 5)
             continue
         phase.cpu_seconds = time.process_time() - cpu_start
-        phases.append(phase)
+        runs.setdefault(step, []).append(phase)
         tqdm.write(
             f"{phase.name}: {phase.output_tokens} tokens in {phase.seconds:.1f}s "
             f"= {phase.tokens_per_s:.1f} tok/s ({phase.tokens_per_cpu_s:.1f} per CPU-second)"
         )
+    phases = [
+        Phase(
+            name,
+            rounds[0].requests,
+            rounds[0].output_tokens,
+            statistics.median(p.seconds for p in rounds),
+            statistics.median(p.cpu_seconds for p in rounds),
+            [p.seconds for p in rounds],
+        )
+        for name, rounds in runs.items()
+    ]
 
     by_name = {p.name: p for p in phases}
     # The engine is plotted last, beside what it is compared with.
@@ -361,6 +394,7 @@ def main() -> None:
             "platform": platform.platform(),
             "torch": torch.__version__,
         },
+        "rounds": args.rounds,
         "workload": {
             "requests": requests_n,
             "prompt_tokens": prompt_range,

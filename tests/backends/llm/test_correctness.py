@@ -117,7 +117,8 @@ def test_greedy_output_equals_transformers_generate(arch: str, models_root: Path
     requests = workload()
     refs = hf_reference(folder, [p for p, _ in requests])
 
-    # Chunked prefill, prefix caching and n=2, with a queue (8 sequences at a time).
+    # Chunked prefill, prefix caching and n=2, with a queue (8 sequences at a time). Decode
+    # attention: the native CPU kernel where a C compiler is found, else the torch path.
     engine = make_engine(
         folder, block_size=BLOCK_SIZE, max_num_seqs=8, max_num_batched_tokens=STEP_BUDGET
     )
