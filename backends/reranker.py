@@ -8,8 +8,14 @@ the model's config, else sigmoid for a one-label model, as sentence-transformers
 scores equal `predict`'s. Pairs of concurrent requests share batches; one request's documents
 may span several batches and come back in order.
 
-Runtime config (all optional): the batching keys of `BatchLimits`, `max_seq_length`, and
-`max_documents` (documents one request may rank; default 1000).
+On a CPU a batch runs unpadded, packed into one row (`backends.unpadded`), where the
+classifier's head is one known to read only each pair's first token (BERT, RoBERTa,
+XLM-RoBERTa) and a load-time probe finds packed logits equal to padded ones; otherwise
+padded batches, as `predict` runs them.
+
+Runtime config (all optional): the batching keys of `BatchLimits`, `max_seq_length`,
+`max_documents` (documents one request may rank; default 1000) and `unpadded` (true / false;
+by default true on a CPU).
 """
 
 from __future__ import annotations
@@ -22,10 +28,16 @@ from typing import Any
 import torch
 
 from backends.base import BackendContext, ModelKind
-from backends.encoder import BatchedEncoderBackend, model_max_length, sentence_transformers_kwargs
+from backends.encoder import (
+    BatchedEncoderBackend,
+    model_max_length,
+    sentence_transformers_kwargs,
+    unpadded_setting,
+)
 from backends.errors import InputError, LoadError
 from backends.loading import require_safe_weights
 from backends.tokenization import Encoded, EncoderTokenizer
+from backends.unpadded import UnpaddedCrossEncoder, padded_logits
 
 DEFAULT_MAX_DOCUMENTS = 1000
 # One pair's result: its score and the tokens it used.
@@ -52,15 +64,22 @@ class _RerankRequest:
 
 
 class _RerankStages:
-    """Tokenize (query, document) pairs; score a padded batch with the model's activation."""
+    """Tokenize (query, document) pairs; score a batch, packed into one row when `packed` is
+    set (`backends.unpadded`), else padded, with the model's activation."""
 
-    def __init__(self, model: Any, tokenizer: EncoderTokenizer, device: str) -> None:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: EncoderTokenizer,
+        device: str,
+        packed: UnpaddedCrossEncoder | None = None,
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.device = device
         self.activation = model.activation_fn
-        # A classification head reads fixed positions, so cross-encoders run padded batches.
-        self.unpadded = False
+        self.packed = packed
+        self.unpadded = packed is not None
 
     def tokenize(self, payloads: Sequence[_RerankRequest]) -> list[list[Encoded] | BaseException]:
         # The pairs of every request that arrived together go through one tokenizer call.
@@ -95,10 +114,11 @@ class _RerankStages:
         return encoded
 
     def forward(self, items: Sequence[Encoded]) -> list[_Scored]:
-        features = self.tokenizer.pad(items)
-        features = {k: v.to(self.device) for k, v in features.items()}
         with torch.inference_mode():
-            logits = self.model(features)["scores"]  # (n, 1)
+            if self.packed is not None:
+                logits = self.packed.logits(items, self.device)  # (n, 1)
+            else:
+                logits = padded_logits(self.model, self.tokenizer, items, self.device)
             scores = self.activation(logits.float()).reshape(-1)  # (n,)
         return [(float(s), item.length) for s, item in zip(scores.tolist(), items, strict=True)]
 
@@ -141,7 +161,10 @@ class RerankerBackend(BatchedEncoderBackend[_RerankRequest, _Scored]):
             max_length=model_max_length(model, self.context.runtime_config.get("max_seq_length")),
             vocab_size=transformer.auto_model.get_input_embeddings().num_embeddings,
         )
-        self._start(_RerankStages(model, tokenizer, device), device)
+        packed = None
+        if unpadded_setting(self.context.runtime_config, device):
+            packed = UnpaddedCrossEncoder.probe(model, tokenizer)
+        self._start(_RerankStages(model, tokenizer, device, packed), device)
 
     async def rerank(
         self, query: str, documents: Sequence[str], *, truncate: bool = True

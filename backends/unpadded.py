@@ -1,4 +1,4 @@
-"""Unpadded forward passes for sentence-transformers embedders: a batch as one packed row.
+"""Unpadded forward passes for sentence-transformers encoders: a batch as one packed row.
 
 A padded batch of inputs of different lengths spends compute on pad tokens in every linear
 layer, so a batcher must trade batch size (fewer, cheaper passes) against padding (inputs of
@@ -9,20 +9,27 @@ transformers' `AttentionInterface`, takes the inputs' bounds as the `hub_bounds`
 the model's forward. The pooling module then reduces the flat output per input
 (sentence-transformers' `Pooling` accepts the bounds as `cu_seq_lens_q`), and the
 modules after it (`Normalize`, `Dense`) see ordinary sentence embeddings. On a CPU, MiniLM
-took 18-35% less time per sentence packed than in padded batches of the same unsorted inputs
-(4 to 28 per batch), and batches may grow as large as the queue allows.
+took 0.58-0.72x the time per sentence packed as in padded batches of the same 8-32 unsorted
+inputs (`benchmarks/packing.py`), and batches may grow as large as the queue allows.
 
 Only pipelines it can run exactly are packed: a `Transformer` whose model supports the
 attention interface and is not a decoder, then `Pooling`, then only `Normalize` / `Dense`.
 At load, `UnpaddedEncoder.probe` runs a few inputs both ways and keeps the packed path only if
 they agree; anything else stays padded.
+
+Cross-encoders (rerankers) pack the same way, `UnpaddedCrossEncoder`: the encoder runs on the
+packed row, and the classification head, which reads each input's first token, gets those
+tokens' states as a batch of one-token inputs. Heads are architecture-specific, so only the
+ones known here are packed (BERT's pooler + classifier; RoBERTa's and XLM-RoBERTa's
+classifier), each checked by the same load-time probe. A MiniLM-sized cross-encoder took
+0.54-0.67x the time per pair packed.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -126,47 +133,180 @@ class UnpaddedEncoder:
         reason = cls.refusal(model)
         if reason is None:
             items = tokenizer.encode(list(_PROBE_TEXTS))
-            auto_model = model[0].auto_model
-            previous = auto_model.config._attn_implementation
             device = next(model.parameters()).device
             with torch.inference_mode():
-                padded = padded_embed(model, tokenizer, items, device)
-                register()
-                auto_model.set_attn_implementation(ATTENTION_NAME)
+                padded = padded_embed(model, tokenizer, items, device).float()
                 unpadded = cls(model, tokenizer)
-                try:
-                    packed = unpadded.embed(items, device)
-                    cosine = F.cosine_similarity(padded.float(), packed.float(), dim=-1)
-                    worst = float(cosine.min())
-                    if worst >= _PROBE_MIN_COSINE:
-                        return unpadded
-                    reason = f"a packed pass differs from a padded one (cosine {worst:.6f})"
-                except Exception as e:  # any failure means: stay padded
-                    reason = f"a packed pass failed: {e}"
-            auto_model.set_attn_implementation(previous)
+                reason = _keep_packed_if_equal(
+                    model[0].auto_model,
+                    lambda: _cosine_mismatch(padded, unpadded.embed(items, device).float()),
+                )
+            if reason is None:
+                return unpadded
         log.info("embedder runs padded batches: %s", reason)
         return None
 
     def embed(self, items: Sequence[Encoded], device: torch.device | str) -> torch.Tensor:
         """(n, dim) sentence embeddings of `items`, one packed forward pass."""
-        lengths = [len(e.ids) for e in items]
-        ends = list(itertools.accumulate(lengths))
-        starts = [end - n for end, n in zip(ends, lengths, strict=True)]
-        offset = self._position_offset
-        ids = torch.tensor([list(itertools.chain.from_iterable(e.ids for e in items))])
-        positions = torch.tensor([[p + offset for n in lengths for p in range(n)]])
-        inputs: dict[str, Any] = {"input_ids": ids.to(device), "position_ids": positions.to(device)}
-        if self.tokenizer.uses_types:
-            types = [t for e in items for t in (e.type_ids or [0] * len(e.ids))]
-            inputs["token_type_ids"] = torch.tensor([types], device=device)
-        bounds = list(zip(starts, ends, strict=True))
-        hidden = self._transformer(**inputs, hub_bounds=bounds, return_dict=True)[0]
+        hidden, bounds = _packed_forward(
+            self._transformer, self.tokenizer, self._position_offset, items, device
+        )
+        ends = [end for _, end in bounds]
         cu = torch.tensor([0, *ends], dtype=torch.int32, device=device)
         features: dict[str, Any] = {"token_embeddings": hidden, "cu_seq_lens_q": cu}
         for module in self._after:
             features = module(features)
         embeddings: torch.Tensor = features["sentence_embedding"]
         return embeddings
+
+
+class UnpaddedCrossEncoder:
+    """Runs a cross-encoder's classifier on packed batches; see the module docstring."""
+
+    def __init__(self, model: Any, tokenizer: EncoderTokenizer) -> None:
+        self.tokenizer = tokenizer
+        classifier = model[0].auto_model
+        self._encoder = classifier.base_model
+        self._head = _first_token_head(classifier)
+        self._position_offset = _position_offset(self._encoder)
+
+    @staticmethod
+    def refusal(model: Any) -> str | None:
+        """Why cross-encoder `model` cannot run packed, or None when it can."""
+        names = [type(m).__name__ for m in model]
+        if names != ["Transformer"]:
+            return f"pipeline {names} is not one Transformer"
+        transformer = model[0]
+        task = getattr(transformer, "transformer_task", None)
+        if task != "sequence-classification":
+            return f"the transformer's task is {task}"
+        classifier = transformer.auto_model
+        if getattr(classifier.config, "is_decoder", False):
+            return "the model is a decoder"
+        if not getattr(classifier, "is_backend_compatible", lambda: False)():
+            return f"{type(classifier).__name__} does not support transformers' attention interface"
+        if _first_token_head(classifier) is None:
+            return f"no packed head for {type(classifier).__name__} (known: {_KNOWN_HEADS})"
+        return None
+
+    @classmethod
+    def probe(cls, model: Any, tokenizer: EncoderTokenizer) -> UnpaddedCrossEncoder | None:
+        """An UnpaddedCrossEncoder for `model` if it can run packed and packed logits equal
+        padded ones on a few pairs; else None (the model is left as it was)."""
+        reason = cls.refusal(model)
+        if reason is None:
+            items = tokenizer.encode([(_PROBE_TEXTS[0], text) for text in _PROBE_TEXTS])
+            device = next(model.parameters()).device
+            with torch.inference_mode():
+                padded = padded_logits(model, tokenizer, items, device).float()
+                unpadded = cls(model, tokenizer)
+                reason = _keep_packed_if_equal(
+                    model[0].auto_model,
+                    lambda: _logit_mismatch(padded, unpadded.logits(items, device).float()),
+                )
+            if reason is None:
+                return unpadded
+        log.info("reranker runs padded batches: %s", reason)
+        return None
+
+    def logits(self, items: Sequence[Encoded], device: torch.device | str) -> torch.Tensor:
+        """(n, labels) classifier logits of `items`, one packed forward pass."""
+        hidden, bounds = _packed_forward(
+            self._encoder, self.tokenizer, self._position_offset, items, device
+        )
+        assert self._head is not None  # refusal() rules out models without one
+        firsts = torch.tensor([start for start, _ in bounds], device=hidden.device)
+        return self._head(hidden[0].index_select(0, firsts))
+
+
+def _keep_packed_if_equal(auto_model: Any, mismatch: Callable[[], str | None]) -> str | None:
+    """Switch `auto_model` to packed attention and run the packed pass in `mismatch`: None
+    when it equals the padded one (the packed attention stays), else why not, with the
+    model's attention restored."""
+    previous = auto_model.config._attn_implementation
+    register()
+    auto_model.set_attn_implementation(ATTENTION_NAME)
+    try:
+        reason = mismatch()
+        if reason is None:
+            return None
+    except Exception as e:  # any failure means: stay padded
+        reason = f"a packed pass failed: {e}"
+    auto_model.set_attn_implementation(previous)
+    return reason
+
+
+def _cosine_mismatch(padded: torch.Tensor, packed: torch.Tensor) -> str | None:
+    worst = float(F.cosine_similarity(padded, packed, dim=-1).min())
+    if worst >= _PROBE_MIN_COSINE:
+        return None
+    return f"a packed pass differs from a padded one (cosine {worst:.6f})"
+
+
+def _logit_mismatch(padded: torch.Tensor, packed: torch.Tensor) -> str | None:
+    worst = float((packed - padded).abs().max())
+    if worst <= _PROBE_MAX_LOGIT_ERROR * (1 + float(padded.abs().max())):
+        return None
+    return f"packed logits differ from padded ones (by {worst:.3g})"
+
+
+def _first_token_head(classifier: Any) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """`classifier`'s head as a function of its inputs' first-token states `(n, hidden)`, for
+    the architectures whose head reads only that token; None for others."""
+    name = type(classifier).__name__
+    if name == "BertForSequenceClassification":
+        pooler = classifier.bert.pooler
+        if pooler is None:
+            return None
+        # BertPooler: dense + tanh on token 0; then dropout (off in eval) and the classifier.
+        return lambda first: classifier.classifier(classifier.dropout(pooler(first[:, None])))
+    if name in ("RobertaForSequenceClassification", "XLMRobertaForSequenceClassification"):
+        # The classification head reads token 0 of its (n, length, hidden) input itself.
+        return lambda first: classifier.classifier(first[:, None])
+    return None
+
+
+_KNOWN_HEADS = ", ".join(
+    [
+        "BertForSequenceClassification",
+        "RobertaForSequenceClassification",
+        "XLMRobertaForSequenceClassification",
+    ]
+)
+# Largest packed-vs-padded logit difference the probe accepts, relative to 1 + |logit|.
+_PROBE_MAX_LOGIT_ERROR = 1e-4
+
+
+def _packed_forward(
+    encoder: torch.nn.Module,
+    tokenizer: EncoderTokenizer,
+    position_offset: int,
+    items: Sequence[Encoded],
+    device: torch.device | str,
+) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """`encoder`'s last hidden states `(1, T, hidden)` for `items` packed into one row, and
+    each input's `[start, end)` in it."""
+    lengths = [len(e.ids) for e in items]
+    ends = list(itertools.accumulate(lengths))
+    starts = [end - n for end, n in zip(ends, lengths, strict=True)]
+    ids = torch.tensor([list(itertools.chain.from_iterable(e.ids for e in items))])
+    positions = torch.tensor([[p + position_offset for n in lengths for p in range(n)]])
+    inputs: dict[str, Any] = {"input_ids": ids.to(device), "position_ids": positions.to(device)}
+    if tokenizer.uses_types:
+        types = [t for e in items for t in (e.type_ids or [0] * len(e.ids))]
+        inputs["token_type_ids"] = torch.tensor([types], device=device)
+    bounds = list(zip(starts, ends, strict=True))
+    hidden: torch.Tensor = encoder(**inputs, hub_bounds=bounds, return_dict=True)[0]
+    return hidden, bounds
+
+
+def padded_logits(
+    model: Any, tokenizer: EncoderTokenizer, items: Sequence[Encoded], device: torch.device | str
+) -> torch.Tensor:
+    """(n, labels) cross-encoder logits of `items`, one padded pass of the whole pipeline."""
+    features = {k: v.to(device) for k, v in tokenizer.pad(items).items()}
+    logits: torch.Tensor = model(features)["scores"]
+    return logits
 
 
 def padded_embed(

@@ -72,3 +72,65 @@ async def test_refusals_name_what_is_wrong(reranker: RerankerBackend) -> None:
 def test_bad_max_documents_is_a_load_error() -> None:
     with pytest.raises(LoadError, match="max_documents"):
         RerankerBackend(BackendContext("rr", "1", runtime_config={"max_documents": 0}))
+
+
+async def test_unpadded_and_padded_batches_both_equal_predict(tiny_reranker_dir: Path) -> None:
+    query, docs = "where do the gulls argue", documents(12, seed=7)
+    want = predict(tiny_reranker_dir, query, docs)
+    for unpadded in (True, False):
+        config = {"max_batch_size": 8, "unpadded": unpadded}
+        backend = RerankerBackend(BackendContext("rr", "1", runtime_config=config))
+        backend.load(tiny_reranker_dir, "cpu")
+        try:
+            # Packed or not is what the batcher plans for: unpadded batches cost real tokens.
+            assert backend._require().unpadded is unpadded
+            assert backend._batcher is not None and backend._batcher.limits.unpadded is unpadded
+            halves = await asyncio.gather(
+                backend.rerank(query, docs[:6]), backend.rerank(query, docs[6:])
+            )
+        finally:
+            backend.unload()
+        got = [s for half in halves for s in half.scores]
+        np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_cross_encoders_without_a_known_first_token_head_stay_padded(
+    tiny_reranker_dir: Path,
+    tiny_embedder_dir: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from sentence_transformers import CrossEncoder, SentenceTransformer
+    from transformers import BertForSequenceClassification
+
+    from backends import unpadded
+    from backends.tokenization import EncoderTokenizer
+
+    embedder = SentenceTransformer(str(tiny_embedder_dir), device="cpu")
+    refusal = unpadded.UnpaddedCrossEncoder.refusal
+    assert "is not one Transformer" in str(refusal(embedder))
+
+    cross = CrossEncoder(str(tiny_reranker_dir), device="cpu")
+    assert refusal(cross) is None
+    classifier = cross[0].auto_model
+
+    class ScoresLastToken(BertForSequenceClassification):  # a head we know nothing about
+        pass
+
+    classifier.__class__ = ScoresLastToken
+    assert "no packed head for ScoresLastToken" in str(refusal(cross))
+    classifier.__class__ = BertForSequenceClassification
+
+    # A head that reads the wrong token: the load-time probe notices and keeps padded batches,
+    # with the model's attention as it was.
+    vocab = classifier.get_input_embeddings().num_embeddings
+    tokenizer = EncoderTokenizer(cross[0].tokenizer, max_length=128, vocab_size=vocab)
+    before = classifier.config._attn_implementation
+    with monkeypatch.context() as patch:
+        # Skips BERT's pooler: a head that does not compute what the model does.
+        patch.setattr(unpadded, "_first_token_head", lambda c: lambda first: c.classifier(first))
+        with caplog.at_level("INFO", logger="backends.unpadded"):
+            assert unpadded.UnpaddedCrossEncoder.probe(cross, tokenizer) is None
+    assert "packed logits differ from padded ones" in caplog.text
+    assert classifier.config._attn_implementation == before
+    assert unpadded.UnpaddedCrossEncoder.probe(cross, tokenizer) is not None
