@@ -6,9 +6,11 @@ and tokenizer, 1_Pooling with mean pooling and, when `normalize`, 2_Normalize) t
 `SentenceTransformer(str(out_dir), device="cpu")` loads offline; `encode` gives
 `hidden_size`-dimensional vectors, of unit length when `normalize`. `build_tiny_reranker(out_dir)`
 writes a `BertForSequenceClassification` with one label and its tokenizer, the layout of
-real rerankers, that `CrossEncoder(str(out_dir), device="cpu")` loads offline; `predict` gives
-one score per (query, document) pair. Both use the WordPiece vocabulary of
-`backends.tiny.tokenizer`, save safetensors only, and depend on `seed` alone.
+real rerankers (`architecture="roberta"`: a `RobertaForSequenceClassification`, the family
+of BGE's XLM-RoBERTa rerankers, with the same tokenizer), that `CrossEncoder(str(out_dir),
+device="cpu")` loads offline; `predict` gives one score per (query, document) pair. Both use
+the WordPiece vocabulary of `backends.tiny.tokenizer`, save safetensors only, and depend on
+`seed` alone.
 
 Weights are drawn wider than BERT's own initialisation (`initializer_range` 0.2) so that
 different texts get clearly different embeddings and scores.
@@ -20,7 +22,14 @@ import json
 from pathlib import Path
 
 import torch
-from transformers import BertConfig, BertForSequenceClassification, BertModel, BertTokenizer
+from transformers import (
+    BertConfig,
+    BertForSequenceClassification,
+    BertModel,
+    BertTokenizer,
+    RobertaConfig,
+    RobertaForSequenceClassification,
+)
 
 from backends.tiny.tokenizer import build_wordpiece_vocab
 
@@ -113,13 +122,26 @@ def build_tiny_reranker(
     num_layers: int = 2,
     seed: int = 0,
     max_length: int = 128,
+    architecture: str = "bert",
 ) -> Path:
-    """Build a random one-label BERT cross-encoder with its tokenizer into `out_dir`."""
+    """Build a random one-label cross-encoder (`architecture` "bert" or "roberta") with its
+    tokenizer into `out_dir`."""
     out_dir = Path(out_dir)
     config = _bert_config(hidden_size, num_layers, max_length)
     config.num_labels = 1
     torch.manual_seed(seed)
-    model = BertForSequenceClassification(config)
+    model: BertForSequenceClassification | RobertaForSequenceClassification
+    if architecture == "bert":
+        model = BertForSequenceClassification(config)
+    elif architecture == "roberta":
+        # RoBERTa numbers positions from pad_token_id + 1, so its table is that much longer;
+        # the pad id is the tokenizer's (0) so padded batches mask what the tokenizer pads.
+        fields = config.to_dict()
+        fields["max_position_embeddings"] = config.max_position_embeddings + 2
+        roberta = RobertaConfig(**{k: v for k, v in fields.items() if k != "model_type"})
+        model = RobertaForSequenceClassification(roberta)
+    else:
+        raise ValueError(f"architecture={architecture!r}: expected 'bert' or 'roberta'")
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     _tokenizer(max_length).save_pretrained(out_dir)

@@ -74,13 +74,21 @@ def test_bad_max_documents_is_a_load_error() -> None:
         RerankerBackend(BackendContext("rr", "1", runtime_config={"max_documents": 0}))
 
 
-async def test_unpadded_and_padded_batches_both_equal_predict(tiny_reranker_dir: Path) -> None:
+@pytest.mark.parametrize("architecture", ["bert", "roberta"])
+async def test_unpadded_and_padded_batches_both_equal_predict(
+    architecture: str, tiny_reranker_dir: Path, tmp_path: Path
+) -> None:
+    from backends.tiny import build_tiny_reranker
+
+    folder = tiny_reranker_dir
+    if architecture != "bert":
+        folder = build_tiny_reranker(tmp_path / architecture, architecture=architecture)
     query, docs = "where do the gulls argue", documents(12, seed=7)
-    want = predict(tiny_reranker_dir, query, docs)
+    want = predict(folder, query, docs)
     for unpadded in (True, False):
         config = {"max_batch_size": 8, "unpadded": unpadded}
         backend = RerankerBackend(BackendContext("rr", "1", runtime_config=config))
-        backend.load(tiny_reranker_dir, "cpu")
+        backend.load(folder, "cpu")
         try:
             # Packed or not is what the batcher plans for: unpadded batches cost real tokens.
             assert backend._require().unpadded is unpadded
