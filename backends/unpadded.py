@@ -104,7 +104,7 @@ class UnpaddedEncoder:
         modules = list(model)
         self._transformer = modules[0].auto_model
         self._after = modules[1:]
-        self._position_offset = _position_offset(self._transformer)
+        self._padding_idx = _position_padding_idx(self._transformer)
 
     @staticmethod
     def refusal(model: Any) -> str | None:
@@ -149,7 +149,7 @@ class UnpaddedEncoder:
     def embed(self, items: Sequence[Encoded], device: torch.device | str) -> torch.Tensor:
         """(n, dim) sentence embeddings of `items`, one packed forward pass."""
         hidden, bounds = _packed_forward(
-            self._transformer, self.tokenizer, self._position_offset, items, device
+            self._transformer, self.tokenizer, self._padding_idx, items, device
         )
         ends = [end for _, end in bounds]
         cu = torch.tensor([0, *ends], dtype=torch.int32, device=device)
@@ -168,7 +168,7 @@ class UnpaddedCrossEncoder:
         classifier = model[0].auto_model
         self._encoder = classifier.base_model
         self._head = _first_token_head(classifier)
-        self._position_offset = _position_offset(self._encoder)
+        self._padding_idx = _position_padding_idx(self._encoder)
 
     @staticmethod
     def refusal(model: Any) -> str | None:
@@ -212,7 +212,7 @@ class UnpaddedCrossEncoder:
     def logits(self, items: Sequence[Encoded], device: torch.device | str) -> torch.Tensor:
         """(n, labels) classifier logits of `items`, one packed forward pass."""
         hidden, bounds = _packed_forward(
-            self._encoder, self.tokenizer, self._position_offset, items, device
+            self._encoder, self.tokenizer, self._padding_idx, items, device
         )
         assert self._head is not None  # refusal() rules out models without one
         firsts = torch.tensor([start for start, _ in bounds], device=hidden.device)
@@ -280,7 +280,7 @@ _PROBE_MAX_LOGIT_ERROR = 1e-4
 def _packed_forward(
     encoder: torch.nn.Module,
     tokenizer: EncoderTokenizer,
-    position_offset: int,
+    padding_idx: int | None,
     items: Sequence[Encoded],
     device: torch.device | str,
 ) -> tuple[torch.Tensor, list[tuple[int, int]]]:
@@ -290,7 +290,7 @@ def _packed_forward(
     ends = list(itertools.accumulate(lengths))
     starts = [end - n for end, n in zip(ends, lengths, strict=True)]
     ids = torch.tensor([list(itertools.chain.from_iterable(e.ids for e in items))])
-    positions = torch.tensor([[p + position_offset for n in lengths for p in range(n)]])
+    positions = torch.tensor([[p for e in items for p in _positions(e.ids, padding_idx)]])
     inputs: dict[str, Any] = {"input_ids": ids.to(device), "position_ids": positions.to(device)}
     if tokenizer.uses_types:
         types = [t for e in items for t in (e.type_ids or [0] * len(e.ids))]
@@ -318,11 +318,28 @@ def padded_embed(
     return embeddings
 
 
-def _position_offset(model: torch.nn.Module) -> int:
-    """Where positions start: RoBERTa-family embeddings count from padding_idx + 1, others 0."""
+def _position_padding_idx(model: torch.nn.Module) -> int | None:
+    """The pad id RoBERTa-family embeddings number positions around, None for models that
+    number them 0, 1, 2, ... (BERT)."""
     for module in model.modules():
         padding_idx = getattr(module, "padding_idx", None)
         positions = getattr(module, "position_embeddings", None)
         if isinstance(padding_idx, int) and isinstance(positions, torch.nn.Embedding):
-            return padding_idx + 1
-    return 0
+            return padding_idx
+    return None
+
+
+def _positions(ids: Sequence[int], padding_idx: int | None) -> list[int]:
+    """One input's position ids, as its model computes them for a padded batch: 0, 1, 2, ...;
+    for RoBERTa-family models, padding_idx + 1, + 2, ... counting only tokens that are not
+    the pad id, which themselves get padding_idx (a pad token inside a text included)."""
+    if padding_idx is None:
+        return list(range(len(ids)))
+    out, count = [], 0
+    for token in ids:
+        if token == padding_idx:
+            out.append(padding_idx)
+        else:
+            count += 1
+            out.append(padding_idx + count)
+    return out

@@ -21,6 +21,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -77,7 +78,11 @@ class PagedDecodeKernel:
         """Rows `rows` (all by default) of `out`; `threads` is used by a threaded build."""
         b, kv_heads, group, head_dim = queries.shape
         _, num_blocks, block_size, cache_kv, cache_dim = kv_cache.shape
-        if (cache_kv, cache_dim) != (kv_heads, head_dim) or out.shape != queries.shape:
+        if (
+            kv_cache.shape[0] != 2
+            or (cache_kv, cache_dim) != (kv_heads, head_dim)
+            or out.shape != queries.shape
+        ):
             raise ValueError("paged decode: query, cache and output shapes disagree")
         for t in (queries, kv_cache, out):
             if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
@@ -90,6 +95,19 @@ class PagedDecodeKernel:
         rows = range(b) if rows is None else rows
         if rows.stop != b or rows.start < 0 or rows.step < 1:
             raise ValueError(f"paged decode: rows {rows} do not end at the batch size {b}")
+        # The kernel trusts every index it is given: check that each row's blocks are in its
+        # table and each block in the cache, so a bad step raises instead of reading memory
+        # it does not own (a few microseconds on step-sized tables).
+        if b:
+            widths = (lens + block_size - 1) // block_size
+            if int(lens.min()) < 1:
+                raise ValueError("paged decode: context lengths must be >= 1")
+            if int(table_starts.min()) < 0:
+                raise ValueError("paged decode: table starts must be >= 0")
+            if int((table_starts + widths).max()) > len(tables):
+                raise ValueError("paged decode: a row's context needs more blocks than its table")
+            if len(tables) and (int(tables.min()) < 0 or int(tables.max()) >= num_blocks):
+                raise ValueError(f"paged decode: block ids must be in [0, {num_blocks})")
         status = self._fn(
             queries.data_ptr(),
             kv_cache.data_ptr(),
@@ -121,23 +139,31 @@ def paged_decode() -> PagedDecodeKernel | None:
         return None
     try:
         return load_paged_decode(openmp=_torch_uses_gnu_openmp())
-    except RuntimeError as e:
+    except (RuntimeError, ValueError) as e:
         log.warning("decode attention runs in torch (slower): %s", e)
         return None
 
 
 def load_paged_decode(*, openmp: bool) -> PagedDecodeKernel:
     """Build (or take from the cache) and load the kernel; `openmp` tries the threaded build
-    first. RuntimeError saying why when no build loads."""
-    compiler = os.environ.get("CC") or "cc"
-    if shutil.which(compiler) is None:
-        raise RuntimeError(f"no C compiler {compiler!r} on PATH (set CC to one)")
-    flag_sets = (_OPENMP_FLAG_SETS if openmp else ()) + _SERIAL_FLAG_SETS
+    first, with GCC only (its `-fopenmp` links the `libgomp.so.1` torch has loaded).
+    RuntimeError saying why when no build loads."""
+    compiler = shlex.split(os.environ.get("CC") or "cc")  # "ccache gcc" works too
+    if not compiler or shutil.which(compiler[0]) is None:
+        raise RuntimeError(f"no C compiler {' '.join(compiler)!r} on PATH (set CC to one)")
+    identity = _compiler_identity(compiler)
+    use_openmp = openmp and "Free Software Foundation" in identity
+    flag_sets = (_OPENMP_FLAG_SETS if use_openmp else ()) + _SERIAL_FLAG_SETS
     errors = []
     for flags in flag_sets:
         try:
-            path = _build(SOURCE, compiler, flags)
-            return PagedDecodeKernel(ctypes.CDLL(str(path)), path)
+            path = _build(SOURCE, compiler, identity, flags)
+            runtimes = _openmp_runtimes()
+            kernel = PagedDecodeKernel(ctypes.CDLL(str(path)), path)
+            added = _openmp_runtimes() - runtimes
+            if added:  # a second OpenMP runtime next to torch's: never run on it
+                raise RuntimeError(f"loading it mapped another OpenMP runtime {sorted(added)}")
+            return kernel
         except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
             errors.append(f"[{' '.join(flags)}] {e}")
     raise RuntimeError("native paged-decode kernel unavailable: " + "; ".join(errors))
@@ -151,11 +177,12 @@ def cache_dir() -> Path:
     return Path(base) / "model-hub" / "kernels"
 
 
-def _build(source: Path, compiler: str, flags: list[str]) -> Path:
+def _build(source: Path, compiler: list[str], identity: str, flags: list[str]) -> Path:
     """The shared library of `source` built with `flags`, from the cache when it is there."""
     code = source.read_bytes()
+    command = " ".join([*compiler, *flags])
     key = hashlib.sha256(
-        b"\0".join([code, " ".join([compiler, *flags]).encode(), _cpu_identity()])
+        b"\0".join([code, command.encode(), identity.encode(), _cpu_identity()])
     ).hexdigest()[:16]
     target = cache_dir() / f"{source.stem}-{key}.so"
     if target.exists():
@@ -166,16 +193,17 @@ def _build(source: Path, compiler: str, flags: list[str]) -> Path:
     os.close(fd)
     try:
         result = subprocess.run(
-            [compiler, *flags, "-o", tmp, str(source), "-lm"],
+            [*compiler, *flags, "-o", tmp, str(source), "-lm"],
             capture_output=True,
             text=True,
             timeout=120,
         )
         if result.returncode != 0:
             last = (result.stderr.strip().splitlines() or ["failed"])[-1]
-            raise RuntimeError(f"{compiler} could not build {source.name}: {last}")
+            raise RuntimeError(f"{command} could not build {source.name}: {last}")
+        os.chmod(tmp, 0o755)  # mkstemp's 0600 would keep other users of the cache out
         os.replace(tmp, target)
-        log.info("built %s with %s %s", target, compiler, " ".join(flags))
+        log.info("built %s with %s", target, command)
         return target
     finally:
         if os.path.exists(tmp):
@@ -183,12 +211,31 @@ def _build(source: Path, compiler: str, flags: list[str]) -> Path:
 
 
 def _torch_uses_gnu_openmp() -> bool:
-    """Whether this process has GNU OpenMP (`libgomp`) loaded, as torch's Linux wheels do."""
+    """Whether this process has GNU OpenMP loaded as `libgomp.so.1`, as torch's Linux wheels
+    do: a library linked against that soname then shares it."""
+    return any(Path(p).name == "libgomp.so.1" for p in _openmp_runtimes())
+
+
+def _openmp_runtimes() -> set[str]:
+    """Paths of the OpenMP runtimes mapped into this process (GNU, LLVM, Intel)."""
     try:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
-        return False
-    return "libgomp" in maps
+        return set()
+    fields = (line.split(maxsplit=5) for line in maps.splitlines())
+    paths = {f[5] for f in fields if len(f) == 6}
+    return {p for p in paths if Path(p).name.startswith(("libgomp", "libomp", "libiomp"))}
+
+
+def _compiler_identity(compiler: list[str]) -> str:
+    """The compiler's `--version` text (part of the cache key; GCC's names its foundation)."""
+    try:
+        result = subprocess.run(
+            [*compiler, "--version"], capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.SubprocessError) as e:
+        raise RuntimeError(f"cannot run the C compiler {' '.join(compiler)!r}: {e}") from e
+    return result.stdout
 
 
 def _cpu_identity() -> bytes:

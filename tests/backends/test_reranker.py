@@ -84,6 +84,8 @@ async def test_unpadded_and_padded_batches_both_equal_predict(
     if architecture != "bert":
         folder = build_tiny_reranker(tmp_path / architecture, architecture=architecture)
     query, docs = "where do the gulls argue", documents(12, seed=7)
+    # A pad token inside a text: RoBERTa numbers positions around it, packed or padded.
+    docs[3] = "gulls [PAD] argued " + docs[3]
     want = predict(folder, query, docs)
     for unpadded in (True, False):
         config = {"max_batch_size": 8, "unpadded": unpadded}

@@ -81,7 +81,7 @@ static inline v8 select8(v8i mask, v8 a, v8 b) {
 
 /* exp of eight floats: Cephes' expf (range reduction by ln 2, a degree-6 polynomial, the
  * exponent set directly), within 1 ulp of exp over the arguments softmax meets, [-87, 0];
- * arguments below about -87.3 give 0 or the smallest normal float (no denormals). */
+ * below that, subnormal values down to about -87.7 and 0 beyond (harmless in a softmax). */
 static inline v8 exp8(v8 x) {
     const v8 hi = {88.3762626647949f, 88.3762626647949f, 88.3762626647949f, 88.3762626647949f,
                    88.3762626647949f, 88.3762626647949f, 88.3762626647949f, 88.3762626647949f};

@@ -133,6 +133,14 @@ def test_the_native_kernel_refuses_tensors_it_cannot_read() -> None:
         kernel(torch.zeros(1, 2, 2, 4), *args, sliding_window=None, softcap=None)
     with pytest.raises(ValueError, match="int64"):
         kernel(q, cache, ids.int(), *args[2:], sliding_window=None, softcap=None)
+    # Indices the kernel would follow out of its buffers: refused before the call.
+    five = torch.tensor([5])
+    with pytest.raises(ValueError, match=r"block ids must be in \[0, 4\)"):
+        kernel(q, cache, five, *args[2:], sliding_window=None, softcap=None)
+    with pytest.raises(ValueError, match="more blocks than its table"):
+        kernel(q, cache, ids, ids, five, args[4], sliding_window=None, softcap=None)
+    with pytest.raises(ValueError, match="lengths must be >= 1"):
+        kernel(q, cache, ids, ids, ids, args[4], sliding_window=None, softcap=None)
 
 
 def test_without_a_compiler_the_engine_keeps_the_torch_path(
