@@ -64,6 +64,8 @@ class NativeDecode:
     tables: torch.Tensor  # every decode's block ids, concatenated, int64
     table_starts: torch.Tensor  # (B,) int64: where each decode's ids start in `tables`
     lens: torch.Tensor  # (B,) int64: context lengths, own token included
+    # Whether `kernel.check_indices` has passed these (the runner does it once a step).
+    indices_checked: bool = False
 
 
 @dataclass
@@ -290,6 +292,7 @@ def _decode_native(
             threads=threads,
             sliding_window=sliding_window,
             softcap=softcap,
+            indices_checked=native.indices_checked,
         )
 
     cores = torch.get_num_threads()

@@ -74,8 +74,11 @@ class PagedDecodeKernel:
         threads: int = 1,
         sliding_window: int | None,
         softcap: float | None,
+        indices_checked: bool = False,
     ) -> None:
-        """Rows `rows` (all by default) of `out`; `threads` is used by a threaded build."""
+        """Rows `rows` (all by default) of `out`; `threads` is used by a threaded build.
+        `indices_checked`: the caller has passed these tables through `check_indices` (once
+        per step, not once per layer)."""
         b, kv_heads, group, head_dim = queries.shape
         _, num_blocks, block_size, cache_kv, cache_dim = kv_cache.shape
         if (
@@ -95,19 +98,8 @@ class PagedDecodeKernel:
         rows = range(b) if rows is None else rows
         if rows.stop != b or rows.start < 0 or rows.step < 1:
             raise ValueError(f"paged decode: rows {rows} do not end at the batch size {b}")
-        # The kernel trusts every index it is given: check that each row's blocks are in its
-        # table and each block in the cache, so a bad step raises instead of reading memory
-        # it does not own (a few microseconds on step-sized tables).
-        if b:
-            widths = (lens + block_size - 1) // block_size
-            if int(lens.min()) < 1:
-                raise ValueError("paged decode: context lengths must be >= 1")
-            if int(table_starts.min()) < 0:
-                raise ValueError("paged decode: table starts must be >= 0")
-            if int((table_starts + widths).max()) > len(tables):
-                raise ValueError("paged decode: a row's context needs more blocks than its table")
-            if len(tables) and (int(tables.min()) < 0 or int(tables.max()) >= num_blocks):
-                raise ValueError(f"paged decode: block ids must be in [0, {num_blocks})")
+        if not indices_checked:
+            self.check_indices(tables, table_starts, lens, num_blocks, block_size)
         status = self._fn(
             queries.data_ptr(),
             kv_cache.data_ptr(),
@@ -129,6 +121,31 @@ class PagedDecodeKernel:
         )
         if status != 0:
             raise MemoryError("paged decode: no memory for its scratch buffers")
+
+    @staticmethod
+    def check_indices(
+        tables: torch.Tensor,
+        table_starts: torch.Tensor,
+        lens: torch.Tensor,
+        num_blocks: int,
+        block_size: int,
+    ) -> None:
+        """ValueError unless each row's blocks are in its table and each block id is in the
+        cache: the kernel follows every index it is given, and a bad one must raise rather
+        than read memory it does not own."""
+        if not len(lens):
+            return
+        if int(lens.min()) < 1:
+            raise ValueError("paged decode: context lengths must be >= 1")
+        if int(table_starts.min()) < 0:
+            raise ValueError("paged decode: table starts must be >= 0")
+        widths = (lens + block_size - 1) // block_size
+        if int((table_starts + widths).max()) > len(tables):
+            raise ValueError("paged decode: a row's context needs more blocks than its table")
+        if len(tables):
+            low, high = torch.aminmax(tables)
+            if int(low) < 0 or int(high) >= num_blocks:
+                raise ValueError(f"paged decode: block ids must be in [0, {num_blocks})")
 
 
 @functools.cache

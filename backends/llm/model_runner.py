@@ -229,12 +229,11 @@ class ModelRunner:
             starts = [0]
             for width in decode_widths[:-1]:
                 starts.append(starts[-1] + width)
-            native = NativeDecode(
-                kernel,
-                all_tables,
-                torch.tensor(starts, dtype=torch.long),
-                torch.tensor(decode_lens, dtype=torch.long),
-            )
+            starts_t = torch.tensor(starts, dtype=torch.long)
+            lens_t = torch.tensor(decode_lens, dtype=torch.long)
+            # Once a step, so that every layer's call can skip it.
+            kernel.check_indices(all_tables, starts_t, lens_t, self.num_blocks, bs)
+            native = NativeDecode(kernel, all_tables, starts_t, lens_t, indices_checked=True)
         elif batched and decode_lens:
             width = max(decode_widths)
             rows = [row + [0] * (width - len(row)) for row in _split(decode_blocks, decode_widths)]
