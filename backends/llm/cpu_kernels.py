@@ -8,9 +8,11 @@ it builds in well under a second; the shared library is cached under
 `$MODEL_HUB_KERNEL_CACHE` (default `~/.cache/model-hub/kernels`), keyed by the source, the flags
 and the CPU, and reused by every later process.
 
-Where no compiler is found, or `MODEL_HUB_CPU_KERNELS=0` is set, `paged_decode()` returns None and
-the engine keeps its torch path; the reason is logged once. `CC` picks the compiler (`cc`
-by default).
+Where no compiler is found, or `MODEL_HUB_CPU_KERNELS=0` is set, `paged_decode()` returns
+None and the engine keeps its torch path; the reason is logged once. `CC` picks the compiler
+(`cc` by default; arguments allowed). A failed build is remembered in the cache (a `.failed`
+file beside where the library would be) so later processes do not retry it; a different
+compiler or source gets a fresh attempt.
 """
 
 from __future__ import annotations
@@ -204,6 +206,11 @@ def _build(source: Path, compiler: list[str], identity: str, flags: list[str]) -
     target = cache_dir() / f"{source.stem}-{key}.so"
     if target.exists():
         return target
+    # A build that failed once fails again with the same source, compiler and flags: the
+    # reason is kept beside where the library would be, so later processes skip the compile.
+    failed = target.with_suffix(".failed")
+    if failed.exists():
+        raise RuntimeError(f"{failed.read_text().strip()} (cached in {failed})")
     target.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename: processes building at once never see half a file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
@@ -217,7 +224,9 @@ def _build(source: Path, compiler: list[str], identity: str, flags: list[str]) -
         )
         if result.returncode != 0:
             last = (result.stderr.strip().splitlines() or ["failed"])[-1]
-            raise RuntimeError(f"{command} could not build {source.name}: {last}")
+            reason = f"{command} could not build {source.name}: {last}"
+            failed.write_text(reason + "\n")
+            raise RuntimeError(reason)
         os.chmod(tmp, 0o755)  # mkstemp's 0600 would keep other users of the cache out
         os.replace(tmp, target)
         log.info("built %s with %s", target, command)

@@ -9,6 +9,7 @@ import functools
 import os
 import shutil
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -143,8 +144,27 @@ def test_the_native_kernel_refuses_tensors_it_cannot_read() -> None:
         kernel(q, cache, ids, ids, ids, args[4], sliding_window=None, softcap=None)
 
 
+def test_a_failed_build_is_remembered_and_not_retried(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler 'cc'")
+    # A flag the compiler rejects stands in for a compiler too old for the source.
+    monkeypatch.setenv("CC", "cc -fno-such-flag-for-this-test")
+    monkeypatch.setenv("MODEL_HUB_KERNEL_CACHE", str(tmp_path))
+    with pytest.raises(RuntimeError, match="could not build") as first:
+        cpu_kernels.load_paged_decode(openmp=False)
+    assert "cached in" not in str(first.value)
+    remembered = sorted(p.name for p in tmp_path.glob("*.failed"))
+    assert remembered, "the failures are written to the cache"
+    with pytest.raises(RuntimeError, match=r"could not build.*cached in"):
+        cpu_kernels.load_paged_decode(openmp=False)
+    assert sorted(p.name for p in tmp_path.glob("*.failed")) == remembered
+    assert not list(tmp_path.glob("*.so"))
+
+
 def test_without_a_compiler_the_engine_keeps_the_torch_path(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: object, caplog: pytest.LogCaptureFixture
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setenv("CC", "no-such-compiler-here")
     monkeypatch.setenv("MODEL_HUB_KERNEL_CACHE", str(tmp_path))
