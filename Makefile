@@ -6,7 +6,7 @@ PIP := $(VENV)/bin/python -m pip
 CONSTRAINTS := constraints.txt
 PYTEST_ARGS ?=
 
-.PHONY: serve test install install-dev lint typecheck bench clean
+.PHONY: serve test test-pure install install-dev lint typecheck bench clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,19 @@ serve: $(VENV)/.installed
 test: $(VENV)/.installed-dev
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
+## The pure layers (planner, scheduler, block pool, statistics) in a bare environment: no torch,
+## FastAPI, SQLAlchemy or Prometheus installed, so an import of one of them fails the run.
+PURE_VENV ?= .venv-pure
+PURE_PACKAGES := pytest pytest-asyncio pytest-timeout numpy scipy
+
+$(PURE_VENV)/.installed: $(CONSTRAINTS)
+	$(PYTHON) -m venv $(PURE_VENV)
+	$(PURE_VENV)/bin/python -m pip install -q -c $(CONSTRAINTS) $(PURE_PACKAGES)
+	touch $@
+
+test-pure: $(PURE_VENV)/.installed
+	HUB_PURE_TESTS=1 $(PURE_VENV)/bin/python -m pytest -m pure -p no:cacheprovider $(PYTEST_ARGS)
+
 lint: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check hub backends registry migrations tests benchmarks
 	$(VENV)/bin/ruff format --check hub backends registry migrations tests benchmarks
@@ -38,4 +51,4 @@ typecheck: $(VENV)/.installed-dev
 	$(VENV)/bin/mypy
 
 clean:
-	rm -rf $(VENV) .hub .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(PURE_VENV) .hub .mypy_cache .ruff_cache .pytest_cache

@@ -1,86 +1,51 @@
-"""Shared fixtures: tiny models built once per session, per-test hub settings and apps."""
+"""Root of the test suite: shared fixtures come from plugins (tests/support/fixtures/); each
+folder's conftest.py adds its own.
+
+Two modes:
+
+* the full suite (`make test`): every test, with torch, FastAPI, SQLAlchemy and MLflow;
+* pure (`make test-pure`, `HUB_PURE_TESTS=1`): only the modules marked `pytest.mark.pure`,
+  in a bare virtual environment without torch, FastAPI, SQLAlchemy or Prometheus. It proves
+  the pure layers (the manager's planner, the engine's scheduler and block pool, the
+  statistics) stand on their own. Other modules are not even imported, so this file and
+  every conftest.py on the way to a pure module import nothing heavy at module level.
+"""
 
 from __future__ import annotations
 
 import os
-from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
-import httpx
 import pytest
-from fastapi import FastAPI
-from fastapi.testclient import TestClient
 
-from hub.app import create_app
-from hub.settings import HubSettings
-from tests.support.hubs import make_mlflow_template, make_settings, running_app
+PURE = os.environ.get("HUB_PURE_TESTS") == "1"
 
 # Nothing may reach a model hub at test time.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 
+if not PURE:
+    pytest_plugins = ["tests.support.fixtures.models", "tests.support.fixtures.apps"]
 
-@pytest.fixture(scope="session")
-def tiny_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("tiny-models")
-
-
-@pytest.fixture(scope="session")
-def tiny_embedder_dir(tiny_root: Path) -> Path:
-    from backends.tiny import build_tiny_embedder
-
-    return build_tiny_embedder(tiny_root / "embedder")
+_PURE_MARK = "mark.pure"
 
 
-@pytest.fixture(scope="session")
-def tiny_embedder_v2_dir(tiny_root: Path) -> Path:
-    from backends.tiny import build_tiny_embedder
-
-    return build_tiny_embedder(tiny_root / "embedder-v2", seed=1)
+def _declares_pure(path: Path) -> bool:
+    return _PURE_MARK in path.read_text(encoding="utf-8", errors="replace")
 
 
-@pytest.fixture(scope="session")
-def tiny_reranker_dir(tiny_root: Path) -> Path:
-    from backends.tiny import build_tiny_reranker
-
-    return build_tiny_reranker(tiny_root / "reranker")
+def _holds_pure(folder: Path) -> bool:
+    return any(_declares_pure(p) for p in folder.rglob("test_*.py"))
 
 
-@pytest.fixture(scope="session")
-def tiny_llm_dir(tiny_root: Path) -> Path:
-    from backends.tiny import build_tiny_llm
-
-    return build_tiny_llm(tiny_root / "llm-llama", "llama")
-
-
-@pytest.fixture(scope="session")
-def minilm_dir() -> Path:
-    from hub.demo import minilm_dir
-
-    try:
-        return minilm_dir()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-
-
-@pytest.fixture(scope="session")
-def mlflow_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_mlflow_template(tmp_path_factory.mktemp("mlflow-template"))
-
-
-@pytest.fixture
-def settings(tmp_path: Path, mlflow_template: Path) -> HubSettings:
-    return make_settings(tmp_path / "hub", mlflow_template)
-
-
-@pytest.fixture
-def client(settings: HubSettings) -> Iterator[TestClient]:
-    with TestClient(create_app(settings)) as c:
-        yield c
-
-
-@pytest.fixture
-async def app_client(settings: HubSettings) -> AsyncIterator[tuple[FastAPI, httpx.AsyncClient]]:
-    async with running_app(settings) as pair:
-        yield pair
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """In pure mode, skip every test module (and folder) that declares no pure test, so
+    their imports never run."""
+    if not PURE:
+        return None
+    if collection_path.is_dir():
+        return None if _holds_pure(collection_path) else True
+    if collection_path.name.startswith("test_") and collection_path.suffix == ".py":
+        return None if _declares_pure(collection_path) else True
+    return None

@@ -6,6 +6,9 @@ import pytest
 
 from backends.llm.block_pool import BlockPool
 
+# Torch-free: also run in a bare environment (make test-pure).
+pytestmark = pytest.mark.pure
+
 
 def test_allocation_that_cannot_be_met_returns_none_and_changes_nothing() -> None:
     pool = BlockPool(4)

@@ -16,6 +16,9 @@ from backends.llm.scheduler import Scheduler, SchedulerLimits
 from backends.llm.sequence import FinishReason, Sequence
 from tests.backends.llm.fake_runner import EOS, FakeRunner, next_token, run
 
+# Torch-free: also run in a bare environment (make test-pure).
+pytestmark = pytest.mark.pure
+
 REPO_ROOT = Path(__file__).resolve().parents[3]
 GREEDY = SamplingParams(temperature=0.0)
 
