@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hub.manager.eviction import (
+from hub.manager.planning.eviction import (
     Candidate,
     GreedyDualSizeFrequency,
     LargestFirst,
@@ -10,8 +10,8 @@ from hub.manager.eviction import (
     choose_victims,
     make_policy,
 )
-from hub.manager.placement import place
-from hub.manager.state import ModelKey
+from hub.manager.planning.keys import ModelKey
+from hub.manager.planning.placement import place
 
 MiB = 2**20
 
