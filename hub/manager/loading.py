@@ -195,7 +195,7 @@ class Loads:
         assert entry.deployment is not None
         entry.pinned = entry.pinned or entry.deployment.pin
         self._failures.pop(entry.key, None)
-        self._planner.used(entry.key)
+        self._planner.record_use(entry.key)
         self._metrics.loads.labels(*labels(entry), "ok", source).inc()
         self._metrics.load_seconds.labels(source).observe(load_s)
         log.info("%s %s onto %s in %.2fs (%d bytes)", entry.key,

@@ -131,7 +131,7 @@ class ModelManager:
         entry.keep_alive = keep_alive
         entry.expires_at = None
         entry.idle.clear()
-        self.planner.used(entry.key)
+        self.planner.record_use(entry.key)
         try:
             yield backend
         finally:

@@ -70,7 +70,7 @@ class Planner:
                 out.append(self.candidate(o))
         return out
 
-    def used(self, key: ModelKey) -> None:
+    def record_use(self, key: ModelKey) -> None:
         """A request used `key` (or it was just loaded): tell the policy."""
         self.policy.on_access(self.candidate(self._occupants[key]))
 
