@@ -37,10 +37,6 @@ class KVCacheManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def can_ever_fit(self, num_tokens: int) -> bool:
-        """Whether one sequence of `num_tokens` fits in the whole cache."""
-        return self.blocks_for(num_tokens) <= self.pool.num_blocks
-
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Blocks holding the longest cached prefix of `seq`'s full blocks. The last token
         is never covered: it must run through the model to produce the next token's logits."""

@@ -3,43 +3,63 @@
 An eviction waits for the model's requests in flight to finish (those chosen for room are
 already idle), then parks its weights in the host tier when they fit there (dropping the
 tier's least recently used models if needed) or unloads it for good. The device's ledger
-charge is released only once the memory is free, and the room broker is pumped right away so
-a waiting load takes the room at once. The keep-alive timer and the pump live here too: they
-are what starts evictions.
+charge is released only once the memory is free, and the room pump runs right away so a
+waiting load takes the room at once. The blocking steps go through the `Lifecycle` in worker
+threads; the bookkeeping around each await is finished before it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
-from backends.base import Backend
-from hub.manager.core import ManagerCore
-from hub.manager.keep_alive import FOREVER, Reaper
-from hub.manager.state import Entry, ModelKey, ModelState
+from hub.manager.lifecycle import Lifecycle
+from hub.manager.planning import ModelKey, Planner
+from hub.manager.reports import StatusReports, labels
+from hub.manager.residency import ModelState
+from hub.manager.state import Entry
+from hub.metrics import HubMetrics
+
+if TYPE_CHECKING:
+    from backends.base import Backend
 
 log = logging.getLogger(__name__)
 
 
-class Evicting(ManagerCore):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._reaper = Reaper(self.settings.idle_check_interval, self._tick)
+class Evictions:
+    """Starts and runs evictions and drops; `pump` starts the evictions the planner picks."""
 
-    def _start_eviction(
-        self, entry: Entry, reason: str, *, keep_warm: bool = True
-    ) -> asyncio.Task[None]:
+    def __init__(
+        self,
+        entries: Mapping[ModelKey, Entry],
+        planner: Planner,
+        lifecycle: Lifecycle,
+        metrics: HubMetrics,
+        reports: StatusReports,
+    ) -> None:
+        self._entries = entries
+        self._planner = planner
+        self._lifecycle = lifecycle
+        self._metrics = metrics
+        self._reports = reports
+
+    def pump(self) -> None:
+        """Let the planner grant what fits now and start the evictions it chose."""
+        for key, _device in self._planner.pump():
+            self.start(self._entries[key], "pressure")
+
+    def start(self, entry: Entry, reason: str, *, keep_warm: bool = True) -> asyncio.Task[None]:
         """Move `entry` off its device once its requests finish: parked in the host tier when
         `keep_warm` and it fits there, dropped otherwise. The state changes at once, so
         nothing else picks it or serves from it meanwhile."""
         if entry.evict_task is not None and not entry.evict_task.done():
             return entry.evict_task
-        entry.state = ModelState.EVICTING
+        entry.move(ModelState.EVICTING)
         entry.expires_at = None
         if reason == "pressure":
-            self.policy.on_evict(entry.key)
+            self._planner.policy.on_evict(entry.key)
         entry.evict_task = asyncio.create_task(
             self._evict(entry, reason, keep_warm), name=f"evict {entry.key}"
         )
@@ -53,46 +73,47 @@ class Evicting(ManagerCore):
             if keep_warm and entry.backend is not None:
                 parked = await self._park(entry, entry.backend, device)
             if not parked:
-                await self._drop(entry, reason)
+                await self.drop(entry, reason)
         finally:
-            self.ledger.release(entry.key)
+            self._planner.ledger.release(entry.key)
             entry.device = None
-            entry.state = ModelState.WARM if parked else ModelState.UNLOADED
-            self.metrics.evictions.labels(*self._labels(entry), reason).inc()
+            entry.move(ModelState.WARM if parked else ModelState.UNLOADED)
+            self._metrics.evictions.labels(*labels(entry), reason).inc()
             log.info("%s left %s (%s)%s", entry.key, device, reason,
                      ", parked in the host tier" if parked else "")  # fmt: skip
-            self._update_gauges()
-            self._pump()
+            self._reports.update_gauges()
+            self.pump()
 
     async def _park(self, entry: Entry, backend: Backend, device: str | None) -> bool:
         """Offload into the host tier, dropping its least recently used models for room;
         False when the weights do not fit there."""
+        tier = self._planner.host_tier
         nbytes = backend.offload_bytes()
-        if not self.host_tier.admits(nbytes):
+        if not tier.admits(nbytes):
             return False
         # Victims leave and the room is taken before any await, so a concurrent eviction
         # cannot take the same room and a dropped model cannot start a restore meanwhile.
         victims = [self._detach(self._entries[k], "host_tier")
-                   for k in self.host_tier.victims_for(nbytes)]  # fmt: skip
-        fits = nbytes <= self.host_tier.free_bytes
+                   for k in tier.victims_for(nbytes)]  # fmt: skip
+        fits = nbytes <= tier.free_bytes
         if fits:
-            self.host_tier.add(entry.key, nbytes)
-            self.host_tier.hold(entry.key)  # not droppable before its weights are there
+            tier.add(entry.key, nbytes)
+            tier.hold(entry.key)  # not droppable before its weights are there
         for victim, parked_backend, _ in victims:
             await self._dispose(victim, parked_backend, None)
         if not fits:
             return False
         try:
-            await asyncio.to_thread(self.footprint.offload, backend, device or "cpu")
+            await asyncio.to_thread(self._lifecycle.park, backend, device or "cpu")
         except Exception as e:
             log.error("offloading %s failed, dropping it instead: %r", entry.key, e)
-            self.host_tier.remove(entry.key)
+            tier.remove(entry.key)
             return False
-        self.host_tier.unhold(entry.key)
+        tier.unhold(entry.key)
         entry.host_bytes = nbytes
         return True
 
-    async def _drop(self, entry: Entry, reason: str) -> None:
+    async def drop(self, entry: Entry, reason: str) -> None:
         """Unload `entry` for good, whichever copy it has (device or parked). The caller
         releases any device charge; a parked copy's host-tier charge is released here."""
         _, backend, device = self._detach(entry, reason)
@@ -102,12 +123,12 @@ class Evicting(ManagerCore):
         """Take `entry`'s backend away (and its host-tier charge) at once; returns it with the
         device its memory is on (None: host memory) for `_dispose`."""
         backend, entry.backend = entry.backend, None
-        parked = self.host_tier.remove(entry.key) > 0
+        parked = self._planner.host_tier.remove(entry.key) > 0
         entry.host_bytes = 0
         if entry.state is ModelState.WARM:
-            entry.state = ModelState.UNLOADED
-            self.metrics.evictions.labels(*self._labels(entry), reason).inc()
-        self.policy.forget(entry.key)
+            entry.move(ModelState.UNLOADED)
+            self._metrics.evictions.labels(*labels(entry), reason).inc()
+        self._planner.policy.forget(entry.key)
         return entry, backend, None if parked else entry.device
 
     async def _dispose(self, entry: Entry, backend: Backend | None, device: str | None) -> None:
@@ -116,52 +137,9 @@ class Evicting(ManagerCore):
             return
         try:
             await backend.aclose()
-            await asyncio.to_thread(self.footprint.dispose, backend, device, entry.measured_bytes)
+            await asyncio.to_thread(self._lifecycle.unload, backend, device, entry.measured_bytes)
         except Exception:
             log.exception("unloading %s failed; its memory may not be freed", entry.key)
         finally:
             del backend
-            self._update_gauges()
-
-    # ---- what starts evictions ------------------------------------------------------------
-    def _pump(self) -> None:
-        """Let the room broker grant what fits now and start the evictions it chose."""
-        for key, _device in self._broker.pump(self._candidates, self._leaving):
-            self._start_eviction(self._entries[key], "pressure")
-
-    def _leaving(self, key: ModelKey) -> bool:
-        return self._entries[key].state is ModelState.EVICTING
-
-    def _arm_keep_alive(self, entry: Entry) -> None:
-        """Start the idle clock of a loaded, idle model (keep-alive 0: evict now)."""
-        keep_alive = self._keep_alive_s(entry)
-        entry.expires_at = None
-        if entry.pinned or keep_alive == FOREVER:
-            return
-        if keep_alive == 0:
-            self._start_eviction(entry, "keep_alive")
-            return
-        entry.expires_at = time.monotonic() + keep_alive
-        self._reaper.poke()
-
-    def _tick(self) -> float | None:
-        """Evict models whose keep-alive ran out and retry waiting loads; returns when to
-        look again: the next expiry, or, while loads wait for room, the next model to pass
-        its minimum residency."""
-        now = time.monotonic()
-        next_at: float | None = None
-        for entry in list(self._entries.values()):
-            if entry.expires_at is None or entry.pinned or not self._idle_loaded(entry):
-                continue
-            if entry.expires_at <= now:
-                self._start_eviction(entry, "keep_alive")
-            else:
-                next_at = min(next_at or entry.expires_at, entry.expires_at)
-        if self._broker.pending:
-            self._pump()
-            for entry in self._entries.values():
-                if self._idle_loaded(entry) and not entry.pinned and entry.loaded_at is not None:
-                    eligible = entry.loaded_at + self.settings.min_residency
-                    if eligible > now:
-                        next_at = min(next_at or eligible, eligible)
-        return next_at
+            self._reports.update_gauges()

@@ -7,7 +7,7 @@ moves with every other thread. Loads and restores on one CUDA device run one at 
 each delta belongs to one model; other models' activations can still inflate it, which errs
 on the safe side. The predicted footprint (safetensors headers, KV-cache reservation, plus
 the configured overhead) is compared with the measurement, and a prediction off by more than
-10% is logged, since the ledger then had to guess.
+10% is logged (`lifecycle.check_prediction`), since the ledger then had to guess.
 
 Unload frees memory for real: the backend empties its tensors and drops its references, and
 on CUDA the allocator's cache is returned to the driver; an unload that did not bring the
@@ -30,13 +30,14 @@ from hub.units import format_bytes
 
 log = logging.getLogger(__name__)
 
-# A prediction further than this from the measurement is logged.
-PREDICTION_TOLERANCE = 0.10
 # An unload on CUDA must give back at least this share of the model's measured bytes.
 UNLOAD_TOLERANCE = 0.90
 
 
 class Footprint:
+    """Runs each blocking lifecycle step with its measurement; one load or restore at a time
+    per CUDA device, so an allocator delta belongs to one model."""
+
     def __init__(self, devices: Iterable[Device], overhead_bytes: int = 0) -> None:
         self.overhead_bytes = overhead_bytes
         self._cuda_locks = {d.name: threading.Lock() for d in devices if d.is_cuda}
@@ -90,20 +91,6 @@ class Footprint:
                     "still holds device tensors", device, format_bytes(freed),
                     format_bytes(measured),
                 )  # fmt: skip
-
-    @staticmethod
-    def check_prediction(what: str, predicted: int, measured: int) -> None:
-        """Log a prediction off by more than 10%: a warning when the model came out larger
-        (the ledger was short until it settled), information when smaller (only wasteful)."""
-        if predicted <= 0 or measured <= 0:
-            return
-        off = (measured - predicted) / predicted
-        if abs(off) > PREDICTION_TOLERANCE:
-            log.log(
-                logging.WARNING if off > 0 else logging.INFO,
-                "%s: predicted %s, measured %s (%+.0f%%); the ledger charges the larger",
-                what, format_bytes(predicted), format_bytes(measured), 100 * off,
-            )  # fmt: skip
 
     @contextlib.contextmanager
     def _allocator_delta(self, device: str) -> Iterator[list[int]]:

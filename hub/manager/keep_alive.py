@@ -35,6 +35,9 @@ def effective_keep_alive(
 
 
 class Reaper:
+    """The manager's one timer task: runs `tick` at its returned deadline, every `interval`
+    at most, or at once after `poke`; a failing tick is logged and the timer goes on."""
+
     def __init__(self, interval: float, tick: Callable[[], float | None]) -> None:
         self.interval = interval
         self._tick = tick

@@ -11,10 +11,16 @@ reference until it finishes; keep-alive, admin unloads and evictions all wait fo
 references to drop to zero. A load that fails marks the model `failed` with the reason and
 is retried only after a backoff; other models are unaffected.
 
-Everything here runs on the event loop; blocking work (materialise, load, offload, restore,
-unload) runs in worker threads, and no bookkeeping is left half done across an await.
-The parts: `core` (state and views), `evicting` (evictions, keep-alive timer, room pump),
-`loads` (cold loads and warm restores), this module (the public API).
+Everything here runs on the event loop; blocking work (prepare, load, park, restore, unload)
+runs through the `Lifecycle` in worker threads, and no bookkeeping is left half done across
+an await. `ModelManager` is a facade over composed parts, no base classes:
+
+- `state.Entry` per model, whose state moves only as `residency` allows;
+- `planning.Planner` (pure): ledger, host tier, placement, eviction policy, room, "why not";
+- `lifecycle.Lifecycle`: the blocking work; `BackendLifecycle` for real backends;
+- `loading.Loads` (cold loads, warm restores), `evicting.Evictions` (evictions, drops,
+  the room pump), `expiry.KeepAliveClock` (keep-alive and the timer);
+- `reports.StatusReports`: status rows and gauges.
 """
 
 from __future__ import annotations
@@ -22,19 +28,90 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import TYPE_CHECKING
 
-from backends.base import Backend
 from hub.errors import Conflict, NotFound, Unavailable
-from hub.manager.loads import Loading
-from hub.manager.pressure import NoRoom, describe_room
-from hub.manager.state import Entry, ModelKey, ModelState, ModelStatus
+from hub.manager.devices import Device
+from hub.manager.evicting import Evictions
+from hub.manager.expiry import KeepAliveClock
+from hub.manager.lifecycle import BackendLifecycle, Lifecycle
+from hub.manager.loading import Loads
+from hub.manager.planning import HostTier, MemoryLedger, ModelKey, NoRoom, Planner
+from hub.manager.reports import StatusReports
+from hub.manager.residency import ModelState
+from hub.manager.state import DeviceStatus, Entry, HostTierStatus, ModelStatus
+from hub.metrics import HubMetrics
+from hub.settings import ManagerSettings, ModelSpec
+
+if TYPE_CHECKING:
+    from backends.base import Backend
+    from hub.manager.loader import VersionLoader
 
 
-class ModelManager(Loading):
+class ModelManager:
+    """The model manager: `acquire` for requests; `load`, `unload`, `pin`, `unpin` for
+    admins; `status`, `device_status`, `host_tier_status` for reports; `start`/`close`.
+    Needs the running event loop; one instance per hub."""
+
+    def __init__(
+        self,
+        settings: ManagerSettings,
+        devices: Sequence[Device],
+        loader: VersionLoader | None,
+        metrics: HubMetrics,
+        *,
+        host_cache_budget: int = 0,
+        model_specs: Mapping[str, ModelSpec] | None = None,
+        lifecycle: Lifecycle | None = None,
+    ) -> None:
+        """`lifecycle` does the blocking work; by default real backends from `loader`."""
+        self.settings = settings
+        self.devices = list(devices)
+        self.metrics = metrics
+        if lifecycle is None:
+            if loader is None:
+                raise ValueError("ModelManager needs a loader or a lifecycle")
+            from hub.manager.footprint import Footprint  # torch: only with real backends
+
+            lifecycle = BackendLifecycle(
+                loader, Footprint(self.devices, settings.load_overhead_bytes)
+            )
+        self.lifecycle = lifecycle
+        self._entries: dict[ModelKey, Entry] = {}
+        self.planner = Planner(
+            {d.name: d.budget_bytes for d in self.devices},
+            self._entries,
+            host_budget=host_cache_budget,
+            policy=settings.eviction_policy,
+            min_residency=settings.min_residency,
+        )
+        self._reports = StatusReports(
+            self.devices, self._entries, self.planner, metrics, settings.keep_alive
+        )
+        self._evictions = Evictions(self._entries, self.planner, lifecycle, metrics, self._reports)
+        self._keep_alive = KeepAliveClock(
+            self._entries,
+            self.planner,
+            self._evictions,
+            default_keep_alive=settings.keep_alive,
+            interval=settings.idle_check_interval,
+        )
+        self._loads = Loads(settings, self.planner, lifecycle, self._evictions,
+                            self._keep_alive, metrics, self._reports,
+                            dict(model_specs or {}))  # fmt: skip
+
+    @property
+    def ledger(self) -> MemoryLedger:
+        return self.planner.ledger
+
+    @property
+    def host_tier(self) -> HostTier:
+        return self.planner.host_tier
+
     def start(self) -> None:
         """Start the keep-alive timer; needs the running event loop (also started lazily)."""
-        self._reaper.start()
+        self._keep_alive.reaper.start()
 
     # ---- request path ---------------------------------------------------------------------
     @contextlib.asynccontextmanager
@@ -54,7 +131,7 @@ class ModelManager(Loading):
         entry.keep_alive = keep_alive
         entry.expires_at = None
         entry.idle.clear()
-        self.policy.on_access(self._candidate(entry))
+        self.planner.record_use(entry.key)
         try:
             yield backend
         finally:
@@ -66,8 +143,8 @@ class ModelManager(Loading):
         if entry.in_flight == 0:
             entry.idle.set()
             if entry.state is ModelState.LOADED:
-                self._arm_keep_alive(entry)
-            self._pump()
+                self._keep_alive.arm(entry)
+            self._evictions.pump()
 
     async def _ensure_loaded(self, entry: Entry) -> None:
         """Return once `entry` is LOADED, loading it (or joining its load) as needed, within
@@ -99,7 +176,7 @@ class ModelManager(Loading):
             raise Unavailable(
                 f"{entry.key} did not finish loading within {self.settings.load_timeout:g}s"
                 + draining
-                + describe_room(self, entry),
+                + self.planner.explain(entry.room),
                 retry_after=self.settings.retry_after,
                 code="load_timeout",
             ) from None
@@ -116,36 +193,20 @@ class ModelManager(Loading):
         entry.waiting += 1
         start = time.perf_counter()
         try:
-            return await asyncio.shield(self._start_load(entry))
+            return await asyncio.shield(self._loads.start(entry))
         finally:
             entry.waiting -= 1
             self.metrics.load_wait_seconds.observe(time.perf_counter() - start)
             if entry.waiting == 0 and entry.room is not None:
                 # Every waiter timed out: stop making room for a load nobody wants now.
-                self._broker.abandon(
+                self.planner.broker.abandon(
                     entry.room,
                     NoRoom(
                         f"gave up making room for {entry.key}: every request waiting for it "
-                        "timed out" + describe_room(self, entry),
+                        "timed out" + self.planner.explain(entry.room),
                         code="abandoned",
                     ),
                 )
-
-    def _start_load(self, entry: Entry) -> asyncio.Task[Unavailable | None]:
-        if entry.load_task is not None and not entry.load_task.done():
-            return entry.load_task
-        count, retry_at = self._failures.get(entry.key, (0, 0.0))
-        if count and time.monotonic() < retry_at:
-            raise Unavailable(
-                f"{entry.key} failed to load ({entry.error}); next attempt in "
-                f"{retry_at - time.monotonic():.0f}s",
-                retry_after=retry_at - time.monotonic(),
-                code="load_failed",
-            )
-        entry.state = ModelState.LOADING
-        entry.error = None
-        entry.load_task = asyncio.create_task(self._load(entry), name=f"load {entry.key}")
-        return entry.load_task
 
     # ---- admin ----------------------------------------------------------------------------
     async def load(self, name: str, version: int) -> ModelStatus:
@@ -155,8 +216,8 @@ class ModelManager(Loading):
         await self._ensure_loaded(entry)
         if entry.in_flight == 0:
             entry.keep_alive = None
-            self._arm_keep_alive(entry)
-        return self._status(entry)
+            self._keep_alive.arm(entry)
+        return self._reports.model(entry)
 
     async def unload(self, name: str, version: int, *, reason: str = "admin") -> ModelStatus:
         """Unload for good once the requests in flight have finished: device and host copies
@@ -173,11 +234,11 @@ class ModelManager(Loading):
             await asyncio.shield(task)
         entry.pinned = False
         if entry.state is ModelState.LOADED:
-            await asyncio.shield(self._start_eviction(entry, reason, keep_warm=False))
+            await asyncio.shield(self._evictions.start(entry, reason, keep_warm=False))
         elif entry.state is ModelState.WARM:
-            await self._drop(entry, reason)
-        self._pump()
-        return self._status(entry)
+            await self._evictions.drop(entry, reason)
+        self._evictions.pump()
+        return self._reports.model(entry)
 
     async def pin(self, name: str, version: int) -> ModelStatus:
         """Load if needed and pin: never evicted until unpinned or unloaded. A model that
@@ -191,7 +252,7 @@ class ModelManager(Loading):
             raise
         entry.pinned = True
         entry.expires_at = None
-        return self._status(entry)
+        return self._reports.model(entry)
 
     async def unpin(self, name: str, version: int) -> ModelStatus:
         """Make a pinned model evictable again; its keep-alive starts if it is idle."""
@@ -201,21 +262,45 @@ class ModelManager(Loading):
             raise NotFound(f"{key} is not pinned")
         entry.pinned = False
         if entry.state is ModelState.LOADED and entry.in_flight == 0:
-            self._arm_keep_alive(entry)
-        self._pump()
-        return self._status(entry)
+            self._keep_alive.arm(entry)
+        self._evictions.pump()
+        return self._reports.model(entry)
 
     async def close(self) -> None:
         """Stop the timer, cancel loads in progress and unload everything."""
-        await self._reaper.stop()
-        self._broker.cancel_all()
+        await self._keep_alive.reaper.stop()
+        self.planner.broker.cancel_all()
         tasks = [t for e in self._entries.values() for t in (e.load_task, e.evict_task) if t]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         for entry in list(self._entries.values()):
             if entry.backend is not None:
-                await self._drop(entry, "shutdown")
-            self.ledger.release(entry.key)
-            entry.state = ModelState.UNLOADED
+                await self._evictions.drop(entry, "shutdown")
+            self.planner.ledger.release(entry.key)
+            if entry.state is not ModelState.UNLOADED:
+                entry.move(ModelState.UNLOADED)
             entry.device = None
+
+    # ---- reports --------------------------------------------------------------------------
+    def entry(self, key: ModelKey) -> Entry | None:
+        """The bookkeeping of `key`, if the manager has touched it (read it, do not change)."""
+        return self._entries.get(key)
+
+    def status(self) -> list[ModelStatus]:
+        """One row per model version the manager has touched (`/admin/models`)."""
+        return self._reports.models()
+
+    def device_status(self) -> list[DeviceStatus]:
+        """One row per device: budget, used, free, pinned bytes (`/admin/devices`)."""
+        return self._reports.devices()
+
+    def host_tier_status(self) -> HostTierStatus:
+        return self._reports.host_tier()
+
+    def _entry(self, key: ModelKey, kind: str) -> Entry:
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = self._entries[key] = Entry(key=key, kind=kind)
+            entry.idle.set()
+        return entry

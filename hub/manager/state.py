@@ -1,46 +1,37 @@
-"""What the manager knows about each model version it has touched, and the rows it reports."""
+"""What the manager knows about each model version it has touched, and the rows it reports.
+
+An `Entry` changes state only through `Entry.move`, which checks the residency table
+(`hub.manager.residency`); it satisfies the planner's read-only `Occupant` view as it is.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import enum
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from backends.base import Backend
 from hub.errors import Unavailable
+from hub.manager.keep_alive import effective_keep_alive
+from hub.manager.planning.keys import ModelKey
+from hub.manager.residency import ModelState, check_transition
 
 if TYPE_CHECKING:
+    from backends.base import Backend
     from hub.manager.deployment import Deployment
-    from hub.manager.room import RoomRequest
+    from hub.manager.planning.room import RoomRequest
 
-
-class ModelState(enum.StrEnum):
-    LOADING = "loading"  # being loaded from disk or restored from the host tier
-    LOADED = "loaded"  # resident on a device, serving
-    WARM = "warm"  # weights parked in host memory, restorable by a copy
-    EVICTING = "evicting"  # leaving its device (waiting for requests, offloading, unloading)
-    FAILED = "failed"  # the last load failed; retried after a backoff
-    UNLOADED = "unloaded"
-
-
-@dataclass(frozen=True, order=True)
-class ModelKey:
-    name: str
-    version: int
-
-    def __str__(self) -> str:
-        return f"{self.name}@{self.version}"
+__all__ = ["DeviceStatus", "Entry", "HostTierStatus", "ModelKey", "ModelState", "ModelStatus"]
 
 
 @dataclass
 class Entry:
-    """Mutable bookkeeping for one model version; touched only on the event loop."""
+    """Mutable bookkeeping for one model version; touched only on the event loop. Its
+    `state` is read-only: `move` is the one way to change it."""
 
     key: ModelKey
     kind: str
-    state: ModelState = ModelState.UNLOADED
+    _state: ModelState = field(default=ModelState.UNLOADED, repr=False)
     # Present while LOADED, EVICTING and WARM (then holding parked weights).
     backend: Backend | None = None
     # The device it is placed on while LOADING (once room is granted), LOADED and EVICTING.
@@ -78,6 +69,20 @@ class Entry:
     room: RoomRequest | None = None
     # Set whenever in_flight drops to zero, so an unload can wait for requests to finish.
     idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def state(self) -> ModelState:
+        return self._state
+
+    def move(self, to: ModelState) -> None:
+        """Change state; raises InvalidTransition on a move the residency table forbids."""
+        self._state = check_transition(self.key, self._state, to)
+
+    def keep_alive_s(self, default: float) -> float:
+        """The keep-alive in force: this model's last request's, its deployment's, or
+        `default` (the manager's); -1 means forever."""
+        deployment = self.deployment.keep_alive if self.deployment else None
+        return effective_keep_alive(self.keep_alive, deployment, default)
 
 
 @dataclass(frozen=True)

@@ -3,23 +3,27 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from hub.manager import Device, ModelManager
-from hub.metrics import HubMetrics
-from hub.settings import ManagerSettings
-from tests.support.fake_models import FakeLoader
+if TYPE_CHECKING:  # imported in the fixture: the planner's pure tests live below this folder
+    from hub.manager import ModelManager
+    from tests.support.fake_models import FakeLoader
 
 MiB = 2**20
 
 
-MakeManager = Callable[..., tuple[ModelManager, FakeLoader]]
+MakeManager = Callable[..., "tuple[ModelManager, FakeLoader]"]
 
 
 @pytest.fixture
 async def make_manager() -> AsyncIterator[MakeManager]:
+    from hub.manager import Device, ModelManager
+    from hub.metrics import HubMetrics
+    from hub.settings import ManagerSettings
+    from tests.support.fake_models import FakeLoader
+
     made: list[ModelManager] = []
 
     def make(

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-from hub.manager.state import ModelKey
+from hub.manager.planning.keys import ModelKey
 
 _MIB = 2**20
 
@@ -43,6 +43,8 @@ class Candidate:
 
 
 class EvictionPolicy(Protocol):
+    """Orders eviction candidates, cheapest to lose first; may keep state per model."""
+
     name: str
 
     def on_access(self, candidate: Candidate) -> None:
@@ -59,6 +61,8 @@ class EvictionPolicy(Protocol):
 
 
 class LeastRecentlyUsed:
+    """Least recently used first; keeps no state."""
+
     name = "lru"
 
     def on_access(self, candidate: Candidate) -> None:
@@ -75,6 +79,8 @@ class LeastRecentlyUsed:
 
 
 class LargestFirst(LeastRecentlyUsed):
+    """Largest first, least recently used among equals."""
+
     name = "largest"
 
     def order(self, candidates: Iterable[Candidate]) -> list[Candidate]:
@@ -118,6 +124,7 @@ POLICIES: dict[str, type[EvictionPolicy]] = {
 
 
 def make_policy(name: str) -> EvictionPolicy:
+    """A fresh policy by its settings name (`gdsf`, `lru`, `largest`); ValueError otherwise."""
     try:
         return POLICIES[name]()
     except KeyError:

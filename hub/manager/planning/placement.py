@@ -12,11 +12,13 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from hub.manager.eviction import Candidate, EvictionPolicy, choose_victims
+from hub.manager.planning.eviction import Candidate, EvictionPolicy, choose_victims
 
 
 @dataclass(frozen=True)
 class Placement:
+    """A device for a load and what must leave it first."""
+
     device: str
     # Models to evict first; empty when the model fits in free memory.
     victims: tuple[Candidate, ...] = ()

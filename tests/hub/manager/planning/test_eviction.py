@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from hub.manager.eviction import (
+import pytest
+
+from hub.manager.planning.eviction import (
     Candidate,
     GreedyDualSizeFrequency,
     LargestFirst,
@@ -10,8 +12,10 @@ from hub.manager.eviction import (
     choose_victims,
     make_policy,
 )
-from hub.manager.placement import place
-from hub.manager.state import ModelKey
+from hub.manager.planning.keys import ModelKey
+from hub.manager.planning.placement import place
+
+pytestmark = pytest.mark.pure
 
 MiB = 2**20
 
@@ -86,3 +90,15 @@ def test_place_prefers_a_fit_then_the_warm_device_then_best_fit() -> None:
     assert plan is not None and plan.device == "cuda:0" and names(list(plan.victims)) == ["y"]
     huge = dict.fromkeys(full, 500 * MiB)
     assert place(huge, list(full), full, victims.__getitem__, policy) is None
+
+
+def test_an_unknown_policy_is_refused_naming_the_known_ones() -> None:
+    with pytest.raises(
+        ValueError, match=r"unknown eviction policy 'mru'.*'gdsf', 'largest', 'lru'"
+    ):
+        make_policy("mru")
+    assert {make_policy(name).name for name in ("gdsf", "lru", "largest")} == {
+        "gdsf",
+        "lru",
+        "largest",
+    }

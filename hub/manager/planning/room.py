@@ -21,14 +21,17 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from hub.manager.eviction import Candidate, EvictionPolicy
-from hub.manager.ledger import MemoryLedger
-from hub.manager.placement import place
-from hub.manager.state import ModelKey
+from hub.manager.planning.eviction import Candidate, EvictionPolicy
+from hub.manager.planning.keys import ModelKey
+from hub.manager.planning.ledger import MemoryLedger
+from hub.manager.planning.placement import place
 
 
 @dataclass(eq=False)
 class RoomRequest:
+    """One load's pending request for device memory; `granted` resolves to the device once
+    the bytes are charged to it in the ledger."""
+
     key: ModelKey
     # Bytes it needs on each device it may go to.
     need: Mapping[str, int]
@@ -44,6 +47,8 @@ class RoomRequest:
 
 
 class RoomBroker:
+    """The queue of room requests and the pump that grants them, first come, first served."""
+
     def __init__(self, ledger: MemoryLedger, policy: EvictionPolicy) -> None:
         self.ledger = ledger
         self.policy = policy

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from hub.manager.state import ModelKey
+from hub.manager.planning.keys import ModelKey
 
 
 class HostTier:
+    """Accounting of the parked weights: what is parked, its bytes, in least-recently-parked
+    order, and which parked models are held (being restored or parked) and never dropped."""
+
     def __init__(self, budget_bytes: int) -> None:
         self.budget_bytes = budget_bytes
         # Least recently used first.

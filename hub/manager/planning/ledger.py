@@ -9,10 +9,9 @@ one place.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Mapping
 
-from hub.manager.devices import Device
-from hub.manager.state import ModelKey
+from hub.manager.planning.keys import ModelKey
 from hub.units import format_bytes
 
 
@@ -22,8 +21,11 @@ class OverBudget(RuntimeError):
 
 
 class MemoryLedger:
-    def __init__(self, devices: Iterable[Device]) -> None:
-        self._budgets = {d.name: d.budget_bytes for d in devices}
+    """Bytes charged per device and model; `reserve` refuses to pass a device's budget, so
+    the sum of a device's charges is never more than its budget."""
+
+    def __init__(self, budgets: Mapping[str, int]) -> None:
+        self._budgets = dict(budgets)
         self._charges: dict[str, dict[ModelKey, int]] = {name: {} for name in self._budgets}
         self._where: dict[ModelKey, str] = {}
 
