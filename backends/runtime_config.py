@@ -48,6 +48,7 @@ Duration = Annotated[float, BeforeValidator(parse_duration)]
 # checkpoint's.
 DTYPE_NAMES = ("auto", "float32", "fp32", "float16", "fp16", "half", "bfloat16", "bf16")
 _DEVICE_RE = re.compile(r"^(cpu|cuda:\d+)$")
+_NOUNS = {"model": "a model", "embedder": "an embedder", "reranker": "a reranker", "llm": "an LLM"}
 
 
 class RuntimeConfigError(ValueError):
@@ -84,7 +85,7 @@ class RuntimeConfig(BaseModel):
             return raw
         if isinstance(raw, RuntimeConfig):
             raise RuntimeConfigError(
-                f"a {type(raw).__name__} is not the runtime config of a {cls.kind}",
+                f"a {type(raw).__name__} is not the runtime config of {_NOUNS[cls.kind]}",
                 key="",
                 reason="wrong kind",
             )
@@ -247,8 +248,7 @@ def _error(cls: type[RuntimeConfig], error: ValidationError) -> RuntimeConfigErr
             key = cause.key
         if err["type"] == "extra_forbidden":
             known = ", ".join(sorted(cls.model_fields))
-            article = "an" if cls.kind[0] in "aeiou" else "a"
-            reason = f"unknown key for {article} {cls.kind} (known keys: {known})"
+            reason = f"unknown key for {_NOUNS[cls.kind]} (known keys: {known})"
         else:
             # Errors raised by our validators read "Value error, ..."; keep the reason alone.
             reason = str(err["msg"]).removeprefix("Value error, ")
