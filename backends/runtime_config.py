@@ -19,6 +19,7 @@ neither torch nor the hub, so the API and CLI check configs without loading a mo
 
 from __future__ import annotations
 
+import difflib
 import re
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Self
@@ -215,8 +216,6 @@ class LLMConfig(RuntimeConfig):
         return self
 
 
-AnyRuntimeConfig = EmbedderConfig | RerankerConfig | LLMConfig
-
 CONFIG_TYPES: dict[str, type[RuntimeConfig]] = {
     "embedder": EmbedderConfig,
     "reranker": RerankerConfig,
@@ -233,7 +232,7 @@ def config_type(kind: str) -> type[RuntimeConfig]:
         raise ValueError(f"unknown kind {kind!r}; expected one of {known}") from None
 
 
-def parse_runtime_config(kind: str, raw: Mapping[str, Any] | RuntimeConfig | None) -> Any:
+def parse_runtime_config(kind: str, raw: Mapping[str, Any] | RuntimeConfig | None) -> RuntimeConfig:
     """`raw` checked against `kind`'s model and returned typed (`EmbedderConfig`,
     `RerankerConfig` or `LLMConfig`). Raises RuntimeConfigError naming the key and why."""
     return config_type(kind).parse(raw)
@@ -247,8 +246,10 @@ def _error(cls: type[RuntimeConfig], error: ValidationError) -> RuntimeConfigErr
         if isinstance(cause, _KeyError):
             key = cause.key
         if err["type"] == "extra_forbidden":
-            known = ", ".join(sorted(cls.model_fields))
-            reason = f"unknown key for {_NOUNS[cls.kind]} (known keys: {known})"
+            known = sorted(cls.model_fields)
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            reason = f"unknown key for {_NOUNS[cls.kind]} ({hint}known keys: {', '.join(known)})"
         else:
             # Errors raised by our validators read "Value error, ..."; keep the reason alone.
             reason = str(err["msg"]).removeprefix("Value error, ")

@@ -106,6 +106,14 @@ def test_every_problem_is_named_not_only_the_first() -> None:
     assert "max_documentz" in str(e.value) and "max_queue" in str(e.value)
 
 
+def test_a_misspelled_key_gets_the_likely_one_suggested() -> None:
+    with pytest.raises(RuntimeConfigError, match="did you mean 'max_batch_size'"):
+        parse_runtime_config("embedder", {"max_batch_sizee": 64})
+    with pytest.raises(RuntimeConfigError) as e:
+        parse_runtime_config("llm", {"zzz": 1})
+    assert "did you mean" not in str(e.value)
+
+
 def test_values_are_typed_once() -> None:
     llm = parse_runtime_config("llm", {"kv_cache_bytes": "64MiB", "keep_alive": "5m"})
     assert isinstance(llm, LLMConfig)
