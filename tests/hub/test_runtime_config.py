@@ -229,3 +229,21 @@ def test_registry_register_checks_the_merged_config(
     assert view.runtime_config["pin"] is True
     assert isinstance(view.runtime_config["normalize"], bool)
     parse_runtime_config("embedder", view.runtime_config)  # what is stored checks too
+
+
+def test_a_bad_config_stored_before_checks_fails_its_load_naming_the_key(
+    tmp_path: Path, mlflow_template: Path, tiny_reranker_dir: Path
+) -> None:
+    from backends.errors import LoadError
+    from hub.manager import ModelKey, VersionLoader
+
+    settings = make_settings(tmp_path / "hub", mlflow_template)
+    upgrade(settings.database_url)
+    mlflow = MlflowStore(settings.mlflow_tracking_uri)
+    # A registry without the check stands in for a row written by an older release.
+    registry = Registry(
+        Database(settings.database_url), mlflow, ArtifactCache(settings.cache_dir, mlflow)
+    )
+    registry.register("rr", "reranker", str(tiny_reranker_dir), config={"max_documents": "many"})
+    with pytest.raises(LoadError, match=r"rr v1: invalid runtime config: max_documents"):
+        VersionLoader(registry).prepare(ModelKey("rr", 1))
