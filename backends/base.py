@@ -18,10 +18,16 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from prometheus_client import CollectorRegistry
+
+from backends.errors import LoadError
+from backends.llm.cpu_kernels import KernelSettings
+from backends.runtime_config import RuntimeConfig, RuntimeConfigError
+
+C = TypeVar("C", bound=RuntimeConfig)
 
 
 class ModelKind(enum.StrEnum):
@@ -37,8 +43,9 @@ class BackendContext:
     # Registered model name and version, used as metric labels and in error messages.
     model: str
     version: str
-    # Kind-specific runtime settings from the registry (batch tokens, KV-cache bytes, ...).
-    runtime_config: Mapping[str, Any] = field(default_factory=dict)
+    # The version's runtime config (batch tokens, KV-cache bytes, ...): the kind's typed model
+    # (`backends.runtime_config`), or a mapping the backend checks on creation.
+    runtime_config: RuntimeConfig | Mapping[str, Any] = field(default_factory=dict)
     # Where the backend registers its Prometheus metrics; None disables them.
     metrics_registry: CollectorRegistry | None = None
     # Safe loading: pickle checkpoints and remote code are refused unless these allow them.
@@ -46,6 +53,9 @@ class BackendContext:
     trust_remote_code: bool = False
     # Budget of the device the model is placed on, for settings given as a fraction of it.
     device_budget_bytes: int | None = None
+    # The LLM engine's native CPU kernels: on or off, their cache and compiler (hub settings
+    # `engine:`); other kinds ignore it.
+    kernels: KernelSettings = field(default_factory=KernelSettings)
 
 
 class Backend(abc.ABC):
@@ -65,8 +75,11 @@ class Backend(abc.ABC):
 
     @classmethod
     @abc.abstractmethod
-    def predict_memory(cls, artifact_dir: Path, runtime_config: Mapping[str, Any]) -> int:
-        """Bytes the model will take on its device once loaded, before loading anything.
+    def predict_memory(
+        cls, artifact_dir: Path, runtime_config: RuntimeConfig | Mapping[str, Any]
+    ) -> int:
+        """Bytes the model will take on its device once loaded, before loading anything;
+        `runtime_config` is the kind's typed config (or a mapping, checked first).
 
         A backend whose footprint depends on the device (an LLM's KV cache given as a share
         of the budget) may take a keyword `device_budget_bytes: int | None = None`; the
@@ -107,3 +120,14 @@ class Backend(abc.ABC):
 
     async def aclose(self) -> None:  # noqa: B027 - optional hook, most backends need nothing
         """Stop background workers (queues, threads) before `unload`; default: nothing."""
+
+
+def checked_config(
+    config_type: type[C], runtime_config: RuntimeConfig | Mapping[str, Any], context: str = ""
+) -> C:
+    """`runtime_config` as `config_type`; LoadError naming the key when it does not check (a
+    version registered before configs were checked, or a backend built by hand)."""
+    try:
+        return config_type.parse(runtime_config)
+    except RuntimeConfigError as e:
+        raise LoadError(f"{context}: {e}" if context else str(e)) from e

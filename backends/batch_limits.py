@@ -1,25 +1,27 @@
-"""How a model's batches are formed: the limits the dynamic batcher works under, read from a
-version's runtime config (registered with the version, `config` at registration)."""
+"""How a model's batches are formed: the limits the dynamic batcher works under, taken from a
+version's checked runtime config (`backends.runtime_config.EncoderConfig`)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+
+from backends.runtime_config import EncoderConfig
+
+_CONFIG = EncoderConfig()  # the runtime config's defaults are the batcher's
 
 
 @dataclass(frozen=True)
 class BatchLimits:
-    """How a model's batches are formed; read from a version's runtime config."""
+    """How a model's batches are formed; from a version's runtime config."""
 
     # Padded tokens per batch (batch size times its longest input; real tokens when unpadded).
-    max_batch_tokens: int = 16384
+    max_batch_tokens: int = _CONFIG.max_batch_tokens
     # Inputs per batch.
-    max_batch_size: int = 32
+    max_batch_size: int = _CONFIG.max_batch_size
     # How long an idle model waits for a batch to fill, after the oldest input arrived.
-    batch_wait_s: float = 0.002
+    batch_wait_s: float = _CONFIG.batch_wait_ms / 1000
     # Inputs allowed to wait for a forward pass; more get CapacityError (HTTP 503).
-    max_queue: int = 4096
+    max_queue: int = _CONFIG.max_queue
     # Seconds suggested to callers refused for capacity.
     retry_after_s: float = 1.0
     # Forward threads taking batches from the pool, each running its own batch.
@@ -33,22 +35,19 @@ class BatchLimits:
     unpadded: bool = False
 
     @classmethod
-    def from_runtime_config(cls, config: Mapping[str, Any]) -> BatchLimits:
-        """Limits from the runtime-config keys `max_batch_tokens`, `max_batch_size`,
-        `batch_wait_ms`, `max_queue`, `forward_workers` and `batch_overhead_tokens`; absent
-        keys keep their defaults. Raises ValueError naming the key when a value is unusable."""
+    def from_config(cls, config: EncoderConfig) -> BatchLimits:
+        """Limits from a checked runtime config; keys it leaves to the device
+        (`forward_workers`, `batch_overhead_tokens`) keep these defaults."""
         default = cls()
-        values: dict[str, Any] = {}
-        minimums = {"max_batch_tokens": 1, "max_batch_size": 1, "max_queue": 1,
-                    "forward_workers": 1, "batch_overhead_tokens": 0}  # fmt: skip
-        for key, minimum in minimums.items():
-            value = config.get(key, getattr(default, key))
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ValueError(
-                    f"runtime config {key}={value!r}: expected an integer >= {minimum}"
-                )
-            values[key] = value
-        wait_ms = config.get("batch_wait_ms", default.batch_wait_s * 1000)
-        if isinstance(wait_ms, bool) or not isinstance(wait_ms, int | float) or wait_ms < 0:
-            raise ValueError(f"runtime config batch_wait_ms={wait_ms!r}: expected a number >= 0")
-        return cls(**values, batch_wait_s=float(wait_ms) / 1000)
+        return cls(
+            max_batch_tokens=config.max_batch_tokens,
+            max_batch_size=config.max_batch_size,
+            batch_wait_s=config.batch_wait_ms / 1000,
+            max_queue=config.max_queue,
+            forward_workers=config.forward_workers or default.forward_workers,
+            batch_overhead_tokens=(
+                default.batch_overhead_tokens
+                if config.batch_overhead_tokens is None
+                else config.batch_overhead_tokens
+            ),
+        )

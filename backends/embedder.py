@@ -33,6 +33,7 @@ from backends.encoder import (
 )
 from backends.errors import InputError, LoadError
 from backends.loading import require_safe_weights
+from backends.runtime_config import EmbedderConfig
 from backends.tokenization import Encoded, EncoderTokenizer
 from backends.unpadded import UnpaddedEncoder, padded_embed
 
@@ -138,17 +139,15 @@ class _EmbedStages:
         return [(vectors[i], item.length) for i, item in enumerate(items)]
 
 
-class EmbedderBackend(BatchedEncoderBackend[_EmbedRequest, _Row]):
+class EmbedderBackend(BatchedEncoderBackend[_EmbedRequest, _Row, EmbedderConfig]):
     """A sentence-transformers embedder; `embed` batches concurrent requests together."""
 
     kind = ModelKind.EMBEDDER
 
     def __init__(self, context: BackendContext) -> None:
-        super().__init__(context)
-        try:
-            self._matryoshka = _dims(context.runtime_config.get("matryoshka_dims"))
-        except ValueError as e:
-            raise LoadError(f"{context.model} v{context.version}: {e}") from e
+        super().__init__(context, EmbedderConfig)
+        # Largest first (the config model sorts them).
+        self._matryoshka = tuple(self.config.matryoshka_dims or ())
         self._dimension = 0
         self._normalized = False
 
@@ -174,13 +173,13 @@ class EmbedderBackend(BatchedEncoderBackend[_EmbedRequest, _Row]):
         transformer: Any = model[0]
         tokenizer = EncoderTokenizer(
             transformer.tokenizer,
-            max_length=model_max_length(model, self.context.runtime_config.get("max_seq_length")),
+            max_length=model_max_length(model, self.config.max_seq_length),
             vocab_size=transformer.auto_model.get_input_embeddings().num_embeddings,
         )
         self._dimension = int(dim)
         self._normalized = any(type(m).__name__ == "Normalize" for m in model)
         packed = None
-        if unpadded_setting(self.context.runtime_config, device):
+        if unpadded_setting(self.config, device):
             packed = UnpaddedEncoder.probe(model, tokenizer)
         self._start(_EmbedStages(model, tokenizer, device, packed), device)
 
@@ -221,15 +220,3 @@ class EmbedderBackend(BatchedEncoderBackend[_EmbedRequest, _Row]):
                 norms = np.linalg.norm(vectors, axis=1, keepdims=True)
                 vectors = vectors / np.maximum(norms, 1e-12)
         return Embeddings(vectors=vectors, token_counts=[n for _, n in rows])
-
-
-def _dims(value: Any) -> tuple[int, ...]:
-    """The runtime config's `matryoshka_dims`: a list of positive integers, or nothing."""
-    if value is None:
-        return ()
-    if not isinstance(value, list | tuple) or not all(
-        isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in value
-    ):
-        raise ValueError(f"runtime config matryoshka_dims={value!r}: expected a list of "
-                         "positive integers, e.g. [256, 128, 64]")  # fmt: skip
-    return tuple(sorted(set(value), reverse=True))

@@ -19,13 +19,14 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 
-from backends.base import Backend, BackendContext
+from backends.base import Backend, BackendContext, checked_config
 from backends.batch_limits import BatchLimits
 from backends.batch_metrics import BatchMetrics
 from backends.batching import DynamicBatcher
 from backends.errors import BackendClosedError, LoadError
 from backends.loading import module_bytes, require_safe_weights, tensor_bytes_from_headers
 from backends.parking import ParkedWeights, park, release
+from backends.runtime_config import EncoderConfig, RuntimeConfig
 from backends.threads import intraop_threads
 from backends.tokenization import Encoded, EncoderTokenizer
 
@@ -40,6 +41,7 @@ P = TypeVar("P")  # the payload of one request
 R = TypeVar("R")  # the result for one input
 P_contra = TypeVar("P_contra", contravariant=True)
 R_co = TypeVar("R_co", covariant=True)
+C = TypeVar("C", bound=EncoderConfig)  # the kind's runtime config
 
 
 class EncoderStages(Protocol[P_contra, R_co]):
@@ -56,23 +58,25 @@ class EncoderStages(Protocol[P_contra, R_co]):
     def forward(self, items: Sequence[Encoded]) -> Sequence[R_co]: ...
 
 
-class BatchedEncoderBackend(Backend, Generic[P, R]):
+class BatchedEncoderBackend(Backend, Generic[P, R, C]):
     """A loaded encoder behind a dynamic batcher; subclasses implement `load` and call
-    `_start` at its end, and submit work through `_submit`."""
+    `_start` at its end, and submit work through `_submit`. `config` is the version's runtime
+    config as `config_type` (LoadError naming the key when it does not check)."""
 
-    def __init__(self, context: BackendContext) -> None:
+    def __init__(self, context: BackendContext, config_type: type[C]) -> None:
         super().__init__(context)
-        try:
-            self.limits = BatchLimits.from_runtime_config(context.runtime_config)
-        except ValueError as e:
-            raise LoadError(f"{context.model} v{context.version}: {e}") from e
+        where = f"{context.model} v{context.version}"
+        self.config: C = checked_config(config_type, context.runtime_config, where)
+        self.limits = BatchLimits.from_config(self.config)
         self._stages: EncoderStages[P, R] | None = None
         self._batcher: DynamicBatcher[P, Encoded, R] | None = None
         # The weights while offloaded: one host buffer, restored by one copy.
         self._parked: ParkedWeights | None = None
 
     @classmethod
-    def predict_memory(cls, artifact_dir: Path, runtime_config: Mapping[str, Any]) -> int:
+    def predict_memory(
+        cls, artifact_dir: Path, runtime_config: RuntimeConfig | Mapping[str, Any]
+    ) -> int:
         files = require_safe_weights(artifact_dir)
         return tensor_bytes_from_headers(files) + _RUNTIME_OVERHEAD_BYTES
 
@@ -151,18 +155,16 @@ class BatchedEncoderBackend(Backend, Generic[P, R]):
         HTTP, tokenizing and clients: an OpenMP team stalls at every barrier whenever one of its
         threads is descheduled. A GPU pass costs about the same for any small batch, so there
         batches are split for padding only when they are large."""
-        config = self.context.runtime_config
+        config = self.config
         limits = self.limits
         if not device.startswith("cpu"):
-            if "batch_overhead_tokens" not in config:
+            if config.batch_overhead_tokens is None:
                 limits = replace(limits, batch_overhead_tokens=ACCELERATOR_OVERHEAD_TOKENS)
             return limits, None
         cores = torch.get_num_threads()
-        if "forward_workers" not in config:
+        if config.forward_workers is None:
             limits = replace(limits, forward_workers=max(1, min(DEFAULT_CPU_WORKERS, cores)))
-        threads = config.get("worker_threads", max(1, cores // limits.forward_workers))
-        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-            raise LoadError(f"runtime config worker_threads={threads!r}: expected an integer >= 1")
+        threads = config.worker_threads or max(1, cores // limits.forward_workers)
         return limits, intraop_threads(threads)
 
     async def _submit(self, payload: P, size: int) -> list[R]:
@@ -177,29 +179,22 @@ class BatchedEncoderBackend(Backend, Generic[P, R]):
         return self._stages
 
 
-def unpadded_setting(config: Mapping[str, Any], device: str) -> bool:
+def unpadded_setting(config: EncoderConfig, device: str) -> bool:
     """The runtime config's `unpadded` (true / false), by default true on a CPU, where a packed
     batch saves the padding's compute, and false on an accelerator, where one padded SDPA call
     beats an attention call per input."""
-    value = config.get("unpadded")
-    if value is None:
+    if config.unpadded is None:
         return device.startswith("cpu")
-    if not isinstance(value, bool):
-        raise LoadError(f"runtime config unpadded={value!r}: expected true or false")
-    return value
+    return config.unpadded
 
 
-def model_max_length(model: Any, configured: Any) -> int:
+def model_max_length(model: Any, configured: int | None) -> int:
     """The model's maximum input tokens (sentence-transformers' `max_seq_length`), lowered to
     the runtime config's `max_seq_length` when that is smaller."""
     length = model.max_seq_length
     if not length:
         raise LoadError("the model reports no maximum sequence length")
     if configured is not None:
-        if isinstance(configured, bool) or not isinstance(configured, int) or configured < 1:
-            raise LoadError(
-                f"runtime config max_seq_length={configured!r}: expected an integer >= 1"
-            )
         return min(int(length), configured)
     return int(length)
 

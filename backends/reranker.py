@@ -36,10 +36,10 @@ from backends.encoder import (
 )
 from backends.errors import InputError, LoadError
 from backends.loading import require_safe_weights
+from backends.runtime_config import RerankerConfig
 from backends.tokenization import Encoded, EncoderTokenizer
 from backends.unpadded import UnpaddedCrossEncoder, padded_logits
 
-DEFAULT_MAX_DOCUMENTS = 1000
 # One pair's result: its score and the tokens it used.
 _Scored = tuple[float, int]
 
@@ -123,21 +123,15 @@ class _RerankStages:
         return [(float(s), item.length) for s, item in zip(scores.tolist(), items, strict=True)]
 
 
-class RerankerBackend(BatchedEncoderBackend[_RerankRequest, _Scored]):
+class RerankerBackend(BatchedEncoderBackend[_RerankRequest, _Scored, RerankerConfig]):
     """A one-label cross-encoder; `rerank` scores documents against a query, batching the
     pairs of concurrent requests together."""
 
     kind = ModelKind.RERANKER
 
     def __init__(self, context: BackendContext) -> None:
-        super().__init__(context)
-        value = context.runtime_config.get("max_documents", DEFAULT_MAX_DOCUMENTS)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise LoadError(
-                f"{context.model} v{context.version}: runtime config max_documents={value!r}: "
-                "expected an integer >= 1"
-            )
-        self.max_documents: int = value
+        super().__init__(context, RerankerConfig)
+        self.max_documents: int = self.config.max_documents
 
     def load(self, artifact_dir: Path, device: str, dtype: torch.dtype | None = None) -> None:
         from sentence_transformers import CrossEncoder
@@ -158,11 +152,11 @@ class RerankerBackend(BatchedEncoderBackend[_RerankRequest, _Scored]):
         transformer: Any = model[0]
         tokenizer = EncoderTokenizer(
             transformer.tokenizer,
-            max_length=model_max_length(model, self.context.runtime_config.get("max_seq_length")),
+            max_length=model_max_length(model, self.config.max_seq_length),
             vocab_size=transformer.auto_model.get_input_embeddings().num_embeddings,
         )
         packed = None
-        if unpadded_setting(self.context.runtime_config, device):
+        if unpadded_setting(self.config, device):
             packed = UnpaddedCrossEncoder.probe(model, tokenizer)
         self._start(_RerankStages(model, tokenizer, device, packed), device)
 

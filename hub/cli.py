@@ -51,6 +51,7 @@ def _settings(config: Path | None, **overrides: Any) -> HubSettings:
 
 
 def _registry(settings: HubSettings) -> Any:
+    from backends.runtime_config import parse_runtime_config
     from registry.cache import ArtifactCache
     from registry.db import Database, upgrade
     from registry.mlflow_store import MlflowStore
@@ -63,6 +64,7 @@ def _registry(settings: HubSettings) -> Any:
         mlflow,
         ArtifactCache(settings.cache_dir, mlflow),
         allow_pickle=settings.allow_pickle,
+        check_config=parse_runtime_config,
     )
 
 
@@ -142,6 +144,7 @@ def register(
 ) -> None:
     """Register a new version of a model from SOURCE (a folder, hf://org/name[@rev],
     models:/name/3, models:/name@alias or runs:/<run id>/<path>)."""
+    from backends.runtime_config import RuntimeConfigError, parse_runtime_config
     from hub.demo import is_builtin, materialise_builtin
     from registry.errors import RegistryError
 
@@ -150,6 +153,12 @@ def register(
         extra = json.loads(runtime_config) if runtime_config else {}
     except ValueError as e:
         raise _fail(f"--runtime-config is not JSON: {e}", 2) from None
+    if not isinstance(extra, dict):
+        raise _fail("--runtime-config must be a JSON object of keys to values", 2)
+    try:
+        parse_runtime_config(kind, extra)
+    except (RuntimeConfigError, ValueError) as e:
+        raise _fail(f"--runtime-config: {e}", 2) from None
     if is_builtin(source):
         source = str(materialise_builtin(source, settings.demo_dir))
     evals = None

@@ -21,11 +21,14 @@ from pydantic import (
     Field,
     SecretStr,
     ValidationError,
+    ValidationInfo,
     model_validator,
 )
 from pydantic import field_validator as validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from backends.llm.cpu_kernels import KernelSettings
+from backends.runtime_config import RuntimeConfigError, parse_runtime_config
 from hub.units import parse_bytes, parse_duration
 
 ENV_PREFIX = "HUB_"
@@ -102,6 +105,21 @@ class ModelSpec(_Section):
     # The device it must be placed on (one of `devices`); default: placement chooses.
     device: str | None = None
 
+    @validator("config")
+    @classmethod
+    def _config_checks(cls, v: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        # The raw mapping is what gets registered; it is checked here so a typo stops the
+        # hub at start, naming the model and the key, instead of failing at first load.
+        kind = info.data.get("kind")
+        if kind is None:
+            return v  # the kind's own error is reported
+        try:
+            parse_runtime_config(kind, v)
+        except RuntimeConfigError as e:
+            name = info.data.get("name", "?")
+            raise ValueError(f"model {name!r}: config.{e.key}: {e.reason}") from None
+        return v
+
 
 class ManagerSettings(_Section):
     # How long a request waits for its model to load (including room being made) before 503.
@@ -164,6 +182,41 @@ class TrafficSettings(_Section):
     min_samples: int = Field(default=30, ge=2)
 
 
+def _env_switch(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    if value is None or not value.strip():
+        return default
+    return value.strip().lower() not in ("0", "false", "no", "off")
+
+
+def _kernel_cache_default() -> Path | None:
+    if os.environ.get("MODEL_HUB_KERNEL_CACHE"):
+        return Path(os.environ["MODEL_HUB_KERNEL_CACHE"])
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]) / "model-hub" / "kernels"
+    return None  # the backend's default, ~/.cache/model-hub/kernels
+
+
+class EngineSettings(_Section):
+    """Switches of the LLM engine's native CPU kernels, passed to every LLM backend at load.
+
+    The defaults read the variables older releases honoured (`MODEL_HUB_CPU_KERNELS`,
+    `MODEL_HUB_KERNEL_CACHE`, `CC`); `engine:` in the file and `HUB_ENGINE__*` win over them."""
+
+    # Decode attention on a CPU (float32) in the compiled C kernel; false: the torch path.
+    cpu_kernels: bool = Field(default_factory=lambda: _env_switch("MODEL_HUB_CPU_KERNELS", True))
+    # Where compiled kernels are cached; default: $XDG_CACHE_HOME/model-hub/kernels.
+    kernel_cache_dir: Path | None = Field(default_factory=_kernel_cache_default)
+    # The C compiler, arguments allowed ("ccache gcc"); default: cc.
+    cc: str = Field(default_factory=lambda: os.environ.get("CC") or "cc", min_length=1)
+
+    def kernel_settings(self) -> KernelSettings:
+        """What the LLM backends are given at load."""
+        return KernelSettings(
+            enabled=self.cpu_kernels, cache_dir=self.kernel_cache_dir, compiler=self.cc
+        )
+
+
 class HubSettings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX,
@@ -186,6 +239,7 @@ class HubSettings(BaseSettings):
     manager: ManagerSettings = ManagerSettings()
     registry: RegistrySettings = RegistrySettings()
     traffic: TrafficSettings = TrafficSettings()
+    engine: EngineSettings = Field(default_factory=EngineSettings)
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
@@ -278,5 +332,6 @@ def _describe(error: ValidationError, where: str, env_keys: dict[str, str]) -> s
             hint = f" (known keys: {known})" if len(err["loc"]) == 1 else ""
             lines.append(f"{source}: unknown key '{loc}'{hint}")
         else:
-            lines.append(f"{source}: key '{loc}': {err['msg']}")
+            message = str(err["msg"]).removeprefix("Value error, ")
+            lines.append(f"{source}: key '{loc}': {message}")
     return "invalid settings:\n  " + "\n  ".join(lines)

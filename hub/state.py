@@ -6,6 +6,7 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
+from backends.runtime_config import parse_runtime_config
 from hub.auth import Authenticator
 from hub.catalog import Catalog
 from hub.demo import is_builtin, materialise_builtin
@@ -56,6 +57,7 @@ class Hub:
             cache,
             allow_pickle=settings.allow_pickle,
             hf_cache_dir=settings.registry.hf_cache_dir,
+            check_config=parse_runtime_config,
         )
         metrics = HubMetrics()
         catalog = Catalog(registry)
@@ -64,6 +66,7 @@ class Hub:
             metrics_registry=metrics.registry,
             allow_pickle=settings.allow_pickle,
             trust_remote_code=settings.trust_remote_code,
+            kernels=settings.engine.kernel_settings(),
         )
         devices = [Device.from_settings(d) for d in settings.devices]
         manager = ModelManager(

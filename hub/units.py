@@ -1,50 +1,11 @@
-"""Byte sizes and durations as people write them in config files."""
+"""Byte sizes and durations as people write them in config files.
+
+The parsers live in `backends.units` (backends read runtime configs with them and may not
+import the hub); this module is the hub's name for them.
+"""
 
 from __future__ import annotations
 
-import re
+from backends.units import format_bytes, parse_bytes, parse_duration
 
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
-    "tb": 10**12,
-    "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20, "gi": 2**30, "gib": 2**30,
-    "ti": 2**40, "tib": 2**40,
-}  # fmt: skip
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-_DURATION_RE = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
-_DURATION_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, None: 1}
-
-
-def parse_bytes(value: str | int | float) -> int:
-    """`"4GiB"` -> 4294967296, `"512MB"` -> 512000000, `1024` -> 1024."""
-    if isinstance(value, bool):
-        raise ValueError("a byte size must be a number or a string like '4GiB'")
-    if isinstance(value, int | float):
-        if value < 0:
-            raise ValueError("a byte size cannot be negative")
-        return int(value)
-    match = _SIZE_RE.match(value)
-    if not match or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"{value!r} is not a byte size (examples: 4GiB, 512MB, 1073741824)")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-
-
-def parse_duration(value: str | int | float) -> float:
-    """Seconds from `"5m"`, `"30s"`, `"250ms"`, `"-1"`, or a plain number of seconds."""
-    if isinstance(value, bool):
-        raise ValueError("a duration must be a number or a string like '5m'")
-    if isinstance(value, int | float):
-        return float(value)
-    match = _DURATION_RE.match(value)
-    if not match:
-        raise ValueError(f"{value!r} is not a duration (examples: 30s, 5m, 1h, -1)")
-    return float(match.group(1)) * _DURATION_UNITS[match.group(2)]
-
-
-def format_bytes(n: int | float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
+__all__ = ["format_bytes", "parse_bytes", "parse_duration"]

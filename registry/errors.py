@@ -15,6 +15,14 @@ class InvalidSourceError(RegistryError):
     """A register source that cannot become a model version (missing, unsafe, wrong kind)."""
 
 
+class InvalidConfigError(InvalidSourceError):
+    """A runtime config the version's kind cannot use; `key` names the offending key."""
+
+    def __init__(self, message: str, *, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+
+
 class ConflictError(RegistryError):
     """The request contradicts the registry's current state."""
 

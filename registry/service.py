@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,7 @@ from registry.aliases import AliasBook, event_view
 from registry.cache import ArtifactCache
 from registry.canaries import CanaryBook
 from registry.db import Database
-from registry.errors import ConflictError, InvalidSourceError, NotFoundError
+from registry.errors import ConflictError, InvalidConfigError, InvalidSourceError, NotFoundError
 from registry.fetch import SourceFetcher
 from registry.mlflow_store import MlflowStore
 from registry.schema import AliasEvent, ModelVersion, RegisteredModel
@@ -33,6 +33,11 @@ ALIAS_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,63}$")
 RESERVED_ALIAS_RE = re.compile(r"^(latest|v\d+)$", re.IGNORECASE)
 
 log = logging.getLogger(__name__)
+
+# Checks a runtime config for a kind, raising ValueError (with a `key` attribute naming the
+# offending key, when it has one) for a config that kind cannot use. The hub passes
+# `backends.runtime_config.parse_runtime_config`; the registry imports no backend itself.
+ConfigCheck = Callable[[str, Mapping[str, Any]], object]
 
 
 def check_name(name: str) -> None:
@@ -86,7 +91,9 @@ def _model_view(model: RegisteredModel, aliases: Mapping[str, int]) -> ModelView
 
 
 class Registry:
-    """Models, versions and aliases, kept in SQL and MLflow together."""
+    """Models, versions and aliases, kept in SQL and MLflow together. With `check_config`,
+    `register` refuses a runtime config the kind cannot use (InvalidConfigError naming the
+    key) before anything is fetched or written; the config is stored as given."""
 
     def __init__(
         self,
@@ -96,8 +103,10 @@ class Registry:
         *,
         allow_pickle: bool = False,
         hf_cache_dir: Path | None = None,
+        check_config: ConfigCheck | None = None,
     ) -> None:
         self.db = db
+        self.check_config = check_config
         self.mlflow = mlflow
         self.cache = cache
         self.allow_pickle = allow_pickle
@@ -132,6 +141,7 @@ class Registry:
         aliases = list(aliases)
         for alias in aliases:
             check_alias(alias)
+        self._check_config(kind, config or {})
         with self.fetcher.fetch(source) as folder:
             return self._register_folder(
                 name, kind, source, folder, aliases, config, description, eval_set, actor
@@ -150,6 +160,9 @@ class Registry:
         actor: str,
     ) -> VersionView:
         inspected = inspect_folder(folder, kind, allow_pickle=self.allow_pickle)
+        # What is stored: the defaults read from the model's files, then the caller's keys.
+        runtime_config = {**inspected.runtime_defaults, **(config or {})}
+        self._check_config(kind, runtime_config)
         with self.db.session() as s:
             existing = s.scalar(select(RegisteredModel).where(RegisteredModel.name == name))
             if existing is not None and existing.kind != kind:
@@ -178,7 +191,7 @@ class Registry:
                         manifest=inspected.manifest,
                         total_bytes=inspected.total_bytes,
                         dtype=inspected.dtype,
-                        runtime_config={**inspected.runtime_defaults, **(config or {})},
+                        runtime_config=runtime_config,
                         status="registered",
                         eval_set=dict(eval_set) if eval_set else None,
                     )
@@ -192,6 +205,14 @@ class Registry:
         log.info("registered %s v%d (%s, %d bytes) from %s", name, version, kind,
                  inspected.total_bytes, source)  # fmt: skip
         return self.get_version(name, version)
+
+    def _check_config(self, kind: str, config: Mapping[str, Any]) -> None:
+        if self.check_config is None:
+            return
+        try:
+            self.check_config(kind, config)
+        except ValueError as e:
+            raise InvalidConfigError(str(e), key=getattr(e, "key", None)) from e
 
     def set_alias(
         self,

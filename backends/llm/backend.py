@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 
-from backends.base import Backend, BackendContext, ModelKind
+from backends.base import Backend, BackendContext, ModelKind, checked_config
 from backends.errors import BackendClosedError, InputError, LoadError
 from backends.llm.async_engine import AsyncLLMEngine, RequestStream
-from backends.llm.config import EngineConfig, kv_cache_reservation
+from backends.llm.config import EngineConfig, kv_cache_reservation, llm_config
 from backends.llm.engine import LLMEngine, RequestOutput
 from backends.llm.metrics import EngineMetrics
 from backends.llm.model_runner import ModelRunner
@@ -37,6 +37,7 @@ from backends.loading import (
     tensor_bytes_from_headers,
 )
 from backends.parking import ParkedWeights, park, release
+from backends.runtime_config import LLMConfig, RuntimeConfig
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,8 @@ class LLMBackend(Backend):
 
     def __init__(self, context: BackendContext) -> None:
         super().__init__(context)
+        where = f"{context.model} v{context.version}"
+        self.config: LLMConfig = checked_config(LLMConfig, context.runtime_config, where)
         self.tokenizer: Any = None
         self._runner: ModelRunner | None = None
         self._engine: AsyncLLMEngine | None = None
@@ -59,21 +62,22 @@ class LLMBackend(Backend):
     def predict_memory(
         cls,
         artifact_dir: Path,
-        runtime_config: Mapping[str, Any],
+        runtime_config: RuntimeConfig | Mapping[str, Any],
         *,
         device_budget_bytes: int | None = None,
     ) -> int:
+        config = llm_config(runtime_config)
         files = require_safe_weights(artifact_dir)
-        dtype = parse_dtype(runtime_config.get("dtype"))
+        dtype = parse_dtype(config.dtype)
         weights = tensor_bytes_from_headers(files, dtype)
-        kv_cache = kv_cache_reservation(runtime_config, device_budget_bytes)
+        kv_cache = kv_cache_reservation(config, device_budget_bytes)
         return weights + kv_cache + _RUNTIME_OVERHEAD_BYTES
 
     def load(self, artifact_dir: Path, device: str, dtype: torch.dtype | None = None) -> None:
         from transformers import AutoTokenizer
 
         ctx = self.context
-        config = EngineConfig.from_runtime_config(ctx.runtime_config, ctx.device_budget_bytes)
+        config = EngineConfig.from_runtime_config(self.config, ctx.device_budget_bytes)
         require_safe_weights(artifact_dir, allow_pickle=ctx.allow_pickle)
         try:
             tokenizer = AutoTokenizer.from_pretrained(
@@ -88,6 +92,7 @@ class LLMBackend(Backend):
             config,
             allow_pickle=ctx.allow_pickle,
             trust_remote_code=ctx.trust_remote_code,
+            kernels=ctx.kernels,
         )
         self._metrics = EngineMetrics(ctx.metrics_registry, ctx.model, ctx.version)
         engine = LLMEngine(config, runner, tokenizer, self._metrics)

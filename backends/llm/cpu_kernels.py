@@ -4,13 +4,15 @@ Decode attention on a CPU is bound by memory traffic: the whole context of every
 read once per layer and step. Gathering a sequence's blocks into one tensor first (what plain
 torch can do) copies that context and reads it twice more; `csrc/paged_decode.c` reads the
 keys and values in place from the cache blocks instead. It is plain C (no torch headers), so
-it builds in well under a second; the shared library is cached under
-`$MODEL_HUB_KERNEL_CACHE` (default `~/.cache/model-hub/kernels`), keyed by the source, the flags
-and the CPU, and reused by every later process.
+it builds in well under a second; the shared library is cached in `KernelSettings.cache_dir`
+(default `~/.cache/model-hub/kernels`), keyed by the source, the flags and the CPU, and reused
+by every later process.
 
-Where no compiler is found, or `MODEL_HUB_CPU_KERNELS=0` is set, `paged_decode()` returns
-None and the engine keeps its torch path; the reason is logged once. `CC` picks the compiler
-(`cc` by default; arguments allowed). A failed build is remembered in the cache (a `.failed`
+Where no compiler is found, or the kernels are switched off (`KernelSettings.enabled`),
+`paged_decode(settings)` returns None and the engine keeps its torch path; the reason is
+logged once. `KernelSettings.compiler` picks the compiler (`cc` by default; arguments
+allowed). The hub fills these from its settings (`engine:`); this module reads no environment
+variable. A failed build is remembered in the cache (a `.failed`
 file beside where the library would be) so later processes do not retry it; a different
 compiler or source gets a fresh attempt.
 """
@@ -27,6 +29,7 @@ import shlex
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -47,6 +50,24 @@ _SERIAL_FLAG_SETS = (
     ["-O3", "-march=native", "-fPIC", "-shared"],
     ["-O3", "-fPIC", "-shared"],
 )
+
+
+@dataclass(frozen=True)
+class KernelSettings:
+    """Whether and how the native kernels are built: passed down from the hub's settings."""
+
+    # False: never build or use them; decode attention runs in torch.
+    enabled: bool = True
+    # Where built libraries (and remembered failures) are kept; None: the user's cache
+    # folder, `~/.cache/model-hub/kernels`.
+    cache_dir: Path | None = None
+    # The C compiler command, arguments allowed ("ccache gcc").
+    compiler: str = "cc"
+
+    def resolved_cache_dir(self) -> Path:
+        if self.cache_dir is not None:
+            return self.cache_dir
+        return Path.home() / ".cache" / "model-hub" / "kernels"
 
 
 class PagedDecodeKernel:
@@ -151,32 +172,37 @@ class PagedDecodeKernel:
 
 
 @functools.cache
-def paged_decode() -> PagedDecodeKernel | None:
-    """The compiled kernel, built on first use; None (reason logged once) where it cannot be."""
-    if os.environ.get("MODEL_HUB_CPU_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
-        log.info("native CPU kernels off (MODEL_HUB_CPU_KERNELS); decode attention runs in torch")
+def paged_decode(settings: KernelSettings = KernelSettings()) -> PagedDecodeKernel | None:
+    """The compiled kernel, built on first use; None (reason logged once per settings) where
+    it cannot be or `settings` switch it off."""
+    if not settings.enabled:
+        log.info("native CPU kernels off (engine.cpu_kernels); decode attention runs in torch")
         return None
     try:
-        return load_paged_decode(openmp=_torch_uses_gnu_openmp())
+        return load_paged_decode(openmp=_torch_uses_gnu_openmp(), settings=settings)
     except (RuntimeError, ValueError) as e:
         log.warning("decode attention runs in torch (slower): %s", e)
         return None
 
 
-def load_paged_decode(*, openmp: bool) -> PagedDecodeKernel:
+def load_paged_decode(
+    *,
+    openmp: bool,
+    settings: KernelSettings = KernelSettings(),
+) -> PagedDecodeKernel:
     """Build (or take from the cache) and load the kernel; `openmp` tries the threaded build
     first, with GCC only (its `-fopenmp` links the `libgomp.so.1` torch has loaded).
     RuntimeError saying why when no build loads."""
-    compiler = shlex.split(os.environ.get("CC") or "cc")  # "ccache gcc" works too
+    compiler = shlex.split(settings.compiler)  # "ccache gcc" works too
     if not compiler or shutil.which(compiler[0]) is None:
-        raise RuntimeError(f"no C compiler {' '.join(compiler)!r} on PATH (set CC to one)")
+        raise RuntimeError(f"no C compiler {settings.compiler!r} on PATH (set engine.cc to one)")
     identity = _compiler_identity(compiler)
     use_openmp = openmp and "Free Software Foundation" in identity
     flag_sets = (_OPENMP_FLAG_SETS if use_openmp else ()) + _SERIAL_FLAG_SETS
     errors = []
     for flags in flag_sets:
         try:
-            path = _build(SOURCE, compiler, identity, flags)
+            path = _build(SOURCE, compiler, identity, flags, settings.resolved_cache_dir())
             runtimes = _openmp_runtimes()
             kernel = PagedDecodeKernel(ctypes.CDLL(str(path)), path)
             added = _openmp_runtimes() - runtimes
@@ -188,22 +214,16 @@ def load_paged_decode(*, openmp: bool) -> PagedDecodeKernel:
     raise RuntimeError("native paged-decode kernel unavailable: " + "; ".join(errors))
 
 
-def cache_dir() -> Path:
-    explicit = os.environ.get("MODEL_HUB_KERNEL_CACHE")
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "model-hub" / "kernels"
-
-
-def _build(source: Path, compiler: list[str], identity: str, flags: list[str]) -> Path:
+def _build(
+    source: Path, compiler: list[str], identity: str, flags: list[str], cache_dir: Path
+) -> Path:
     """The shared library of `source` built with `flags`, from the cache when it is there."""
     code = source.read_bytes()
     command = " ".join([*compiler, *flags])
     key = hashlib.sha256(
         b"\0".join([code, command.encode(), identity.encode(), _cpu_identity()])
     ).hexdigest()[:16]
-    target = cache_dir() / f"{source.stem}-{key}.so"
+    target = cache_dir / f"{source.stem}-{key}.so"
     if target.exists():
         return target
     # A build that failed once fails again with the same source, compiler and flags: the

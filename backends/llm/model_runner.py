@@ -66,6 +66,7 @@ class ModelRunner:
         *,
         batched_decode: bool | None = None,
         native_decode: bool | None = None,
+        kernels: cpu_kernels.KernelSettings | None = None,
     ) -> None:
         self.model = model
         self.config = model.config
@@ -89,6 +90,8 @@ class ModelRunner:
         self.batched_decode = batched_decode
         # The native CPU decode kernel (float32); None: where it builds, False: never.
         self.native_decode = native_decode
+        # How that kernel is built (compiler, cache) or whether at all: the hub's settings.
+        self.kernels = kernels or cpu_kernels.KernelSettings()
         self.kv_caches: list[torch.Tensor] = []
         self.allocate_kv_cache()
 
@@ -104,6 +107,7 @@ class ModelRunner:
         trust_remote_code: bool = False,
         batched_decode: bool | None = None,
         native_decode: bool | None = None,
+        kernels: cpu_kernels.KernelSettings | None = None,
     ) -> ModelRunner:
         from transformers import AutoConfig
 
@@ -141,6 +145,7 @@ class ModelRunner:
             device,
             batched_decode=batched_decode,
             native_decode=native_decode,
+            kernels=kernels,
         )
 
     # ---- memory -----------------------------------------------------------------------
@@ -267,7 +272,7 @@ class ModelRunner:
             return None
         if self.device.type != "cpu" or self.dtype != torch.float32:
             return None
-        return cpu_kernels.paged_decode()
+        return cpu_kernels.paged_decode(self.kernels)
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,6 +10,7 @@ from typing import Any, Literal
 from fastapi import APIRouter, Depends, Query
 from pydantic import BaseModel, ConfigDict, Field
 
+from backends.runtime_config import RuntimeConfigError, parse_runtime_config
 from hub.api.deps import AdminActor, HubDep, require_admin
 from hub.errors import BadRequest
 from hub.validation import parse_eval_set
@@ -130,6 +131,7 @@ class DriftPublic(BaseModel):
 
 @router.post("/models", response_model=VersionCreated, status_code=201)
 async def register_version(body: VersionCreate, hub: HubDep, actor: AdminActor) -> VersionCreated:
+    check_runtime_config(body.kind, body.config)  # 400 naming the key, nothing fetched
     if body.eval_set is not None:
         parse_eval_set(body.kind, body.eval_set)  # 400 naming the bad case, nothing written
     view = await asyncio.to_thread(
@@ -146,6 +148,19 @@ async def register_version(body: VersionCreate, hub: HubDep, actor: AdminActor) 
     hub.reconciler.kick()
     await hub.catalog.refresh()
     return VersionCreated(name=view.name, version=view.version)
+
+
+def check_runtime_config(kind: str, config: dict[str, Any]) -> None:
+    """BadRequest (400, `param` "config.<key>") for a runtime config `kind` cannot use; the
+    registry checks again, with the defaults read from the model's files merged in."""
+    try:
+        parse_runtime_config(kind, config)
+    except RuntimeConfigError as e:
+        raise BadRequest(
+            f"config.{e.key}: {e.reason}" if e.key else str(e),
+            param=f"config.{e.key}" if e.key else "config",
+            code="invalid_runtime_config",
+        ) from None
 
 
 def _promotion(event: EventView) -> PromotionPublic:

@@ -12,8 +12,8 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from backends.runtime_config import RuntimeConfig, RuntimeConfigError
 from hub.settings import ModelSpec
-from hub.units import parse_duration
 
 
 class DeploymentError(ValueError):
@@ -33,29 +33,34 @@ class Deployment:
     @classmethod
     def resolve(
         cls,
-        runtime_config: Mapping[str, Any],
+        runtime_config: RuntimeConfig | Mapping[str, Any],
         spec: ModelSpec | None,
         devices: Collection[str],
     ) -> Deployment:
+        """The version's deployment: its runtime config's `device`, `keep_alive` and `pin`
+        over the model entry's; a mapping is read for those keys alone (other kinds' keys
+        are the backend's). DeploymentError naming the key for a value that does not check,
+        or a device that is not configured."""
+        config = _deployment_keys(runtime_config)
         device = spec.device if spec is not None else None
         keep_alive = spec.keep_alive if spec is not None else None
-        pin = False
-        if runtime_config.get("device") is not None:
-            device = str(runtime_config["device"])
-        if runtime_config.get("keep_alive") is not None:
-            try:
-                keep_alive = parse_duration(runtime_config["keep_alive"])
-            except ValueError as e:
-                raise DeploymentError(f"runtime config keep_alive: {e}") from None
-        if "pin" in runtime_config:
-            if not isinstance(runtime_config["pin"], bool):
-                raise DeploymentError(
-                    f"runtime config pin must be true or false, not {runtime_config['pin']!r}"
-                )
-            pin = runtime_config["pin"]
+        if config.device is not None:
+            device = config.device
+        if config.keep_alive is not None:
+            keep_alive = config.keep_alive
         if device is not None and device not in devices:
             raise DeploymentError(
                 f"the model asks for device {device!r}, which is not configured "
                 f"(devices: {', '.join(devices)})"
             )
-        return cls(device=device, keep_alive=keep_alive, pin=pin)
+        return cls(device=device, keep_alive=keep_alive, pin=config.pin)
+
+
+def _deployment_keys(runtime_config: RuntimeConfig | Mapping[str, Any]) -> RuntimeConfig:
+    if isinstance(runtime_config, RuntimeConfig):
+        return runtime_config
+    shared = {k: v for k, v in runtime_config.items() if k in RuntimeConfig.model_fields}
+    try:
+        return RuntimeConfig.parse(shared)
+    except RuntimeConfigError as e:
+        raise DeploymentError(str(e)) from None

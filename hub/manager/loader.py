@@ -9,9 +9,11 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from backends.base import Backend, BackendContext
+from backends.base import Backend, BackendContext, checked_config
 from backends.kinds import backend_class
+from backends.llm.cpu_kernels import KernelSettings
 from backends.loading import parse_dtype
+from backends.runtime_config import RuntimeConfig, config_type
 from hub.manager.state import ModelKey
 from registry.service import Registry
 from registry.views import VersionView
@@ -24,6 +26,8 @@ class PreparedVersion:
     view: VersionView
     artifact_dir: Path
     backend_cls: type[Backend]
+    # The version's runtime config, checked and typed for its kind.
+    config: RuntimeConfig
 
     def predict_memory(self, device_budget_bytes: int | None = None) -> int:
         """The backend's prediction; `device_budget_bytes` reaches backends whose footprint
@@ -32,9 +36,9 @@ class PreparedVersion:
         predict = self.backend_cls.predict_memory
         if device_budget_bytes is not None and takes_device_budget(self.backend_cls):
             return predict(  # type: ignore[call-arg]
-                self.artifact_dir, self.view.runtime_config, device_budget_bytes=device_budget_bytes
+                self.artifact_dir, self.config, device_budget_bytes=device_budget_bytes
             )
-        return predict(self.artifact_dir, self.view.runtime_config)
+        return predict(self.artifact_dir, self.config)
 
 
 @functools.cache
@@ -54,16 +58,24 @@ class VersionLoader:
         metrics_registry: CollectorRegistry | None = None,
         allow_pickle: bool = False,
         trust_remote_code: bool = False,
+        kernels: KernelSettings | None = None,
     ) -> None:
         self.registry = registry
+        # The LLM engine's native kernels, as the hub's `engine:` settings say.
+        self.kernels = kernels or KernelSettings()
         self.metrics_registry = metrics_registry
         self.allow_pickle = allow_pickle
         self.trust_remote_code = trust_remote_code
 
     def prepare(self, key: ModelKey) -> PreparedVersion:
         view = self.registry.get_version(key.name, key.version)
+        # A version registered before configs were checked may hold a bad one: LoadError
+        # naming the key, before any file is copied.
+        config = checked_config(
+            config_type(view.kind), view.runtime_config, f"{view.name} v{view.version}"
+        )
         artifact_dir = self.registry.materialise(view)
-        return PreparedVersion(view, artifact_dir, backend_class(view.kind))
+        return PreparedVersion(view, artifact_dir, backend_class(view.kind), config)
 
     def load(
         self, prepared: PreparedVersion, device: str, device_budget: int | None = None
@@ -72,12 +84,13 @@ class VersionLoader:
         context = BackendContext(
             model=view.name,
             version=str(view.version),
-            runtime_config=view.runtime_config,
+            runtime_config=prepared.config,
             metrics_registry=self.metrics_registry,
             allow_pickle=self.allow_pickle,
             trust_remote_code=self.trust_remote_code,
             device_budget_bytes=device_budget,
+            kernels=self.kernels,
         )
         backend = prepared.backend_cls(context)
-        backend.load(prepared.artifact_dir, device, parse_dtype(view.runtime_config.get("dtype")))
+        backend.load(prepared.artifact_dir, device, parse_dtype(prepared.config.dtype))
         return backend

@@ -14,6 +14,7 @@ import pytest
 from backends.batch_limits import BatchLimits
 from backends.batching import DynamicBatcher
 from backends.errors import BackendClosedError, CapacityError, InputError
+from backends.runtime_config import EmbedderConfig, RuntimeConfigError
 
 
 @dataclass(frozen=True)
@@ -269,16 +270,17 @@ async def test_close_fails_waiting_requests_and_refuses_new_ones(model: UpperMod
 
 
 def test_limits_come_from_runtime_config_and_bad_values_name_the_key() -> None:
-    limits = BatchLimits.from_runtime_config(
+    limits = BatchLimits.from_config(EmbedderConfig.parse(
         {"max_batch_tokens": 4096, "max_batch_size": 16, "batch_wait_ms": 5, "max_queue": 100,
          "forward_workers": 3, "batch_overhead_tokens": 0}
-    )  # fmt: skip
+    ))  # fmt: skip
     assert (limits.max_batch_tokens, limits.max_batch_size) == (4096, 16)
     assert (limits.batch_wait_s, limits.max_queue) == (0.005, 100)
     assert (limits.forward_workers, limits.batch_overhead_tokens) == (3, 0)
-    assert BatchLimits.from_runtime_config({"normalize": True}) == BatchLimits()
+    assert BatchLimits.from_config(EmbedderConfig.parse({"normalize": True})) == BatchLimits()
     bad = [("max_batch_tokens", 0), ("max_batch_size", "8"), ("batch_wait_ms", -1),
            ("forward_workers", 0), ("batch_overhead_tokens", True)]  # fmt: skip
     for key, value in bad:
-        with pytest.raises(ValueError, match=key):
-            BatchLimits.from_runtime_config({key: value})
+        with pytest.raises(RuntimeConfigError, match=key) as e:
+            EmbedderConfig.parse({key: value})
+        assert e.value.key == key

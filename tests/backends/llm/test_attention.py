@@ -150,34 +150,29 @@ def test_a_failed_build_is_remembered_and_not_retried(
     if shutil.which("cc") is None:
         pytest.skip("no C compiler 'cc'")
     # A flag the compiler rejects stands in for a compiler too old for the source.
-    monkeypatch.setenv("CC", "cc -fno-such-flag-for-this-test")
-    monkeypatch.setenv("MODEL_HUB_KERNEL_CACHE", str(tmp_path))
+    settings = cpu_kernels.KernelSettings(
+        cache_dir=tmp_path, compiler="cc -fno-such-flag-for-this-test"
+    )
     with pytest.raises(RuntimeError, match="could not build") as first:
-        cpu_kernels.load_paged_decode(openmp=False)
+        cpu_kernels.load_paged_decode(openmp=False, settings=settings)
     assert "cached in" not in str(first.value)
     remembered = sorted(p.name for p in tmp_path.glob("*.failed"))
     assert remembered, "the failures are written to the cache"
     with pytest.raises(RuntimeError, match=r"could not build.*cached in"):
-        cpu_kernels.load_paged_decode(openmp=False)
+        cpu_kernels.load_paged_decode(openmp=False, settings=settings)
     assert sorted(p.name for p in tmp_path.glob("*.failed")) == remembered
     assert not list(tmp_path.glob("*.so"))
 
 
-def test_without_a_compiler_the_engine_keeps_the_torch_path(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+def test_without_a_compiler_or_switched_off_the_engine_keeps_the_torch_path(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setenv("CC", "no-such-compiler-here")
-    monkeypatch.setenv("MODEL_HUB_KERNEL_CACHE", str(tmp_path))
-    cpu_kernels.paged_decode.cache_clear()
-    try:
-        assert cpu_kernels.paged_decode() is None
-        assert "no-such-compiler-here" in caplog.text
-        monkeypatch.setenv("CC", "cc")
-        monkeypatch.setenv("MODEL_HUB_CPU_KERNELS", "0")
-        cpu_kernels.paged_decode.cache_clear()
-        assert cpu_kernels.paged_decode() is None
-    finally:
-        cpu_kernels.paged_decode.cache_clear()
+    missing = cpu_kernels.KernelSettings(cache_dir=tmp_path, compiler="no-such-compiler-here")
+    assert cpu_kernels.paged_decode(missing) is None
+    assert "no-such-compiler-here" in caplog.text
+    off = cpu_kernels.KernelSettings(enabled=False, cache_dir=tmp_path)
+    assert cpu_kernels.paged_decode(off) is None
+    assert not list(tmp_path.iterdir()), "switched off, nothing is built"
 
 
 def check_step(

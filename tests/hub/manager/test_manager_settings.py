@@ -60,5 +60,5 @@ def test_deployment_layers_runtime_config_over_the_settings() -> None:
     )
     with pytest.raises(DeploymentError, match="keep_alive"):
         Deployment.resolve({"keep_alive": "soon"}, None, ["cpu"])
-    with pytest.raises(DeploymentError, match="pin must be true or false"):
+    with pytest.raises(DeploymentError, match="pin: Input should be a valid boolean"):
         Deployment.resolve({"pin": "yes"}, None, ["cpu"])

@@ -1,0 +1,263 @@
+"""A model version's runtime config, typed: one frozen model per kind, checked once.
+
+A version is registered with a `config` mapping (JSON or YAML). `parse_runtime_config(kind,
+raw)` turns it into the kind's model or raises `RuntimeConfigError` naming the key and why:
+an unknown key (`max_batch_sizee`), a value of the wrong type (`max_documents: "many"`) or out
+of range (`max_batch_size: -3`). The registry keeps the mapping exactly as registered; the
+hub checks it at every edge (HTTP, CLI, config file, `Registry.register`) and hands backends
+the typed object, so nothing below reads the mapping with `.get`.
+
+- `RuntimeConfig` (every kind): where and how long the version runs (`device`, `keep_alive`,
+  `pin`) and the weights' `dtype`.
+- `EncoderConfig` (embedders and rerankers): dynamic batching and input length.
+- `EmbedderConfig`, `RerankerConfig`, `LLMConfig`: what only that kind reads.
+
+Keys left unset are None where the backend picks a default by device (`forward_workers`,
+`unpadded`, ...), otherwise they hold the default the backend uses. This module imports
+neither torch nor the hub, so the API and CLI check configs without loading a model.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar, Self
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from backends.units import parse_bytes, parse_duration
+
+# Strict: `"64"` is not 64 and `"yes"` is not true; a config is data, not a form to coerce.
+Count = Annotated[int, Field(strict=True, ge=1)]
+NonNegative = Annotated[int, Field(strict=True, ge=0)]
+Flag = Annotated[bool, Field(strict=True)]
+Milliseconds = Annotated[float, Field(strict=True, ge=0, allow_inf_nan=False)]
+ByteCount = Annotated[int, BeforeValidator(parse_bytes), Field(gt=0)]
+# Ollama's keep_alive: a duration ("5m", 30); 0 unloads after each request, negative never.
+Duration = Annotated[float, BeforeValidator(parse_duration)]
+
+# Names accepted for `dtype` (backends.loading maps them to torch dtypes); "auto" keeps the
+# checkpoint's.
+DTYPE_NAMES = ("auto", "float32", "fp32", "float16", "fp16", "half", "bfloat16", "bf16")
+_DEVICE_RE = re.compile(r"^(cpu|cuda:\d+)$")
+_NOUNS = {"model": "a model", "embedder": "an embedder", "reranker": "a reranker", "llm": "an LLM"}
+
+
+class RuntimeConfigError(ValueError):
+    """A runtime config that cannot be used. `key` is the first offending key (dotted for
+    nested values, e.g. `matryoshka_dims.1`), `reason` why; the message names all of them."""
+
+    def __init__(self, message: str, *, key: str, reason: str) -> None:
+        super().__init__(message)
+        self.key = key
+        self.reason = reason
+
+
+class _KeyError(ValueError):
+    """A check across keys, raised inside a model validator, blaming one key."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+class RuntimeConfig(BaseModel):
+    """Keys every kind reads. Frozen; unknown keys are refused."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # The kind this model checks, for messages ("unknown key for a reranker").
+    kind: ClassVar[str] = "model"
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any] | RuntimeConfig | None) -> Self:
+        """`raw` checked and typed; a config of this class is returned as is. Raises
+        RuntimeConfigError naming the key and why."""
+        if isinstance(raw, cls):
+            return raw
+        if isinstance(raw, RuntimeConfig):
+            raise RuntimeConfigError(
+                f"a {type(raw).__name__} is not the runtime config of {_NOUNS[cls.kind]}",
+                key="",
+                reason="wrong kind",
+            )
+        if raw is not None and not isinstance(raw, Mapping):
+            raise RuntimeConfigError(
+                f"runtime config must be a mapping of keys to values, not {type(raw).__name__}",
+                key="",
+                reason="not a mapping",
+            )
+        try:
+            return cls.model_validate(dict(raw or {}))
+        except ValidationError as e:
+            raise _error(cls, e) from None
+
+    # The device the version must be placed on (one of the hub's `devices`); None: placement
+    # chooses. Wins over the `models:` entry of the settings.
+    device: str | None = None
+    # Seconds the version stays resident once idle (0: unload after each request, negative:
+    # until memory pressure); None: the model entry's or the manager's default.
+    keep_alive: Duration | None = None
+    # Pinned whenever loaded: never evicted.
+    pin: Flag = False
+    # Weights' dtype on the device; None or "auto": the checkpoint's.
+    dtype: str | None = None
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str | None) -> str | None:
+        if v is not None and not _DEVICE_RE.match(v):
+            raise ValueError(f"{v!r} is not a device; use 'cpu' or 'cuda:N'")
+        return v
+
+    @field_validator("dtype")
+    @classmethod
+    def _dtype(cls, v: str | None) -> str | None:
+        if v is not None and v.lower() not in DTYPE_NAMES:
+            raise ValueError(f"unknown dtype {v!r}; use one of {', '.join(DTYPE_NAMES)}")
+        return v
+
+
+class EncoderConfig(RuntimeConfig):
+    """Batching and input length of a sentence-transformers model (embedder or reranker)."""
+
+    # Tokens per forward pass: batch size x longest input when padded, real tokens unpadded.
+    max_batch_tokens: Count = 16384
+    # Inputs per forward pass.
+    max_batch_size: Count = 32
+    # How long an idle model waits for a batch to fill.
+    batch_wait_ms: Milliseconds = 2.0
+    # Inputs waiting for a forward pass; beyond it 503 + Retry-After.
+    max_queue: Count = 4096
+    # The fixed cost of one pass in padded tokens; None: by device (small on a CPU).
+    batch_overhead_tokens: NonNegative | None = None
+    # Forward passes in parallel and torch threads each; None: by device.
+    forward_workers: Count | None = None
+    worker_threads: Count | None = None
+    # Lowers the model's maximum input tokens; None: the model's.
+    max_seq_length: Count | None = None
+    # Run batches packed into one row; None: on a CPU only.
+    unpadded: Flag | None = None
+
+
+class EmbedderConfig(EncoderConfig):
+    """An embedder's runtime config."""
+
+    kind: ClassVar[str] = "embedder"
+
+    # `dimensions` a request may ask for (the vector is cut and renormalised).
+    matryoshka_dims: Annotated[list[Count], Field(min_length=1)] | None = None
+    # Whether the pipeline normalises its vectors: recorded from the model's files at
+    # registration, for reading; the model's own pipeline decides.
+    normalize: Flag | None = None
+
+    @field_validator("matryoshka_dims")
+    @classmethod
+    def _dims(cls, v: list[int] | None) -> list[int] | None:
+        return None if v is None else sorted(set(v), reverse=True)
+
+
+class RerankerConfig(EncoderConfig):
+    """A reranker's runtime config."""
+
+    kind: ClassVar[str] = "reranker"
+
+    # Documents ranked in one request at most.
+    max_documents: Count = 1000
+
+
+class LLMConfig(RuntimeConfig):
+    """The LLM engine's runtime config (see `backends.llm.config` for each key's effect)."""
+
+    kind: ClassVar[str] = "llm"
+
+    # KV-cache reservation in bytes ("64MiB"), or as a share of the device budget; not both.
+    kv_cache_bytes: ByteCount | None = None
+    kv_cache_fraction: (
+        Annotated[float, Field(strict=True, gt=0, lt=1, allow_inf_nan=False)] | None
+    ) = None
+    block_size: Count = 16
+    max_num_seqs: Count = 64
+    max_num_batched_tokens: Count = 512
+    # None: the model's context length.
+    max_model_len: Count | None = None
+    enable_prefix_caching: Flag = True
+    max_n: Count = 8
+    # None: the context length.
+    max_tokens_limit: Count | None = None
+    default_max_tokens: Count = 256
+    max_logprobs: Count = 20
+    max_waiting: Count = 1024
+    priority_aging_steps: Count = 256
+    # The model's context length, recorded from its config.json at registration, for reading.
+    context_length: Count | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> LLMConfig:
+        if self.kv_cache_bytes is not None and self.kv_cache_fraction is not None:
+            raise _KeyError(
+                "kv_cache_fraction", "set either kv_cache_bytes or kv_cache_fraction, not both"
+            )
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise _KeyError(
+                "max_num_batched_tokens",
+                f"max_num_batched_tokens={self.max_num_batched_tokens} is below max_num_seqs="
+                f"{self.max_num_seqs}: every running sequence needs a token per step",
+            )
+        return self
+
+
+CONFIG_TYPES: dict[str, type[RuntimeConfig]] = {
+    "embedder": EmbedderConfig,
+    "reranker": RerankerConfig,
+    "llm": LLMConfig,
+}
+
+
+def config_type(kind: str) -> type[RuntimeConfig]:
+    """The runtime config model of `kind`; ValueError for a kind nothing serves."""
+    try:
+        return CONFIG_TYPES[str(kind)]
+    except KeyError:
+        known = ", ".join(CONFIG_TYPES)
+        raise ValueError(f"unknown kind {kind!r}; expected one of {known}") from None
+
+
+def parse_runtime_config(kind: str, raw: Mapping[str, Any] | RuntimeConfig | None) -> RuntimeConfig:
+    """`raw` checked against `kind`'s model and returned typed (`EmbedderConfig`,
+    `RerankerConfig` or `LLMConfig`). Raises RuntimeConfigError naming the key and why."""
+    return config_type(kind).parse(raw)
+
+
+def _error(cls: type[RuntimeConfig], error: ValidationError) -> RuntimeConfigError:
+    problems: list[tuple[str, str]] = []
+    for err in error.errors():
+        key = ".".join(str(p) for p in err["loc"])
+        cause = err.get("ctx", {}).get("error")
+        if isinstance(cause, _KeyError):
+            key = cause.key
+        if err["type"] == "extra_forbidden":
+            known = sorted(cls.model_fields)
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            reason = f"unknown key for {_NOUNS[cls.kind]} ({hint}known keys: {', '.join(known)})"
+        else:
+            # Errors raised by our validators read "Value error, ..."; keep the reason alone.
+            reason = str(err["msg"]).removeprefix("Value error, ")
+            if err["loc"] and err["type"] != "value_error":
+                reason = f"{reason} (got {err['input']!r})"
+        problems.append((key, reason))
+    described = "; ".join(f"{k}: {r}" if k else r for k, r in problems)
+    first_key, first_reason = problems[0]
+    return RuntimeConfigError(
+        f"invalid runtime config: {described}", key=first_key, reason=first_reason
+    )

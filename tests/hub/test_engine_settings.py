@@ -1,0 +1,86 @@
+"""The LLM engine's kernel switches are hub settings (`engine:`, `HUB_ENGINE__*`), with the
+old `MODEL_HUB_*` / `CC` variables read as defaults by the settings alone, and they reach the
+backend at load: the native decode kernel is built where `engine.kernel_cache_dir` says, and
+not at all with `engine.cpu_kernels: false`."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+from fastapi.testclient import TestClient
+
+from backends.llm.cpu_kernels import KernelSettings
+from hub.app import create_app
+from hub.settings import SettingsError, load_settings
+from tests.support.hubs import make_settings
+
+
+@pytest.fixture(autouse=True)
+def _no_engine_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("MODEL_HUB_CPU_KERNELS", "MODEL_HUB_KERNEL_CACHE", "CC", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def test_engine_settings_come_from_the_file_then_hub_variables(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert load_settings().engine.kernel_settings() == KernelSettings()
+    path = tmp_path / "hub.yaml"
+    engine = {"cpu_kernels": False, "kernel_cache_dir": str(tmp_path / "k"), "cc": "gcc -O1"}
+    path.write_text(yaml.safe_dump({"engine": engine}))
+    assert load_settings(path).engine.kernel_settings() == KernelSettings(
+        enabled=False, cache_dir=tmp_path / "k", compiler="gcc -O1"
+    )
+    monkeypatch.setenv("HUB_ENGINE__CPU_KERNELS", "true")
+    monkeypatch.setenv("HUB_ENGINE__CC", "clang")
+    settings = load_settings(path).engine
+    assert (settings.cpu_kernels, settings.cc) == (True, "clang")
+    path.write_text(yaml.safe_dump({"engine": {"cpu_kernel": False}}))
+    with pytest.raises(SettingsError, match=r"engine\.cpu_kernel"):
+        load_settings(path)
+
+
+def test_the_old_variables_are_defaults_read_by_the_settings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MODEL_HUB_CPU_KERNELS", "0")
+    monkeypatch.setenv("MODEL_HUB_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", "ccache gcc")
+    assert load_settings().engine.kernel_settings() == KernelSettings(
+        enabled=False, cache_dir=tmp_path / "cache", compiler="ccache gcc"
+    )
+    monkeypatch.setenv("HUB_ENGINE__CPU_KERNELS", "1")  # the hub's own variable wins
+    assert load_settings().engine.cpu_kernels is True
+    monkeypatch.delenv("MODEL_HUB_KERNEL_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert load_settings().engine.kernel_cache_dir == tmp_path / "xdg" / "model-hub" / "kernels"
+
+
+def generate_once(tmp_path: Path, mlflow_template: Path, folder: Path, engine: dict) -> None:
+    settings = make_settings(tmp_path / "hub", mlflow_template, engine=engine)
+    with TestClient(create_app(settings)) as client:
+        body = {"name": "tiny", "kind": "llm", "source": str(folder),
+                "config": {"kv_cache_bytes": "4MiB", "dtype": "float32"}}  # fmt: skip
+        assert client.post("/admin/registry/models", json=body).status_code == 201
+        generate = {"model": "tiny", "prompt": "the gulls", "max_tokens": 4, "temperature": 0}
+        r = client.post("/v1/completions", json=generate)
+        assert r.status_code == 200, r.text
+
+
+def test_the_kernel_settings_reach_the_engine_at_load(
+    tmp_path: Path, mlflow_template: Path, tiny_llm_dir: Path
+) -> None:
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler 'cc': the native decode kernel cannot be built")
+    off = tmp_path / "off"
+    off.mkdir()
+    generate_once(tmp_path / "a", mlflow_template, tiny_llm_dir,
+                  {"cpu_kernels": False, "kernel_cache_dir": str(off)})  # fmt: skip
+    assert not list(off.iterdir()), "switched off: nothing is built"
+    on = tmp_path / "on"
+    generate_once(tmp_path / "b", mlflow_template, tiny_llm_dir,
+                  {"cpu_kernels": True, "kernel_cache_dir": str(on), "cc": "cc"})  # fmt: skip
+    assert list(on.glob("paged_decode-*.so")), "the kernel is built in the configured folder"
