@@ -24,7 +24,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from backends.errors import LoadError
-from backends.llm.cpu_kernels import KernelSettings
+from backends.llm.kernel_settings import KernelSettings
 from backends.runtime_config import RuntimeConfig, RuntimeConfigError
 
 C = TypeVar("C", bound=RuntimeConfig)

@@ -27,7 +27,7 @@ from pydantic import (
 from pydantic import field_validator as validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from backends.llm.cpu_kernels import KernelSettings
+from backends.llm.kernel_settings import KernelSettings
 from backends.runtime_config import RuntimeConfigError, parse_runtime_config
 from hub.units import parse_bytes, parse_duration
 

@@ -29,10 +29,11 @@ import shlex
 import shutil
 import subprocess
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from backends.llm.kernel_settings import KernelSettings
 
 log = logging.getLogger(__name__)
 
@@ -50,24 +51,6 @@ _SERIAL_FLAG_SETS = (
     ["-O3", "-march=native", "-fPIC", "-shared"],
     ["-O3", "-fPIC", "-shared"],
 )
-
-
-@dataclass(frozen=True)
-class KernelSettings:
-    """Whether and how the native kernels are built: passed down from the hub's settings."""
-
-    # False: never build or use them; decode attention runs in torch.
-    enabled: bool = True
-    # Where built libraries (and remembered failures) are kept; None: the user's cache
-    # folder, `~/.cache/model-hub/kernels`.
-    cache_dir: Path | None = None
-    # The C compiler command, arguments allowed ("ccache gcc").
-    compiler: str = "cc"
-
-    def resolved_cache_dir(self) -> Path:
-        if self.cache_dir is not None:
-            return self.cache_dir
-        return Path.home() / ".cache" / "model-hub" / "kernels"
 
 
 class PagedDecodeKernel:

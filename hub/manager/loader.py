@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry
 
 from backends.base import Backend, BackendContext, checked_config
 from backends.kinds import backend_class
-from backends.llm.cpu_kernels import KernelSettings
+from backends.llm.kernel_settings import KernelSettings
 from backends.loading import parse_dtype
 from backends.runtime_config import RuntimeConfig, config_type
 from hub.manager.state import ModelKey

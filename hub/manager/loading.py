@@ -114,7 +114,7 @@ class Loads:
                 prepared = await asyncio.to_thread(self._lifecycle.prepare, entry.key)
                 entry.kind = prepared.view.kind
                 entry.deployment = Deployment.resolve(
-                    prepared.view.runtime_config,
+                    prepared.config,
                     self._specs.get(entry.key.name),
                     self._planner.budgets,
                 )

@@ -12,7 +12,7 @@ import pytest
 import yaml
 from fastapi.testclient import TestClient
 
-from backends.llm.cpu_kernels import KernelSettings
+from backends.llm.kernel_settings import KernelSettings
 from hub.app import create_app
 from hub.settings import SettingsError, load_settings
 from tests.support.hubs import make_settings
