@@ -22,6 +22,7 @@ from registry.db import Database
 from registry.errors import ConflictError, InvalidSourceError, NotFoundError
 from registry.fetch import SourceFetcher
 from registry.mlflow_store import MlflowStore
+from registry.refs import version_number
 from registry.schema import AliasEvent, ModelVersion, RegisteredModel
 from registry.sources import inspect_folder
 from registry.traffic import TrafficBook
@@ -263,8 +264,9 @@ class Registry:
             if default is None:
                 raise NotFoundError(f"model {name!r} has no versions")
             return model.versions[default]
-        if ref.isdigit():
-            return self.get_version(name, int(ref))
+        number = version_number(ref)
+        if number is not None:
+            return self.get_version(name, number)
         if ref in model.aliases:
             return model.versions[model.aliases[ref]]
         raise NotFoundError(

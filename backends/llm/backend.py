@@ -37,6 +37,7 @@ from backends.loading import (
     tensor_bytes_from_headers,
 )
 from backends.parking import ParkedWeights, park, release
+from backends.text_input import require_encodable
 
 log = logging.getLogger(__name__)
 
@@ -117,8 +118,9 @@ class LLMBackend(Backend):
     def default_max_tokens(self) -> int:
         return self.engine.config.default_max_tokens
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, *, param: str = "prompt") -> list[int]:
         self._require()
+        require_encodable(text, param)
         ids: list[int] = self.tokenizer.encode(text)
         return ids
 
@@ -131,6 +133,8 @@ class LLMBackend(Backend):
                 "with a plain prompt instead",
                 param="messages",
             )
+        for message in messages:
+            require_encodable(list(message.values()), "messages")
         try:
             text = self.tokenizer.apply_chat_template(
                 list(messages), tokenize=False, add_generation_prompt=True
