@@ -97,11 +97,16 @@ class Registry:
         *,
         allow_pickle: bool = False,
         hf_cache_dir: Path | None = None,
+        trust_remote_code: bool = False,
+        max_model_bytes: int | None = None,
     ) -> None:
         self.db = db
         self.mlflow = mlflow
         self.cache = cache
         self.allow_pickle = allow_pickle
+        self.trust_remote_code = trust_remote_code
+        # The largest device budget: a config whose weights cannot fit it is refused.
+        self.max_model_bytes = max_model_bytes
         self.aliases = AliasBook(db, mlflow)
         self.traffic = TrafficBook(db)
         self.canaries = CanaryBook(db, self.traffic)
@@ -150,7 +155,14 @@ class Registry:
         eval_set: Mapping[str, Any] | None,
         actor: str,
     ) -> VersionView:
-        inspected = inspect_folder(folder, kind, allow_pickle=self.allow_pickle)
+        inspected = inspect_folder(
+            folder,
+            kind,
+            allow_pickle=self.allow_pickle,
+            trust_remote_code=self.trust_remote_code,
+            link_root=self.fetcher.link_root(source, folder),
+            max_model_bytes=self.max_model_bytes,
+        )
         with self.db.session() as s:
             existing = s.scalar(select(RegisteredModel).where(RegisteredModel.name == name))
             if existing is not None and existing.kind != kind:
