@@ -107,8 +107,8 @@ class Registry:
         self.trust_remote_code = trust_remote_code
         # The largest device budget: a config whose weights cannot fit it is refused.
         self.max_model_bytes = max_model_bytes
-        self.aliases = AliasBook(db, mlflow)
         self.traffic = TrafficBook(db)
+        self.aliases = AliasBook(db, mlflow, self.traffic)
         self.canaries = CanaryBook(db, self.traffic)
         self.fetcher = SourceFetcher(mlflow, cache.cache_dir / ".staging", hf_cache_dir)
 

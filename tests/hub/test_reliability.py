@@ -120,3 +120,52 @@ def test_a_canary_interval_must_be_a_finite_duration(
     for value in ["NaN", "1e999", "{}", "[]", "null"]:
         raw = '{"version": 2, "interval": ' + value + "}"
         _refused(_post_raw(client, "/admin/traffic/emb/canary", raw), "interval")
+
+
+def test_a_rollback_resolves_the_split_naming_the_version_leaving_production(
+    client: TestClient, tiny_embedder_dir: Path, tiny_embedder_v2_dir: Path
+) -> None:
+    from tests.hub.test_promotion import promote, served_version
+
+    for folder in (tiny_embedder_dir, tiny_embedder_v2_dir, tiny_embedder_dir):
+        register(client, "emb", "embedder", folder)
+    for version in (1, 2):
+        assert promote(client, version, "staging").status_code == 200
+        assert promote(client, version, "production").status_code == 200
+    r = client.put(
+        "/admin/traffic/emb",
+        json={"splits": [{"version": 2, "weight": 80}, {"version": 3, "weight": 20}]},
+    )
+    assert r.status_code == 200, r.text
+
+    r = client.post("/admin/registry/models/emb/rollback", json={"reason": "v2 regressed"})
+    assert r.status_code == 200, r.text
+    assert (r.json()["from_version"], r.json()["version"]) == (2, 1)
+    rollback = client.get("/admin/registry/events", params={"model": "emb"}).json()[0]
+    assert rollback["action"] == "rollback"
+    assert rollback["reason"].startswith("v2 regressed; traffic split resolved")
+    assert "v2's 80% moved to v1 (split v1 80%, v3 20%)" in rollback["reason"]
+    splits = client.get("/admin/traffic/emb").json()["splits"]
+    assert [(s["version"], s["weight"]) for s in splits] == [(1, 80.0), (3, 20.0)]
+    served = set()
+    for i in range(40):
+        r = client.post(
+            "/v1/embeddings",
+            json={"model": "emb", "input": "hi"},
+            headers={"X-Hub-Route-Key": f"u{i}"},
+        )
+        assert r.status_code == 200
+        served.add(r.headers["X-Hub-Model-Version"])
+    assert "2" not in served and served <= {"1", "3"}
+
+    # A promotion that replaces production resolves it too: v1's share goes to v3, which
+    # then has it all, so the split is back to the default (everything to production).
+    assert promote(client, 3, "staging").status_code == 200
+    r = promote(client, 3, "production")
+    assert r.status_code == 200, r.text
+    splits = client.get("/admin/traffic/emb").json()["splits"]
+    assert [(s["version"], s["weight"]) for s in splits] == [(3, 100.0)]
+    events = client.get("/admin/registry/events", params={"model": "emb"}).json()
+    assert events[0]["action"] == "promote" and events[1]["action"] == "traffic"
+    assert "v1's 80% moved to v3 (default split (everything to production))" in events[0]["reason"]
+    assert served_version(client) == "3"
