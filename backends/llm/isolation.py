@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from typing import Protocol
 
+from backends.errors import InputError
 from backends.llm.scheduler import ScheduledSequence, SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -24,14 +25,15 @@ class SequenceChecker(Protocol):
         """Raise whatever preparing `item` alone for a step raises; change nothing."""
 
 
-class RequestFailedError(RuntimeError):
+class RequestFailedError(InputError):
     """A request's own inputs or sampling settings broke the engine step it was in; the
-    other requests of that step go on."""
+    other requests of that step go on. An InputError: the caller's 400, since nothing but
+    this request's values reproduces the failure."""
 
     def __init__(self, request_id: str, cause: BaseException) -> None:
         super().__init__(
             f"this request could not be prepared for the model ({type(cause).__name__}: "
-            f"{cause}); the other requests were not affected"
+            f"{cause}); check its sampling values and prompt. Other requests were not affected"
         )
         self.request_id = request_id
 

@@ -136,6 +136,7 @@ def test_a_request_that_breaks_its_step_fails_alone(llama: Path, poisoned_sample
 
     assert list(failed) == ["poison"]
     assert isinstance(failed["poison"], RequestFailedError)
+    assert isinstance(failed["poison"], InputError)  # the caller's 400, not the hub's 500
     assert "Overflow" in str(failed["poison"])
     # Every neighbour finished, with the very tokens it gets without the poison around.
     assert tokens == expected
