@@ -34,6 +34,7 @@ from backends.encoder import (
 from backends.errors import InputError, LoadError
 from backends.loading import require_safe_weights
 from backends.runtime_config import EmbedderConfig
+from backends.text_input import require_encodable
 from backends.tokenization import Encoded, EncoderTokenizer
 from backends.unpadded import UnpaddedEncoder, padded_embed
 
@@ -203,6 +204,7 @@ class EmbedderBackend(BatchedEncoderBackend[_EmbedRequest, _Row, EmbedderConfig]
         the offending input, CapacityError when the queue is full."""
         if not inputs:
             raise InputError("input must not be empty", param="input")
+        require_encodable(inputs, "input")
         self._require()
         if dimensions not in (None, self._dimension, *self._matryoshka):
             allowed = ", ".join(str(d) for d in self._matryoshka) or "none"

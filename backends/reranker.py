@@ -37,6 +37,7 @@ from backends.encoder import (
 from backends.errors import InputError, LoadError
 from backends.loading import require_safe_weights
 from backends.runtime_config import RerankerConfig
+from backends.text_input import require_encodable
 from backends.tokenization import Encoded, EncoderTokenizer
 from backends.unpadded import UnpaddedCrossEncoder, padded_logits
 
@@ -169,6 +170,8 @@ class RerankerBackend(BatchedEncoderBackend[_RerankRequest, _Scored, RerankerCon
         CapacityError when the queue is full."""
         if not query.strip():
             raise InputError("query must not be empty", param="query")
+        require_encodable(query, "query")
+        require_encodable(documents, "documents")
         if not documents:
             raise InputError("documents must not be empty", param="documents")
         if len(documents) > self.max_documents:

@@ -39,18 +39,20 @@ def parse_bytes(value: str | int | float) -> int:
 
 def parse_duration(value: str | int | float) -> float:
     """Seconds from `"5m"`, `"30s"`, `"250ms"`, `"-1"`, or a plain number of seconds."""
-    if isinstance(value, bool):
+    # Anything else (null, {}, [], true) and non-finite numbers (NaN, 1e999, 10**400) are
+    # refused with ValueError, which request validation turns into the caller's 4xx.
+    if isinstance(value, bool) or not isinstance(value, str | int | float):
         raise ValueError("a duration must be a number or a string like '5m'")
     if isinstance(value, int | float):
-        if not math.isfinite(value):
-            raise ValueError(f"a duration must be a finite number, not {value!r}")
-        return float(value)
-    if not isinstance(value, str):
-        raise ValueError(f"{value!r} is not a duration (examples: 30s, 5m, 1h, -1)")
-    match = _DURATION_RE.match(value)
-    if not match:
-        raise ValueError(f"{value!r} is not a duration (examples: 30s, 5m, 1h, -1)")
-    return float(match.group(1)) * _DURATION_UNITS[match.group(2)]
+        seconds = float(value) if abs(value) < 1e300 else math.inf
+    else:
+        match = _DURATION_RE.match(value)
+        if not match:
+            raise ValueError(f"{value[:40]!r} is not a duration (examples: 30s, 5m, 1h, -1)")
+        seconds = float(match.group(1)) * _DURATION_UNITS[match.group(2)]
+    if not math.isfinite(seconds):
+        raise ValueError(f"a duration must be finite (or -1 for forever), got {value!r:.40}")
+    return seconds
 
 
 def format_bytes(n: int | float) -> str:

@@ -24,6 +24,7 @@ from hub.api import (
 )
 from hub.api import traffic as traffic_api
 from hub.api.errors import install_error_handlers
+from hub.api.limits import BodyLimitMiddleware
 from hub.settings import HubSettings
 from hub.state import Hub
 from hub.traffic.in_flight import InFlightMiddleware
@@ -76,6 +77,7 @@ def create_app(settings: HubSettings, *, announce: bool = False) -> FastAPI:
     )
     install_error_handlers(app)
     app.add_middleware(InFlightMiddleware)  # shadow traffic waits for idle moments
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_body_bytes)
     routers = (health, models, embeddings, rerank, completions, admin_models, registry, webhooks)
     for module in (*routers, dashboard):
         app.include_router(module.router)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from hub.catalog import Catalog
 from hub.errors import BadRequest, NotFound
 from hub.traffic.assignment import Arm, AssignmentTable, bucket_of, random_bucket
+from registry.refs import version_number
 from registry.views import ModelView, SplitView
 
 
@@ -59,8 +60,9 @@ class Router:
     def route_version(self, name: str, ref: str) -> Route:
         """The version `ref` (a number or an alias) of `name`, bypassing traffic splits."""
         view = self.catalog.model(name)
-        if ref.isdigit() and int(ref) in view.versions:
-            return Route(name, int(ref), view.kind, pinned=True)
+        number = version_number(ref)  # ASCII digits only: "²" is no version number
+        if number is not None and number in view.versions:
+            return Route(name, number, view.kind, pinned=True)
         if ref in view.aliases and view.aliases[ref] in view.versions:
             return Route(name, view.aliases[ref], view.kind, pinned=True)
         versions = ", ".join(str(v) for v in sorted(view.versions)) or "none"

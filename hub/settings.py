@@ -243,6 +243,8 @@ class HubSettings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # Largest request body accepted; a larger one is answered 413 before it is read.
+    max_request_body_bytes: Annotated[ByteSize, Field(gt=0)] = 8 * 2**20
     # Safe loading: refuse pickle checkpoints and remote code unless explicitly allowed.
     allow_pickle: bool = False
     trust_remote_code: bool = False

@@ -51,6 +51,7 @@ class Hub:
         db = Database(settings.database_url)
         mlflow = MlflowStore(settings.mlflow_tracking_uri, settings.mlflow_artifact_location)
         cache = ArtifactCache(settings.cache_dir, mlflow)
+        devices = [Device.from_settings(d) for d in settings.devices]
         registry = Registry(
             db,
             mlflow,
@@ -58,6 +59,8 @@ class Hub:
             allow_pickle=settings.allow_pickle,
             hf_cache_dir=settings.registry.hf_cache_dir,
             check_config=parse_runtime_config,
+            trust_remote_code=settings.trust_remote_code,
+            max_model_bytes=max((d.budget_bytes for d in devices), default=None),
         )
         metrics = HubMetrics()
         catalog = Catalog(registry)
@@ -68,7 +71,6 @@ class Hub:
             trust_remote_code=settings.trust_remote_code,
             kernels=settings.engine.kernel_settings(),
         )
-        devices = [Device.from_settings(d) for d in settings.devices]
         manager = ModelManager(
             settings.manager,
             devices,

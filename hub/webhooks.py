@@ -13,6 +13,7 @@ import hashlib
 import hmac
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 from hub.errors import Unauthorized
 
@@ -30,11 +31,24 @@ def sign(secret: str, delivery_id: str, timestamp: str, body: bytes) -> str:
 
 
 class WebhookVerifier:
-    def __init__(self, secret: str, tolerance_s: float = 300.0, remember: int = 1024) -> None:
+    """Accepts a delivery once: signed with the secret, its timestamp within `tolerance_s` of
+    now, and its id not seen before. Ids are remembered until their timestamp leaves the
+    window (after which the timestamp check refuses a replay anyway), so memory is bounded by
+    the deliveries of one window, never by a count a flood could push a replay past.
+    Malformed headers are refused like bad signatures (401), never a 500."""
+
+    def __init__(
+        self, secret: str, tolerance_s: float = 300.0, clock: Callable[[], float] = time.time
+    ) -> None:
         self.secret = secret
         self.tolerance_s = tolerance_s
-        self.remember = remember
-        self._seen: OrderedDict[str, None] = OrderedDict()
+        self._clock = clock
+        # delivery id -> when it can be forgotten, in order of arrival.
+        self._seen: OrderedDict[str, float] = OrderedDict()
+
+    @property
+    def remembered(self) -> int:
+        return len(self._seen)
 
     def verify(
         self, signature: str | None, timestamp: str | None, delivery_id: str | None, body: bytes
@@ -43,17 +57,30 @@ class WebhookVerifier:
             raise Unauthorized(
                 f"missing {SIGNATURE_HEADER}, {TIMESTAMP_HEADER} or {DELIVERY_HEADER}"
             )
-        try:
-            age = abs(time.time() - int(timestamp))
-        except ValueError:
-            raise Unauthorized(f"{TIMESTAMP_HEADER} is not a unix timestamp") from None
+        for name, value in ((SIGNATURE_HEADER, signature), (DELIVERY_HEADER, delivery_id)):
+            if not value.isascii() or len(value) > 256:
+                raise Unauthorized(f"{name} must be ASCII of at most 256 characters")
+        # ASCII digits only: int() also reads "١٢٣", which is no unix timestamp.
+        if not (timestamp.isascii() and timestamp.isdigit() and len(timestamp) <= 12):
+            raise Unauthorized(f"{TIMESTAMP_HEADER} is not a unix timestamp")
+        now = self._clock()
+        sent_at = int(timestamp)
+        age = abs(now - sent_at)
         if age > self.tolerance_s:
             raise Unauthorized(f"webhook timestamp is {age:.0f}s off; possible replay")
         expected = sign(self.secret, delivery_id, timestamp, body)
-        if not hmac.compare_digest(expected, signature):
+        if not hmac.compare_digest(expected.encode(), signature.encode()):
             raise Unauthorized("webhook signature does not match the configured secret")
+        self._forget_expired(now)
         if delivery_id in self._seen:
             raise Unauthorized(f"webhook delivery {delivery_id} was already received")
-        self._seen[delivery_id] = None
-        while len(self._seen) > self.remember:
+        self._seen[delivery_id] = sent_at + self.tolerance_s
+
+    def _forget_expired(self, now: float) -> None:
+        # Arrival order is nearly expiry order; an entry behind one not yet expired is kept
+        # a little longer, never dropped early.
+        while self._seen:
+            first = next(iter(self._seen.values()))
+            if first >= now:
+                break
             self._seen.popitem(last=False)

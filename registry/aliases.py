@@ -24,11 +24,13 @@ from registry.db import Database
 from registry.errors import ConflictError, NotFoundError
 from registry.mlflow_store import MlflowStore
 from registry.schema import AliasEvent, ModelVersion, RegisteredModel, utcnow
+from registry.traffic import TrafficBook
 from registry.views import EventView
 
 log = logging.getLogger(__name__)
 
 STAGES = ("staging", "production")
+PRODUCTION = "production"
 # Audit events that move no alias: a refused promotion, a traffic policy change.
 NON_MOVES = frozenset({"rejected", "traffic"})
 # Sentinel for "do not check where the alias points before moving it".
@@ -51,9 +53,16 @@ def event_view(row: AliasEvent, model_name: str) -> EventView:
 
 
 class AliasBook:
-    def __init__(self, db: Database, mlflow: MlflowStore) -> None:
+    """Moves aliases (see the module docstring). A move of `production` away from a version
+    also resolves the model's traffic split naming it, in the same transaction: the leaving
+    version's weight goes to the new production version, and the event's reason says so."""
+
+    def __init__(
+        self, db: Database, mlflow: MlflowStore, traffic: TrafficBook | None = None
+    ) -> None:
         self.db = db
         self.mlflow = mlflow
+        self.traffic = traffic
 
     def move(
         self,
@@ -88,6 +97,16 @@ class AliasBook:
                 raise ConflictError(f"{name}@{alias} already points to version {version}")
             if action is None:
                 action = "set" if current is None else ("remove" if version is None else "move")
+            if (
+                self.traffic is not None
+                and alias == PRODUCTION
+                and current is not None
+                and version is not None
+                and current != version
+            ):
+                note = self.traffic.resolve_leaving(s, model, current, version, actor=actor)
+                if note is not None:
+                    reason = f"{reason}; {note}" if reason else note
             event = AliasEvent(
                 model_id=model.id,
                 alias=alias,

@@ -59,6 +59,14 @@ class SourceFetcher:
         else:
             yield Path(source.removeprefix("file://")).expanduser().resolve()
 
+    @staticmethod
+    def link_root(source: str, folder: Path) -> Path:
+        """Where the fetched folder's symlinks may point: a Hugging Face snapshot links its
+        files into its repository's cache (`../../blobs/`), anything else stays inside."""
+        if source.startswith(HF_PREFIX) and folder.parent.name == "snapshots":
+            return folder.parent.parent
+        return folder
+
     @contextlib.contextmanager
     def _staging(self) -> Iterator[Path]:
         self.staging_dir.mkdir(parents=True, exist_ok=True)

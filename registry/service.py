@@ -22,6 +22,7 @@ from registry.db import Database
 from registry.errors import ConflictError, InvalidConfigError, InvalidSourceError, NotFoundError
 from registry.fetch import SourceFetcher
 from registry.mlflow_store import MlflowStore
+from registry.refs import version_number
 from registry.schema import AliasEvent, ModelVersion, RegisteredModel
 from registry.sources import inspect_folder
 from registry.traffic import TrafficBook
@@ -104,14 +105,19 @@ class Registry:
         allow_pickle: bool = False,
         hf_cache_dir: Path | None = None,
         check_config: ConfigCheck | None = None,
+        trust_remote_code: bool = False,
+        max_model_bytes: int | None = None,
     ) -> None:
         self.db = db
         self.check_config = check_config
         self.mlflow = mlflow
         self.cache = cache
         self.allow_pickle = allow_pickle
-        self.aliases = AliasBook(db, mlflow)
+        self.trust_remote_code = trust_remote_code
+        # The largest device budget: a config whose weights cannot fit it is refused.
+        self.max_model_bytes = max_model_bytes
         self.traffic = TrafficBook(db)
+        self.aliases = AliasBook(db, mlflow, self.traffic)
         self.canaries = CanaryBook(db, self.traffic)
         self.fetcher = SourceFetcher(mlflow, cache.cache_dir / ".staging", hf_cache_dir)
 
@@ -159,7 +165,14 @@ class Registry:
         eval_set: Mapping[str, Any] | None,
         actor: str,
     ) -> VersionView:
-        inspected = inspect_folder(folder, kind, allow_pickle=self.allow_pickle)
+        inspected = inspect_folder(
+            folder,
+            kind,
+            allow_pickle=self.allow_pickle,
+            trust_remote_code=self.trust_remote_code,
+            link_root=self.fetcher.link_root(source, folder),
+            max_model_bytes=self.max_model_bytes,
+        )
         # What is stored: the defaults read from the model's files, then the caller's keys.
         runtime_config = {**inspected.runtime_defaults, **(config or {})}
         self._check_config(kind, runtime_config)
@@ -284,8 +297,9 @@ class Registry:
             if default is None:
                 raise NotFoundError(f"model {name!r} has no versions")
             return model.versions[default]
-        if ref.isdigit():
-            return self.get_version(name, int(ref))
+        number = version_number(ref)
+        if number is not None:
+            return self.get_version(name, number)
         if ref in model.aliases:
             return model.versions[model.aliases[ref]]
         raise NotFoundError(

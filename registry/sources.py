@@ -16,6 +16,12 @@ from typing import Any
 from safetensors import safe_open
 
 from registry.errors import InvalidSourceError
+from registry.folder_checks import (
+    REMOTE_CODE_CONFIGS,
+    check_config_numbers,
+    check_links,
+    check_remote_code,
+)
 
 KINDS = ("llm", "embedder", "reranker")
 PICKLE_SUFFIXES = frozenset({".bin", ".pt", ".pth", ".ckpt", ".pkl"})
@@ -125,15 +131,30 @@ def _runtime_defaults(folder: Path, kind: str) -> dict[str, Any]:
     return {}
 
 
-def inspect_folder(folder: Path, kind: str, *, allow_pickle: bool = False) -> InspectedSource:
-    """Check that `folder` can be served as `kind` and compute what registering it records."""
+def inspect_folder(
+    folder: Path,
+    kind: str,
+    *,
+    allow_pickle: bool = False,
+    trust_remote_code: bool = False,
+    link_root: Path | None = None,
+    max_model_bytes: int | None = None,
+) -> InspectedSource:
+    """Check that `folder` can be served as `kind` and compute what registering it records.
+    `link_root`: symlinks may point anywhere under it (default: the folder itself);
+    `max_model_bytes`: the largest device budget, which the config's numbers must fit."""
     if kind not in KINDS:
         raise InvalidSourceError(f"unknown kind {kind!r}; expected one of {', '.join(KINDS)}")
     if not folder.exists():
         raise InvalidSourceError(f"source {folder} does not exist")
     if not folder.is_dir():
         raise InvalidSourceError(f"source {folder} is not a folder")
+    check_links(folder, link_root)
     files = model_files(folder)
+    configs = {n: _read_json(folder / n) for n in REMOTE_CODE_CONFIGS if (folder / n).is_file()}
+    if "config.json" in configs:
+        check_config_numbers(configs["config.json"], max_model_bytes=max_model_bytes)
+    check_remote_code(folder, configs, files, trust_remote_code=trust_remote_code)
     weights = [p for p in files if p.suffix == ".safetensors"]
     pickles = [p for p in files if p.suffix in PICKLE_SUFFIXES]
     if not weights:
@@ -164,5 +185,12 @@ def inspect_folder(folder: Path, kind: str, *, allow_pickle: bool = False) -> In
         manifest=manifest,
         total_bytes=sum(p.stat().st_size for p in files),
         dtype=_dominant_dtype(weights) if weights else "unknown",
-        runtime_defaults=_runtime_defaults(folder, kind),
+        runtime_defaults=_checked_runtime_defaults(folder, kind),
     )
+
+
+def _checked_runtime_defaults(folder: Path, kind: str) -> dict[str, Any]:
+    try:
+        return _runtime_defaults(folder, kind)
+    except (TypeError, ValueError, AttributeError) as e:  # a config of the wrong shape
+        raise InvalidSourceError(f"source {folder} has a malformed config: {e}") from e

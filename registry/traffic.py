@@ -135,6 +135,43 @@ class TrafficBook:
             shadow, faults = view.shadow, view.faults
         self._write(s, model, splits, shadow=shadow, faults=faults or (), actor=actor)
 
+    def resolve_leaving(
+        self, s: Session, model: RegisteredModel, leaving: int, arriving: int, *, actor: str
+    ) -> str | None:
+        """Production of `model` moves from `leaving` to `arriving` (a rollback, a promotion):
+        inside the caller's transaction, which holds the model's lock, the weight of a split
+        entry naming `leaving` moves to `arriving` (merged with its own entry, if any; a split
+        left with `arriving` alone becomes the default). Returns what happened to the split,
+        for the audit event; None when no split names `leaving`."""
+        names = dict(s.execute(select(RegisteredModel.id, RegisteredModel.name)).tuples().all())
+        rows = s.scalars(
+            select(TrafficSplit).where(TrafficSplit.model_id == model.id).order_by(TrafficSplit.id)
+        ).all()
+        splits = [SplitView(names[r.target_model_id], r.version, r.weight) for r in rows]
+        moved = sum(x.weight for x in splits if (x.model, x.version) == (model.name, leaving))
+        if not any((x.model, x.version) == (model.name, leaving) for x in splits):
+            return None
+        canary = running_canary(s, model.id)
+        if canary is not None:
+            return (
+                f"the split names v{leaving} but a canary of v{canary.canary_version} owns it; "
+                "left to the canary"
+            )
+        merged: dict[tuple[str, int], float] = {}
+        for x in splits:
+            key = (
+                (model.name, arriving)
+                if (x.model, x.version) == (model.name, leaving)
+                else (x.model, x.version)
+            )
+            merged[key] = merged.get(key, 0.0) + x.weight
+        resolved = [SplitView(m, v, w) for (m, v), w in merged.items()]
+        if len(resolved) == 1 and resolved[0].version == arriving:
+            resolved = []  # everything to production: the default
+        self.write_splits(s, model, resolved, actor=actor)
+        now = _describe(model.name, resolved, None, ())
+        return f"traffic split resolved: v{leaving}'s {moved:g}% moved to v{arriving} ({now})"
+
     def _write(
         self,
         s: Session,

@@ -157,7 +157,11 @@ class AsyncLLMEngine:
             try:
                 outputs = self.engine.step()
             except EngineStepError as e:
-                self._fail_streams(e, e.request_ids)
+                if e.errors:  # requests to blame alone; the others go on
+                    for request_id, error in e.errors.items():
+                        self._fail_streams(error, [request_id])
+                else:
+                    self._fail_streams(e, e.request_ids)
                 continue
             except Exception as e:  # a bug outside the model: fail loudly, keep the thread
                 log.exception("LLM engine loop failed")

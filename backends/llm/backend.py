@@ -15,10 +15,12 @@ cache; `unload` frees the weights in place without waiting for the garbage colle
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -38,8 +40,11 @@ from backends.loading import (
 )
 from backends.parking import ParkedWeights, park, release
 from backends.runtime_config import LLMConfig, RuntimeConfig
+from backends.text_input import require_encodable
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # Activations of one step (packed hidden states, gathered K/V, logits) on top of weights + KV.
 _RUNTIME_OVERHEAD_BYTES = 64 * 2**20
@@ -57,6 +62,9 @@ class LLMBackend(Backend):
         self._engine: AsyncLLMEngine | None = None
         self._metrics = EngineMetrics.disabled()
         self._parked: ParkedWeights | None = None
+        # One thread tokenizes this model's prompts, in arrival order: a long prompt takes
+        # seconds, which the event loop (health probes, every other request) must not wait.
+        self._tokenize_pool: ThreadPoolExecutor | None = None
 
     @classmethod
     def predict_memory(
@@ -99,6 +107,7 @@ class LLMBackend(Backend):
         self.tokenizer = tokenizer
         self._runner = runner
         self._engine = AsyncLLMEngine(engine, name=f"{ctx.model}@{ctx.version}")
+        self._tokenize_pool = ThreadPoolExecutor(1, f"tokenize {ctx.model}@{ctx.version}")
         self._device = device
         log.info(
             "%s@%s: %d KV blocks of %d tokens, context %d tokens",
@@ -122,8 +131,9 @@ class LLMBackend(Backend):
     def default_max_tokens(self) -> int:
         return self.engine.config.default_max_tokens
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, *, param: str = "prompt") -> list[int]:
         self._require()
+        require_encodable(text, param)
         ids: list[int] = self.tokenizer.encode(text)
         return ids
 
@@ -136,6 +146,8 @@ class LLMBackend(Backend):
                 "with a plain prompt instead",
                 param="messages",
             )
+        for message in messages:
+            require_encodable(list(message.values()), "messages")
         try:
             text = self.tokenizer.apply_chat_template(
                 list(messages), tokenize=False, add_generation_prompt=True
@@ -146,6 +158,15 @@ class LLMBackend(Backend):
             ) from e
         ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False)
         return ids
+
+    async def prepare(self, build: Callable[[], T]) -> T:
+        """Run `build` (which tokenizes a request's prompts with `encode` / `encode_chat`) on
+        this model's tokenizer thread and return its result; the event loop stays free."""
+        pool = self._tokenize_pool
+        if pool is None:
+            raise BackendClosedError(f"LLM {self.context.model} is not loaded")
+        context = contextvars.copy_context()
+        return await asyncio.get_running_loop().run_in_executor(pool, context.run, build)
 
     def decode(self, token_ids: list[int]) -> str:
         text: str = self.tokenizer.decode(token_ids)
@@ -205,6 +226,10 @@ class LLMBackend(Backend):
     def unload(self) -> None:
         if self._engine is not None:
             self._engine.shutdown()
+        if self._tokenize_pool is not None:
+            # A prompt still tokenizing finishes on its own; nobody waits for it.
+            self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+            self._tokenize_pool = None
         if self._parked is not None:
             self._parked.discard()
         elif self._runner is not None:

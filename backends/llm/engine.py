@@ -22,22 +22,31 @@ from typing import Any
 from backends.errors import CapacityError, InputError
 from backends.llm.config import EngineConfig
 from backends.llm.detokenizer import IncrementalDetokenizer
+from backends.llm.isolation import RequestFailedError, blame_is_attributable, find_culprits
 from backends.llm.kv_cache_manager import KVCacheManager
 from backends.llm.metrics import EngineMetrics
 from backends.llm.model_runner import ModelRunner
-from backends.llm.sampling_params import SamplingParams
-from backends.llm.scheduler import Scheduler, SchedulerLimits
+from backends.llm.sampling_params import MAX_COUNT, SamplingParams
+from backends.llm.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
 from backends.llm.sequence import FinishReason, Logprob, Sequence
 
 log = logging.getLogger(__name__)
 
 
 class EngineStepError(RuntimeError):
-    """A step failed (the model raised); the requests it ended are named."""
+    """A step failed; the requests it ended are named. `errors` holds, per request that was
+    to blame alone, its own error (the others of the step go on); when the cause could not be
+    attributed, every request of the engine ended and `errors` is empty."""
 
-    def __init__(self, request_ids: list[str], cause: BaseException) -> None:
+    def __init__(
+        self,
+        request_ids: list[str],
+        cause: BaseException,
+        errors: dict[str, BaseException] | None = None,
+    ) -> None:
         super().__init__(f"the engine step failed: {type(cause).__name__}: {cause}")
         self.request_ids = request_ids
+        self.errors = errors or {}
 
 
 @dataclass(frozen=True)
@@ -125,6 +134,10 @@ class LLMEngine:
         priority: int = 0,
     ) -> None:
         """Validate and queue a request; InputError / CapacityError leave no trace."""
+        if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) > MAX_COUNT:
+            raise InputError(
+                f"priority must be an integer in [-{MAX_COUNT}, {MAX_COUNT}]", param="priority"
+            )
         max_tokens = self.check_request(prompt_token_ids, params)
         if len(self._incoming) + self.scheduler.num_unfinished >= self.config.max_waiting:
             raise CapacityError(
@@ -195,7 +208,14 @@ class LLMEngine:
                 param="prompt",
             )
         if params.max_tokens is None:
-            return min(self.config.default_max_tokens, room, self.max_tokens_limit)
+            max_tokens = min(self.config.default_max_tokens, room, self.max_tokens_limit)
+            if params.min_tokens > max_tokens:
+                raise InputError(
+                    f"min_tokens={params.min_tokens} exceeds the {max_tokens} tokens this "
+                    "request may generate; lower it or set max_tokens",
+                    param="min_tokens",
+                )
+            return max_tokens
         if params.max_tokens > self.max_tokens_limit:
             raise InputError(
                 f"max_tokens={params.max_tokens} exceeds this model's limit of "
@@ -230,7 +250,7 @@ class LLMEngine:
         try:
             sampled = self.runner.execute(output)
         except Exception as e:
-            raise EngineStepError(self._fail_all(), e) from e
+            raise self._recover(output, e) from e
         updated = scheduler.update(output, sampled.token_ids)
         now = time.monotonic()
         for item in output.scheduled:
@@ -310,6 +330,29 @@ class LLMEngine:
             num_cached_tokens=seq.num_cached_tokens,
             num_output_tokens=seq.num_output_tokens,
         )
+
+    def _recover(self, output: SchedulerOutput, error: Exception) -> EngineStepError:
+        """After a failed step: end the requests to blame alone when there are such (see
+        backends.llm.isolation), else every request. The step's other sequences go back to
+        waiting and are recomputed: the blocks this step registered were never written, and
+        a neighbour may already share them through the prefix cache, which is therefore reset.
+        (A seeded neighbour may then sample differently than it would have.)"""
+        culprits = find_culprits(self.runner, output)
+        if not blame_is_attributable(culprits, output):
+            return EngineStepError(self._fail_all(), error)
+        errors: dict[str, BaseException] = {}
+        for request_id, cause in culprits.items():
+            request = self._requests.pop(request_id, None)
+            if request is None:
+                continue
+            for seq in request.seqs:
+                self.scheduler.finish(seq, FinishReason.ABORT)
+            errors[request_id] = RequestFailedError(request_id, cause)
+        for item in output.scheduled:
+            if not item.seq.is_finished:
+                self.scheduler.requeue(item.seq)
+        self.kv_cache.reset_prefix_cache()
+        return EngineStepError(list(errors), error, errors)
 
     def _fail_all(self) -> list[str]:
         """After a failed step: end every request and forget cached blocks (their contents

@@ -23,7 +23,7 @@ from backends.llm import attention, cpu_kernels
 from backends.llm.attention import NativeDecode, PagedAttentionMetadata, PrefillChunk
 from backends.llm.config import EngineConfig
 from backends.llm.sampler import Sampler, SamplerOutput
-from backends.llm.scheduler import SchedulerOutput
+from backends.llm.scheduler import ScheduledSequence, SchedulerOutput
 from backends.llm.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -184,6 +184,17 @@ class ModelRunner:
             paged_metadata=inputs.metadata,
         ).logits[0]  # (S, V)
         return self.sampler(logits, inputs.sampling_seqs)
+
+    # ---- isolation: which request broke a step (backends.llm.isolation) ----------------
+    @torch.inference_mode()
+    def check_sequence(self, item: ScheduledSequence) -> None:
+        """Prepare `item` alone as a step would: its inputs, then sampling of a dummy row by a
+        throwaway sampler (the real one's seeded generators stay as they are). Raises what
+        that raises; runs no model and changes no state."""
+        self._prepare(SchedulerOutput([item], item.num_tokens))
+        if item.sample:
+            probe = type(self.sampler)(self.sampler.eos_token_ids)
+            probe(torch.zeros(1, self.vocab_size, device=self.device), [item.seq])
 
     def _prepare(self, output: SchedulerOutput) -> _StepInputs:
         bs = self.block_size

@@ -14,6 +14,11 @@ from backends.errors import InputError
 
 # Below this a temperature means greedy decoding (argmax), as in OpenAI's API.
 GREEDY_EPSILON = 1e-5
+# Counts and token ids become int64 tensors in the sampler; anything near that range means
+# nothing (no vocabulary or context is that large) and would overflow there, failing the
+# whole step. Counts are capped well below it; a seed fits a torch generator's 64 bits.
+MAX_COUNT = 2**31 - 1
+MAX_SEED = 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,18 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise InputError naming the first field out of its range."""
+        for name in ("n", "top_k", "min_tokens"):
+            _check_int(name, getattr(self, name))
+        for name in ("max_tokens", "logprobs", "seed"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), MAX_SEED if name == "seed" else MAX_COUNT)
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            _check(
+                isinstance(value, int | float) and math.isfinite(value),
+                name,
+                f"{name} must be a finite number, got {value!r}",
+            )
         _check(self.n >= 1, "n", f"n must be at least 1, got {self.n}")
         _check(
             math.isfinite(self.temperature) and 0.0 <= self.temperature <= 2.0,
@@ -74,9 +91,10 @@ class SamplingParams:
             value = getattr(self, name)
             _check(-2.0 <= value <= 2.0, name, f"{name} must be in [-2, 2], got {value}")
         for token, bias in self.logit_bias.items():
+            _check_int("logit_bias", token)
             _check(token >= 0, "logit_bias", f"logit_bias token id {token} is negative")
             _check(
-                -100.0 <= bias <= 100.0,
+                isinstance(bias, int | float) and math.isfinite(bias) and -100.0 <= bias <= 100.0,
                 "logit_bias",
                 f"logit_bias for token {token} must be in [-100, 100], got {bias}",
             )
@@ -92,11 +110,37 @@ class SamplingParams:
                 f"min_tokens ({self.min_tokens}) exceeds max_tokens ({self.max_tokens})",
             )
         _check(all(self.stop), "stop", "stop strings must not be empty")
+        for token in self.stop_token_ids:
+            _check_int("stop_token_ids", token)
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids", "token ids are >= 0")
         if self.logprobs is not None:
             _check(self.logprobs >= 0, "logprobs", f"logprobs must be >= 0: {self.logprobs}")
         if self.seed is not None:
-            _check(0 <= self.seed < 2**63, "seed", f"seed must be in [0, 2**63), got {self.seed}")
+            _check(
+                0 <= self.seed <= MAX_SEED, "seed", f"seed must be in [0, 2**63), got {self.seed}"
+            )
+
+
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
+
+
+def _check_int(param: str, value: object, limit: int = MAX_COUNT) -> None:
+    """`value` is an int (not a bool) of magnitude at most `limit`."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InputError(f"{param} must be an integer, got {value!r}", param=param)
+    if not -limit <= value <= limit:
+        # str() of a huge int is slow (and refused past 4300 digits): name its size instead.
+        shown = str(value) if value.bit_length() <= 100 else f"a {value.bit_length()}-bit number"
+        raise InputError(
+            f"{param}={shown} is out of range (at most {limit} in magnitude)", param=param
+        )
 
 
 def _check(ok: bool, param: str, message: str) -> None:

@@ -102,6 +102,12 @@ class Scheduler:
         seq.finish(reason, stop_reason)
         self._finished_ids.append(seq.seq_id)
 
+    def requeue(self, seq: Sequence) -> None:
+        """Send a running `seq` back to waiting with its blocks freed, to be recomputed (after
+        a failed step whose KV writes cannot be trusted)."""
+        if seq.status is SequenceStatus.RUNNING:
+            self._preempt(seq)
+
     # ---- one step ---------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         self.num_steps += 1

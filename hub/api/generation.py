@@ -165,7 +165,8 @@ async def start_generation(
     streams: list[RequestStream] = []
     try:
         assert isinstance(backend, LLMBackend)
-        prompts, params = build(backend)
+        # Tokenizing runs on the model's tokenizer thread, off the event loop.
+        prompts, params = await backend.prepare(lambda: build(backend))
         for prompt in prompts:
             streams.append(backend.submit(prompt, params, priority=priority))
     except BaseException as e:

@@ -13,10 +13,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from backends.llm.sampling_params import SamplingParams
+from backends.llm.sampling_params import MAX_COUNT, SamplingParams
 from hub.api.serving import KeepAlive
 
-TokenIds = list[Annotated[int, Field(ge=0)]]
+TokenIds = list[Annotated[int, Field(ge=0, le=MAX_COUNT)]]
 
 
 class StreamOptions(BaseModel):
@@ -28,10 +28,10 @@ class SamplingFields(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Annotated[int, Field(ge=1, le=MAX_COUNT)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
-    n: Annotated[int, Field(ge=1)] = 1
+    n: Annotated[int, Field(ge=1, le=MAX_COUNT)] = 1
     stop: str | list[str] | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
@@ -41,24 +41,25 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     # Extensions (vLLM's names). top_k: 0 or -1 switch it off.
-    top_k: Annotated[int, Field(ge=-1)] = 0
+    top_k: Annotated[int, Field(ge=-1, le=MAX_COUNT)] = 0
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
     repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] = 1.0
-    min_tokens: Annotated[int, Field(ge=0)] = 0
+    min_tokens: Annotated[int, Field(ge=0, le=MAX_COUNT)] = 0
     ignore_eos: bool = False
     stop_token_ids: TokenIds | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # Lower runs first; a request waiting long enough outranks newer ones anyway.
-    priority: int = 0
+    priority: Annotated[int, Field(ge=-MAX_COUNT, le=MAX_COUNT)] = 0
     keep_alive: KeepAlive = None
 
     @field_validator("logit_bias")
     @classmethod
     def _token_keys(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for key in v or {}:
-            if not key.isdigit():
-                raise ValueError(f"logit_bias keys are token ids, got {key!r}")
+            # ASCII digits only ("²".isdigit() is true) and no longer than a token id can be.
+            if not (key.isascii() and key.isdigit() and len(key) <= 10):
+                raise ValueError(f"logit_bias keys are token ids (ASCII digits), got {key[:20]!r}")
         return v
 
     @field_validator("stop")

@@ -11,7 +11,7 @@ from typing import Annotated
 from fastapi import APIRouter, Header, Request
 
 from hub.api.deps import HubDep
-from hub.errors import NotFound
+from hub.errors import BadRequest, NotFound
 
 router = APIRouter(tags=["webhooks"])
 log = logging.getLogger(__name__)
@@ -31,9 +31,11 @@ async def mlflow_webhook(
     hub.webhooks.verify(x_mlflow_signature, x_mlflow_timestamp, x_mlflow_delivery_id, body)
     try:
         event = json.loads(body)
-        what = f"{event.get('entity')}.{event.get('action')}: {event.get('data')}"
-    except ValueError:
-        what = "unparsable body"
+    except ValueError as e:  # UnicodeDecodeError included
+        raise BadRequest(f"the webhook body is not JSON: {e}", param="body") from None
+    if not isinstance(event, dict):
+        raise BadRequest("the webhook body must be a JSON object (an MLflow event)", param="body")
+    what = f"{event.get('entity')}.{event.get('action')}: {event.get('data')}"
     log.info("MLflow webhook %s (%s); reconciling now", x_mlflow_delivery_id, what)
     # Reconcile before answering: once MLflow's delivery returns, the hub serves the move.
     await hub.reconciler.reconcile()
