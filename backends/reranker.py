@@ -62,6 +62,8 @@ class _RerankRequest:
     query: str
     documents: Sequence[str]
     truncate: bool
+    # Cohere's max_tokens_per_doc: each document cut to this many tokens before pairing.
+    max_tokens_per_doc: int | None = None
 
 
 class _RerankStages:
@@ -83,19 +85,27 @@ class _RerankStages:
         self.unpadded = packed is not None
 
     def tokenize(self, payloads: Sequence[_RerankRequest]) -> list[list[Encoded] | BaseException]:
+        documents = [self._documents(p) for p in payloads]
         # The pairs of every request that arrived together go through one tokenizer call.
-        pairs = [(p.query, d) for p in payloads for d in p.documents]
+        pairs = [(p.query, d) for p, docs in zip(payloads, documents, strict=True) for d in docs]
         encoded = iter(self.tokenizer.encode(pairs))
         out: list[list[Encoded] | BaseException] = []
-        for request in payloads:
-            mine = [next(encoded) for _ in request.documents]
+        for request, docs in zip(payloads, documents, strict=True):
+            mine = [next(encoded) for _ in docs]
             try:
-                out.append(self._finish(request, mine))
+                out.append(self._finish(request, docs, mine))
             except InputError as e:
                 out.append(e)
         return out
 
-    def _finish(self, request: _RerankRequest, encoded: list[Encoded]) -> list[Encoded]:
+    def _documents(self, request: _RerankRequest) -> Sequence[str]:
+        if request.max_tokens_per_doc is None:
+            return request.documents
+        return self.tokenizer.keep_first_tokens(request.documents, request.max_tokens_per_doc)
+
+    def _finish(
+        self, request: _RerankRequest, documents: Sequence[str], encoded: list[Encoded]
+    ) -> list[Encoded]:
         limit = self.tokenizer.max_length
         too_long = [i for i, e in enumerate(encoded) if e.length > limit]
         if too_long and not request.truncate:
@@ -107,9 +117,7 @@ class _RerankStages:
                 param="documents",
             )
         if too_long:
-            cut = self.tokenizer.encode_truncated(
-                [(request.query, request.documents[i]) for i in too_long]
-            )
+            cut = self.tokenizer.encode_truncated([(request.query, documents[i]) for i in too_long])
             for i, e in zip(too_long, cut, strict=True):
                 encoded[i] = e
         return encoded
@@ -162,12 +170,20 @@ class RerankerBackend(BatchedEncoderBackend[_RerankRequest, _Scored, RerankerCon
         self._start(_RerankStages(model, tokenizer, device, packed), device)
 
     async def rerank(
-        self, query: str, documents: Sequence[str], *, truncate: bool = True
+        self,
+        query: str,
+        documents: Sequence[str],
+        *,
+        truncate: bool = True,
+        max_tokens_per_doc: int | None = None,
     ) -> Scores:
-        """Score each document against `query`, in document order. A pair longer than the
-        model's maximum is truncated (`longest_first`) unless `truncate=False`, which refuses
-        it. Raises InputError for an empty query, no documents or more than `max_documents`,
-        CapacityError when the queue is full."""
+        """Score each document against `query`, in document order. With `max_tokens_per_doc`
+        each document is first cut to its first that many tokens (Cohere's field). A pair
+        longer than the model's maximum is truncated (`longest_first`) unless
+        `truncate=False`, which refuses it. Raises InputError for an empty query, no
+        documents or more than `max_documents`, CapacityError when the queue is full."""
+        if max_tokens_per_doc is not None and max_tokens_per_doc < 1:
+            raise InputError("max_tokens_per_doc must be at least 1", param="max_tokens_per_doc")
         if not query.strip():
             raise InputError("query must not be empty", param="query")
         require_encodable(query, "query")
@@ -181,5 +197,6 @@ class RerankerBackend(BatchedEncoderBackend[_RerankRequest, _Scored, RerankerCon
                 param="documents",
             )
         self._require()
-        scored = await self._submit(_RerankRequest(query, documents, truncate), len(documents))
+        request = _RerankRequest(query, documents, truncate, max_tokens_per_doc)
+        scored = await self._submit(request, len(documents))
         return Scores(scores=[s for s, _ in scored], token_counts=[n for _, n in scored])

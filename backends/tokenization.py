@@ -79,6 +79,15 @@ class EncoderTokenizer:
         """As `encode`, truncated to `max_length` as the model's own tokenizer truncates."""
         return self._wrap(self._cut.encode_batch(list(inputs), add_special_tokens=True))
 
+    def keep_first_tokens(self, texts: Sequence[str], max_tokens: int) -> list[str]:
+        """Each text cut after its first `max_tokens` content tokens (special tokens not
+        counted), at the character where that token ends; shorter texts come back whole."""
+        encodings = self._full.encode_batch(list(texts), add_special_tokens=False)
+        return [
+            text if len(e.ids) <= max_tokens else text[: e.offsets[max_tokens - 1][1]]
+            for text, e in zip(texts, encodings, strict=True)
+        ]
+
     def wrap_ids(self, ids: Sequence[int], *, truncate: bool = False) -> Encoded:
         """Content token ids wrapped in the model's special tokens; with `truncate`, content is
         cut (from the tokenizer's truncation side) to fit `max_length`."""

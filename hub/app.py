@@ -20,6 +20,7 @@ from hub.api import (
     models,
     registry,
     rerank,
+    rerank_shapes,
     webhooks,
 )
 from hub.api import traffic as traffic_api
@@ -79,7 +80,7 @@ def create_app(settings: HubSettings, *, announce: bool = False) -> FastAPI:
     app.add_middleware(InFlightMiddleware)  # shadow traffic waits for idle moments
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_body_bytes)
     routers = (health, models, embeddings, rerank, completions, admin_models, registry, webhooks)
-    for module in (*routers, dashboard):
+    for module in (*routers, rerank_shapes, dashboard):
         app.include_router(module.router)
     app.include_router(traffic_api.router)
     return app

@@ -5,7 +5,7 @@ Embedding and rerank traffic is many small requests; FastAPI's dependency machin
 parameters, sub-dependencies, body fields) costs about as much event-loop time per request as
 everything else the route does, on cores the model needs. These routes take the bare
 `Request`, validate the body with the same pydantic model FastAPI would use (so a malformed body
-gets the same 422, naming the field), and document that model for OpenAPI via `openapi_body`.
+gets the same 400, naming the field), and document that model for OpenAPI via `openapi_body`.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ async def user_request(request: Request, model: type[Body]) -> tuple[Hub, Body]:
     try:
         body = model.model_validate_json(raw)
     except ValidationError as e:
-        # FastAPI's own shape (locations under "body"), so the 422 handler words it the same.
+        # FastAPI's own shape (locations under "body"), so the validation handler words it the same.
         raise RequestValidationError(
             [{**err, "loc": ("body", *err["loc"])} for err in e.errors(include_url=False)],
             body=raw,

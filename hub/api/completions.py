@@ -4,7 +4,9 @@
 A streamed response holds the model (the manager's `acquire`) until its last event is sent or
 the client goes away; either way the engine request is aborted if unfinished, which frees its
 KV blocks at once. Every response, streamed too, names its version in `X-Hub-Model-Version`.
-Streams end with a usage event (choices empty) and `data: [DONE]`, as OpenAI's do.
+Streams end with `data: [DONE]`; with `stream_options: {include_usage: true}` a usage event
+(choices empty) comes just before it, and every other event carries `usage: null`, as OpenAI's
+do.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from backends.llm.sequence import Logprob
 from hub.api.deps import HubDep, RouteKey, require_user
 from hub.api.errors import error_body
 from hub.api.generation import Choice, Generation, start_generation
+from hub.api.openai_ignored import StreamOptions
 from hub.api.openai_schemas import (
     AssistantMessage,
     ChatChoice,
@@ -91,8 +94,8 @@ async def create_completion(
         choices=[
             CompletionChoice(
                 index=c.index,
-                text=_echo(gen, c.index, body.echo) + c.text,
-                logprobs=_completion_logprobs(gen.backend, c.logprobs)
+                text=(echo := _echo(gen, c.index, body.echo)) + c.text,
+                logprobs=_completion_logprobs(gen.backend, c.logprobs, start=len(echo))
                 if body.logprobs is not None
                 else None,
                 finish_reason=c.finish_reason,
@@ -121,21 +124,28 @@ def _echo(gen: Generation, index: int, echo: bool) -> str:
 
 
 async def _completion_events(gen: Generation, body: CompletionCreate) -> AsyncIterator[str]:
-    head = {
+    head: dict[str, Any] = {
         "id": f"cmpl-{gen.id}",
         "object": "text_completion",
         "created": gen.created,
         "model": gen.route.name,
     }
-    started: set[int] = set()
+    include_usage = _include_usage(body.stream_options)
+    if include_usage:
+        head["usage"] = None
+    # Per choice: the text_offset of its next token (the echoed prompt counts).
+    offsets: dict[int, int] = {}
     async for index, out in gen.deltas():
         text = out.text
-        if index not in started:
-            started.add(index)
-            text = _echo(gen, index, body.echo) + text
+        if index not in offsets:
+            echo = _echo(gen, index, body.echo)
+            offsets[index] = len(echo)
+            text = echo + text
         logprobs = None
         if body.logprobs is not None:
-            logprobs = _completion_logprobs(gen.backend, out.logprobs).model_dump()
+            lp = _completion_logprobs(gen.backend, out.logprobs, start=offsets[index])
+            offsets[index] += sum(len(t) for t in lp.tokens)
+            logprobs = lp.model_dump()
         finish = out.finish_reason.value if out.finish_reason else None
         if not text and finish is None and logprobs is None:
             continue  # held back for a possible stop string
@@ -147,13 +157,23 @@ async def _completion_events(gen: Generation, body: CompletionCreate) -> AsyncIt
             "stop_reason": out.stop_reason,
         }
         yield _event({**head, "choices": [choice]})
-    yield _event({**head, "choices": [], "usage": _usage(gen).model_dump()})
+    if include_usage:
+        yield _event({**head, "choices": [], "usage": _usage(gen).model_dump()})
 
 
-def _completion_logprobs(backend: LLMBackend, logprobs: list[Logprob]) -> CompletionLogprobs:
+def _completion_logprobs(
+    backend: LLMBackend, logprobs: list[Logprob], *, start: int
+) -> CompletionLogprobs:
+    """OpenAI's legacy logprobs; `text_offset` is each token's character offset in the
+    returned text (after an echoed prompt), the lengths of the tokens before it added to
+    `start`, as vLLM computes it."""
     result = CompletionLogprobs()
+    offset = start
     for lp in logprobs:
-        result.tokens.append(backend.decode([lp.token_id]))
+        token = backend.decode([lp.token_id])
+        result.tokens.append(token)
+        result.text_offset.append(offset)
+        offset += len(token)
         result.token_logprobs.append(lp.logprob)
         result.top_logprobs.append({backend.decode([t]): v for t, v in lp.top})
     return result
@@ -178,7 +198,7 @@ async def create_chat_completion(
         hub, route, "chat", build, priority=body.priority, keep_alive=body.keep_alive
     )
     if body.stream:
-        return _sse(gen, _chat_events(gen, logprobs is not None))
+        return _sse(gen, _chat_events(gen, logprobs is not None, body.stream_options))
     async with gen:
         choices = await gen.collect()
     response.headers[VERSION_HEADER] = route.label
@@ -200,13 +220,18 @@ async def create_chat_completion(
     )
 
 
-async def _chat_events(gen: Generation, with_logprobs: bool) -> AsyncIterator[str]:
-    head = {
+async def _chat_events(
+    gen: Generation, with_logprobs: bool, stream_options: StreamOptions | None
+) -> AsyncIterator[str]:
+    head: dict[str, Any] = {
         "id": f"chatcmpl-{gen.id}",
         "object": "chat.completion.chunk",
         "created": gen.created,
         "model": gen.route.name,
     }
+    include_usage = _include_usage(stream_options)
+    if include_usage:
+        head["usage"] = None
     started: set[int] = set()
     async for index, out in gen.deltas():
         delta: dict[str, Any] = {}
@@ -227,7 +252,8 @@ async def _chat_events(gen: Generation, with_logprobs: bool) -> AsyncIterator[st
         if with_logprobs:
             choice["logprobs"] = _chat_logprobs(gen.backend, out.logprobs).model_dump()
         yield _event({**head, "choices": [choice]})
-    yield _event({**head, "choices": [], "usage": _usage(gen).model_dump()})
+    if include_usage:
+        yield _event({**head, "choices": [], "usage": _usage(gen).model_dump()})
 
 
 def _chat_logprobs(backend: LLMBackend, logprobs: list[Logprob]) -> ChoiceLogprobs:
@@ -322,6 +348,12 @@ async def _generate_events(gen: Generation) -> AsyncIterator[str]:
 
 
 # ---- shared ------------------------------------------------------------------------------
+def _include_usage(options: StreamOptions | None) -> bool:
+    """OpenAI sends the usage event only when asked: a client looping over
+    `chunk.choices[0]` would fail on its empty `choices`."""
+    return options is not None and options.include_usage
+
+
 def _usage(gen: Generation) -> Usage:
     return Usage(
         prompt_tokens=gen.prompt_tokens,

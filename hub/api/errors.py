@@ -63,7 +63,8 @@ def install_error_handlers(app: FastAPI) -> None:
             field = ".".join(loc) or "body"
             first_param = first_param or field
             problems.append(f"{field}: {err.get('msg')}")
-        return _json(422, "; ".join(problems), "invalid_request_error", first_param)
+        # 400 as OpenAI and vLLM answer it, so SDKs raise their BadRequestError.
+        return _json(400, "; ".join(problems), "invalid_request_error", first_param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:

@@ -1,4 +1,5 @@
-"""Probes and metrics: liveness, readiness (migrated and the registry answers), Prometheus."""
+"""Probes and metrics: liveness, readiness (migrated and the registry answers), Prometheus,
+and `GET /health` for clients that probe a server before using it (guidellm, TGI's clients)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,13 @@ router = APIRouter(tags=["health"])
 @router.get("/health/live")
 async def live() -> dict[str, str]:
     return {"status": "ok"}
+
+
+@router.get("/health")
+async def health(hub: HubDep) -> dict[str, str | bool]:
+    """200 whenever the process answers, as /health/live; `ready` says whether it has
+    finished starting (/health/ready also checks the registry)."""
+    return {"status": "ok", "ready": hub.ready}
 
 
 @router.get("/health/ready")

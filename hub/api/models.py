@@ -1,4 +1,5 @@
-"""OpenAI's `GET /v1/models`: every registered model a client can name."""
+"""OpenAI's `GET /v1/models` (every registered model a client can name) and
+`GET /v1/models/{id}` (one of them; `name@version` or `name@alias` for one version)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from fastapi import APIRouter, Depends
 from pydantic import BaseModel
 
 from hub.api.deps import HubDep, require_user
+from hub.errors import NotFound
+from registry.views import ModelView
 
 router = APIRouter(tags=["models"], dependencies=[Depends(require_user)])
 
@@ -29,20 +32,34 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+def _card(m: ModelView, model_id: str | None = None) -> ModelCard:
+    return ModelCard(
+        id=model_id or m.name,
+        created=int(m.created_at.timestamp()),
+        kind=m.kind,
+        default_version=m.default_version(),
+        versions=sorted(m.versions),
+        aliases=m.aliases,
+    )
+
+
 @router.get("/v1/models", response_model=ModelList)
 async def list_models(hub: HubDep) -> ModelList:
     snapshot = hub.catalog.snapshot
     return ModelList(
-        data=[
-            ModelCard(
-                id=m.name,
-                created=int(m.created_at.timestamp()),
-                kind=m.kind,
-                default_version=m.default_version(),
-                versions=sorted(m.versions),
-                aliases=m.aliases,
-            )
-            for m in (snapshot.models[n] for n in snapshot.names())
-            if m.versions
-        ]
+        data=[_card(m) for m in (snapshot.models[n] for n in snapshot.names()) if m.versions]
     )
+
+
+# `:path` so that a name holding a slash (`org/model`) reaches this route whole.
+@router.get("/v1/models/{model_id:path}", response_model=ModelCard)
+async def retrieve_model(model_id: str, hub: HubDep) -> ModelCard:
+    """The model as `/v1/models` lists it, 404 for an unknown one; `name@3` or
+    `name@alias` answers for that one version (404 when the model has no such version)."""
+    name, sep, _ = model_id.partition("@")
+    view = hub.catalog.model(name)
+    if sep:
+        hub.router.route(model_id)  # refuses (404, listing what exists) a version it lacks
+    elif not view.versions:
+        raise NotFound(f"model {name!r} has no versions", param="model", code="model_not_found")
+    return _card(view, model_id)

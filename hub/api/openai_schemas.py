@@ -2,7 +2,7 @@
 
 `CompletionCreate` and `ChatCompletionCreate` follow OpenAI's API (plus vLLM's sampling
 extensions: top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids, ...);
-`GenerateBody` is the per-model `/generate` body. Field constraints answer 422 naming the
+`GenerateBody` is the per-model `/generate` body. Field constraints answer 400 naming the
 field; limits that depend on the model (context length, `n`, `max_tokens`) are checked by the
 engine and answer 400. `sampling_params()` turns a body into the engine's `SamplingParams`.
 """
@@ -14,13 +14,10 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from backends.llm.sampling_params import MAX_COUNT, SamplingParams
+from hub.api.openai_ignored import IgnoredChatFields, StreamOptions
 from hub.api.serving import KeepAlive
 
 TokenIds = list[Annotated[int, Field(ge=0, le=MAX_COUNT)]]
-
-
-class StreamOptions(BaseModel):
-    include_usage: bool = True
 
 
 class SamplingFields(BaseModel):
@@ -163,7 +160,7 @@ class ChatMessage(BaseModel):
         return {"role": role, "content": content or ""}
 
 
-class ChatCompletionCreate(SamplingFields):
+class ChatCompletionCreate(SamplingFields, IgnoredChatFields):
     model: str
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None

@@ -44,12 +44,14 @@ class RerankReplay:
     query: str
     documents: Sequence[str]
     truncate: bool = True
+    max_tokens_per_doc: int | None = None
 
     async def run(self, backend: Backend) -> list[float]:
         rerank = getattr(backend, "rerank", None)
         if rerank is None:
             raise TypeError(f"shadow backend is a {backend.kind}, not a reranker")
-        scored = await rerank(self.query, list(self.documents), truncate=self.truncate)
+        scored = await rerank(self.query, list(self.documents), truncate=self.truncate,
+                              max_tokens_per_doc=self.max_tokens_per_doc)  # fmt: skip
         return [float(s) for s in scored.scores]
 
     def compare(self, primary: Any, shadow: Any) -> float | None:

@@ -120,11 +120,11 @@ def test_embeddings_of_a_non_embedder_is_400(client: TestClient, tiny_reranker_d
         ({"model": "emb", "input": {"text": "hi"}}, "input must be a string, a list of strings"),
     ],
 )
-def test_malformed_bodies_get_422_naming_the_field(
+def test_malformed_bodies_get_400_naming_the_field(
     client: TestClient, body: dict[str, object], field: str
 ) -> None:
     r = client.post("/v1/embeddings", json=body)
-    assert r.status_code == 422
+    assert r.status_code == 400
     assert field in r.json()["error"]["message"]
 
 
@@ -151,7 +151,7 @@ def test_register_refusals_via_api(client: TestClient, tmp_path: Path) -> None:
     )
     assert r.status_code == 400 and "pickle" in r.json()["error"]["message"]
     r = client.post("/admin/registry/models", json={"name": "m", "kind": "toaster", "source": "x"})
-    assert r.status_code == 422 and "kind" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "kind" in r.json()["error"]["message"]
     assert client.get("/v1/models").json()["data"] == []
 
 

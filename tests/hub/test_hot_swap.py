@@ -76,7 +76,7 @@ def test_promotion_story_with_a_stream_across_the_swap(
 
         def stream() -> None:
             body = {"model": "chat", "prompt": "Once", "max_tokens": 200, "stream": True,
-                    "ignore_eos": True}  # fmt: skip
+                    "ignore_eos": True, "stream_options": {"include_usage": True}}  # fmt: skip
             with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as r:
                 stream_version.append(r.headers["X-Hub-Model-Version"])
                 for line in r.iter_lines():

@@ -115,11 +115,11 @@ def test_refusals(reranker: TestClient, tiny_embedder_dir: Path) -> None:
         ({"documents": ["d"]}, "query"),
     ],
 )
-def test_malformed_bodies_get_422_naming_the_problem(
+def test_malformed_bodies_get_400_naming_the_problem(
     reranker: TestClient, body: dict[str, object], message: str
 ) -> None:
     r = reranker.post("/v1/rerank", json={"model": "rr", **body})
-    assert r.status_code == 422
+    assert r.status_code == 400
     assert message in r.json()["error"]["message"]
 
 

@@ -33,7 +33,7 @@ async def test_policy_is_replaced_whole_and_bad_ones_are_400(
         r = await t.put(body)
         assert r.status_code == 400, r.text
         assert message in r.json()["error"]["message"]
-    assert (await t.put({"splits": []})).status_code == 422
+    assert (await t.put({"splits": []})).status_code == 400
     r = await t.put({"splits": [{"version": 1, "weight": 100}]}, model="ghost")
     assert r.status_code == 404 and "not registered" in r.json()["error"]["message"]
     assert (await t.client.get("/admin/traffic/emb")).json()["revision"] == 0  # nothing moved
