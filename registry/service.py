@@ -255,22 +255,6 @@ class Registry:
                 f"model {name!r} has no version {version} (versions: {known})"
             ) from None
 
-    def resolve(self, name: str, ref: str | None = None) -> VersionView:
-        """The version `ref` names: a number, an alias, or None for the default version."""
-        model = self.get_model(name)
-        if ref is None:
-            default = model.default_version()
-            if default is None:
-                raise NotFoundError(f"model {name!r} has no versions")
-            return model.versions[default]
-        if ref.isdigit():
-            return self.get_version(name, int(ref))
-        if ref in model.aliases:
-            return model.versions[model.aliases[ref]]
-        raise NotFoundError(
-            f"model {name!r} has no alias {ref!r} (aliases: {', '.join(model.aliases) or 'none'})"
-        )
-
     def events(self, name: str | None = None, limit: int = 100) -> list[EventView]:
         with self.db.session() as s:
             query = select(AliasEvent, RegisteredModel.name).join(RegisteredModel)

@@ -7,7 +7,7 @@ from typing import Literal
 from fastapi import APIRouter, Depends
 from pydantic import BaseModel
 
-from hub.api.deps import HubDep, require_user
+from hub.api.deps import CatalogDep, require_user
 
 router = APIRouter(tags=["models"], dependencies=[Depends(require_user)])
 
@@ -30,8 +30,8 @@ class ModelList(BaseModel):
 
 
 @router.get("/v1/models", response_model=ModelList)
-async def list_models(hub: HubDep) -> ModelList:
-    snapshot = hub.catalog.snapshot
+async def list_models(catalog: CatalogDep) -> ModelList:
+    snapshot = catalog.snapshot
     return ModelList(
         data=[
             ModelCard(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hub.traffic.assignment import bucket_of
+from hub.routing.assignment import bucket_of
 from tests.hub.traffic.conftest import TrafficHub, embed, register, versions
 
 

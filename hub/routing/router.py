@@ -1,7 +1,7 @@
 """Which version of a model answers a request.
 
 `model` in a request is a registered name, `name@version` or `name@alias`. A bare name is
-served by its traffic split when it has one (see hub.traffic.assignment: a sticky bucket
+served by its traffic split when it has one (see hub.routing.assignment: a sticky bucket
 from the routing key, weighted over versions), else its default version: the `production`
 alias, else the latest. `name@version`, `name@alias` and `/versions/{v}/` bypass the split.
 """
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from hub.catalog import Catalog
 from hub.errors import BadRequest, NotFound
-from hub.traffic.assignment import Arm, AssignmentTable, bucket_of, random_bucket
+from hub.routing.assignment import Arm, AssignmentTable, bucket_of, random_bucket
 from registry.views import ModelView, SplitView
 
 
