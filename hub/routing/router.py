@@ -18,6 +18,8 @@ from registry.views import ModelView, SplitView
 
 @dataclass(frozen=True)
 class Route:
+    """The version chosen for one request, and how it was chosen."""
+
     name: str
     version: int
     kind: str
@@ -43,6 +45,15 @@ class Route:
 
 
 class Router:
+    """Picks the version that answers a request, from the catalog's snapshot alone (no I/O).
+
+    Contract: `route(model, route_key=...)` accepts `name`, `name@version` and `name@alias`;
+    a bare name follows the model's traffic split (the same key always lands on the same
+    version while the weights stay) or else its default version; a split naming a version no
+    longer in the catalog is ignored. Unknown names and references raise NotFound naming
+    what exists; `name@` raises BadRequest.
+    """
+
     def __init__(self, catalog: Catalog) -> None:
         self.catalog = catalog
         # Assignment tables by model, rebuilt only when its split changes.
