@@ -21,6 +21,14 @@ Listener = Callable[[RegistrySnapshot, RegistrySnapshot], Awaitable[None]]
 
 
 class Catalog:
+    """The latest registry snapshot this hub serves from, and who to tell when it changes.
+
+    Contract: `snapshot` is always a complete, immutable snapshot (never a half-refreshed
+    one); `refresh()` replaces it (refreshes never overlap) and then awaits each listener
+    with (old, new) when it changed; a failing listener is logged and does not stop the
+    others. `model(name)` raises NotFound naming the known models.
+    """
+
     def __init__(self, registry: Registry) -> None:
         self.registry = registry
         self._snapshot = RegistrySnapshot(models={})

@@ -12,12 +12,15 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from hub.settings import CONFIG_ENV, HubSettings, SettingsError, load_settings
 from hub.traffic import cli as traffic_cli
+
+if TYPE_CHECKING:
+    from registry.service import Registry
 
 app = typer.Typer(
     help="Model Hub: serve many models (LLMs, embedders, rerankers) from one memory pool.",
@@ -50,22 +53,14 @@ def _settings(config: Path | None, **overrides: Any) -> HubSettings:
     return settings.model_copy(update=updates) if updates else settings
 
 
-def _registry(settings: HubSettings) -> Any:
-    from backends.runtime_config import parse_runtime_config
-    from registry.cache import ArtifactCache
-    from registry.db import Database, upgrade
-    from registry.mlflow_store import MlflowStore
-    from registry.service import Registry
+def _registry(settings: HubSettings) -> Registry:
+    """The registry the app would build from `settings` (hub.control.build_registry),
+    migrated first."""
+    from hub.control import build_registry
+    from registry.db import upgrade
 
     upgrade(settings.database_url)
-    mlflow = MlflowStore(settings.mlflow_tracking_uri, settings.mlflow_artifact_location)
-    return Registry(
-        Database(settings.database_url),
-        mlflow,
-        ArtifactCache(settings.cache_dir, mlflow),
-        allow_pickle=settings.allow_pickle,
-        check_config=parse_runtime_config,
-    )
+    return build_registry(settings)
 
 
 def _fail(message: str, code: int = 1) -> typer.Exit:

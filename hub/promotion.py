@@ -16,12 +16,11 @@ import logging
 from collections import defaultdict
 from dataclasses import dataclass
 
-from hub.catalog import Catalog
+from hub.control import Control
 from hub.errors import BadRequest, Conflict, HubError
 from hub.validation import GateResult, ValidationGate
 from registry.aliases import STAGES
 from registry.errors import ConflictError
-from registry.service import Registry
 from registry.views import EventView
 
 log = logging.getLogger(__name__)
@@ -39,12 +38,19 @@ class Promotion:
 
 
 class Promoter:
-    def __init__(
-        self, registry: Registry, gate: ValidationGate, catalog: Catalog, *, require_staging: bool
-    ) -> None:
-        self.registry = registry
+    """Moves `staging` and `production`, through the validation gate.
+
+    Contract: `promote` raises BadRequest for an unknown stage, Conflict when the alias is
+    already there, staging was skipped (with `require_staging`) or another promotion moved the
+    alias meanwhile, and ValidationFailed (422, the alias unchanged, the rejection audited)
+    when the gate fails; on success the move is audited with the gate's result and this hub's
+    catalog serves it before `promote` returns. `rollback` moves production back one step of
+    its history, with the same compare-and-set.
+    """
+
+    def __init__(self, control: Control, gate: ValidationGate, *, require_staging: bool) -> None:
+        self.control = control
         self.gate = gate
-        self.catalog = catalog
         self.require_staging = require_staging
         self._locks: defaultdict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
 
@@ -56,25 +62,23 @@ class Promoter:
                 f"unknown stage {to!r}; promote to one of {', '.join(STAGES)}", param="to"
             )
         async with self._locks[name]:
-            view = await asyncio.to_thread(self.registry.get_version, name, version)
-            current = (await asyncio.to_thread(self.registry.get_model, name)).aliases.get(to)
+            view = await self.control.version(name, version)
+            current = (await self.control.model(name)).aliases.get(to)
             if current == version:
                 raise Conflict(f"{name}@{to} already points to version {version}")
             if to == "production" and self.require_staging:
-                passed = await asyncio.to_thread(self.registry.aliases.passed_stage, name, version)
+                passed = await self.control.passed_stage(name, version)
                 if not passed:
                     raise Conflict(
                         f"{name} v{version} has not passed staging; promote it to staging first "
                         "(or set registry.require_staging: false)"
                     )
             result = await self.gate.run(view)
-            await asyncio.to_thread(
-                self.registry.record_validation, name, version, result.as_dict()
-            )
+            await self.control.record_validation(name, version, result.as_dict())
             if not result.passed:
-                await asyncio.to_thread(
-                    self.registry.aliases.record_rejection, name, to, version,
-                    current=current, actor=actor, reason=reason, validation=result.as_dict(),
+                await self.control.record_rejection(
+                    name, to, version, current=current, actor=actor, reason=reason,
+                    validation=result.as_dict(),
                 )  # fmt: skip
                 raise ValidationFailed(
                     f"{name} v{version} failed its validation gate; {to} is unchanged: "
@@ -82,27 +86,22 @@ class Promoter:
                     code="validation_failed",
                 )
             try:
-                event = await asyncio.to_thread(
-                    self.registry.aliases.move, name, to, version,
-                    actor=actor, reason=reason, action="promote",
+                event = await self.control.move_alias(
+                    name, to, version, actor=actor, reason=reason, action="promote",
                     validation=result.as_dict(), expected=current,
                 )  # fmt: skip
             except ConflictError as e:
                 raise Conflict(str(e)) from e
-        await self.catalog.refresh()
         return Promotion(event, result)
 
     async def rollback(self, name: str, *, actor: str, reason: str = "") -> EventView:
         async with self._locks[name]:
             try:
-                current, previous = await asyncio.to_thread(
-                    self.registry.aliases.rollback_target, name
-                )
-                event = await asyncio.to_thread(
-                    self.registry.aliases.move, name, "production", previous,
-                    actor=actor, reason=reason, action="rollback", expected=current,
+                current, previous = await self.control.rollback_target(name)
+                event = await self.control.move_alias(
+                    name, "production", previous, actor=actor, reason=reason,
+                    action="rollback", expected=current,
                 )  # fmt: skip
             except ConflictError as e:
                 raise Conflict(str(e)) from e
-        await self.catalog.refresh()
         return event

@@ -16,22 +16,31 @@ import asyncio
 import contextlib
 import logging
 
-from hub.catalog import Catalog
+from hub.control import Control
 from hub.errors import NotFound
 from hub.manager import ModelManager
 from hub.metrics import HubMetrics
-from registry.drift import Drift, find_drift
-from registry.service import Registry
+from registry.drift import Drift
 from registry.views import RegistrySnapshot
 
 log = logging.getLogger(__name__)
 
 
 class Reconciler:
+    """Converges this hub on the registry, one pass at a time.
+
+    Contract: `reconcile()` runs one pass (passes never overlap): alias drift between MLflow
+    and SQL is recorded (MLflow wins, as an audit event) and exposed as `drift` and the
+    `hub_registry_drift` gauge, then the catalog is refreshed. When a refresh changes a
+    model's serving version, a model in `keep_loaded` gets its new version loaded (pinned, and
+    the old one unpinned, when the model is in `pinned`). `start()` runs passes every
+    `poll_interval` seconds or at once after `kick()`; a failing pass keeps the last good
+    snapshot and records `last_error`.
+    """
+
     def __init__(
         self,
-        registry: Registry,
-        catalog: Catalog,
+        control: Control,
         manager: ModelManager,
         metrics: HubMetrics,
         *,
@@ -40,8 +49,7 @@ class Reconciler:
         keep_loaded: frozenset[str] = frozenset(),
         pinned: frozenset[str] = frozenset(),
     ) -> None:
-        self.registry = registry
-        self.catalog = catalog
+        self.control = control
         self.manager = manager
         self.metrics = metrics
         self.poll_interval = poll_interval
@@ -56,7 +64,7 @@ class Reconciler:
         self._kick = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._followups: set[asyncio.Task[None]] = set()
-        catalog.on_change(self._serving_changed)
+        control.catalog.on_change(self._serving_changed)
 
     def kick(self) -> None:
         """Reconcile now instead of at the next poll (webhooks, the hub's own changes)."""
@@ -82,11 +90,7 @@ class Reconciler:
             self.rounds += 1
 
     async def _reconcile(self, check_versions: bool) -> None:
-        registry = self.registry
-        drift = await asyncio.to_thread(
-            find_drift, registry.db, registry.mlflow, registry.aliases,
-            versions=check_versions, repair=True,
-        )  # fmt: skip
+        drift = await self.control.find_drift(versions=check_versions)
         for item in drift:
             log.warning("registry drift (%s, %s): %s%s", item.model, item.kind, item.detail,
                         " - recorded in the audit log" if item.repaired else "")  # fmt: skip
@@ -98,7 +102,7 @@ class Reconciler:
             self.metrics.registry_drift.labels(kind).set(
                 sum(1 for d in self.drift if d.kind == kind and not d.repaired)
             )
-        await self.catalog.refresh()
+        await self.control.refresh()
 
     async def _loop(self) -> None:
         loops = 0

@@ -6,23 +6,22 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
-from backends.runtime_config import parse_runtime_config
 from hub.auth import Authenticator
 from hub.catalog import Catalog
+from hub.control import Control, build_registry
 from hub.demo import is_builtin, materialise_builtin
 from hub.manager import Device, ModelManager, VersionLoader
 from hub.metrics import HubMetrics
 from hub.promotion import Promoter
 from hub.reconciler import Reconciler
 from hub.routing import Router
+from hub.serving import Serving
 from hub.settings import HubSettings
 from hub.traffic.service import TrafficService
 from hub.validation import ValidationGate
 from hub.webhooks import EVENTS, WebhookVerifier
-from registry.cache import ArtifactCache
 from registry.db import Database, upgrade
 from registry.keys import ApiKeys
-from registry.mlflow_store import MlflowStore
 from registry.service import Registry
 
 log = logging.getLogger(__name__)
@@ -30,9 +29,16 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Hub:
+    """Every long-lived part of one running hub, wired once by `build` (no I/O), brought up
+    by `start` (migrate, reach the registry, register configured models, start the background
+    loops; `ready` flips last) and torn down by `stop`. Routes never take the whole `Hub`:
+    they declare the parts they use (hub.api.deps).
+    """
+
     settings: HubSettings
     db: Database
     registry: Registry
+    control: Control
     catalog: Catalog
     router: Router
     manager: ModelManager
@@ -42,28 +48,19 @@ class Hub:
     promoter: Promoter
     webhooks: WebhookVerifier | None
     traffic: TrafficService
+    serving: Serving
     ready: bool = False
     background: list[asyncio.Task[None]] = field(default_factory=list)
 
     @classmethod
     def build(cls, settings: HubSettings) -> Hub:
         """Wire the parts together; does no I/O (see `start`)."""
-        db = Database(settings.database_url)
-        mlflow = MlflowStore(settings.mlflow_tracking_uri, settings.mlflow_artifact_location)
-        cache = ArtifactCache(settings.cache_dir, mlflow)
         devices = [Device.from_settings(d) for d in settings.devices]
-        registry = Registry(
-            db,
-            mlflow,
-            cache,
-            allow_pickle=settings.allow_pickle,
-            hf_cache_dir=settings.registry.hf_cache_dir,
-            check_config=parse_runtime_config,
-            trust_remote_code=settings.trust_remote_code,
-            max_model_bytes=max((d.budget_bytes for d in devices), default=None),
-        )
+        registry = build_registry(settings)
+        db = registry.db
         metrics = HubMetrics()
         catalog = Catalog(registry)
+        control = Control(registry, catalog)
         loader = VersionLoader(
             registry,
             metrics_registry=metrics.registry,
@@ -81,8 +78,7 @@ class Hub:
         )
         reg = settings.registry
         reconciler = Reconciler(
-            registry,
-            catalog,
+            control,
             manager,
             metrics,
             poll_interval=reg.poll_interval,
@@ -92,11 +88,10 @@ class Hub:
         )
         gate = ValidationGate(manager, reg.gate_timeout)
         secret = reg.webhook_secret.get_secret_value() if reg.webhook_secret else None
-        promoter = Promoter(registry, gate, catalog, require_staging=reg.require_staging)
+        promoter = Promoter(control, gate, require_staging=reg.require_staging)
         traffic = TrafficService(
             settings.traffic,
-            registry,
-            catalog,
+            control,
             manager,
             promoter,
             metrics.registry,
@@ -106,6 +101,7 @@ class Hub:
             settings=settings,
             db=db,
             registry=registry,
+            control=control,
             catalog=catalog,
             router=Router(catalog),
             manager=manager,
@@ -115,14 +111,15 @@ class Hub:
             promoter=promoter,
             webhooks=WebhookVerifier(secret) if secret else None,
             traffic=traffic,
+            serving=Serving(manager, traffic, metrics),
         )
 
     async def start(self) -> None:
         """Migrate, reach the registry, register configured models, then serve."""
         await asyncio.to_thread(upgrade, self.settings.database_url)
-        await asyncio.to_thread(self.registry.ping)
+        await self.control.ping()
         await asyncio.to_thread(self._register_configured_models)
-        await asyncio.to_thread(self._register_webhook)
+        await self._register_webhook()
         await self.reconciler.reconcile(check_versions=True)
         self.reconciler.start()
         await self.traffic.start()
@@ -162,7 +159,7 @@ class Hub:
                 actor="config",
             )
 
-    def _register_webhook(self) -> None:
+    async def _register_webhook(self) -> None:
         reg = self.settings.registry
         if not (reg.webhook_url and reg.webhook_secret):
             return
@@ -170,7 +167,7 @@ class Hub:
             log.info("MLflow is embedded; alias moves are followed by polling, not webhooks")
             return
         try:
-            self.registry.mlflow.ensure_webhook(
+            await self.control.ensure_webhook(
                 "model-hub", reg.webhook_url, reg.webhook_secret.get_secret_value(), EVENTS
             )
             log.info("MLflow webhook registered: alias moves are pushed to %s", reg.webhook_url)

@@ -22,7 +22,6 @@ from registry.db import Database
 from registry.errors import ConflictError, InvalidConfigError, InvalidSourceError, NotFoundError
 from registry.fetch import SourceFetcher
 from registry.mlflow_store import MlflowStore
-from registry.refs import version_number
 from registry.schema import AliasEvent, ModelVersion, RegisteredModel
 from registry.sources import inspect_folder
 from registry.traffic import TrafficBook
@@ -288,23 +287,6 @@ class Registry:
             raise NotFoundError(
                 f"model {name!r} has no version {version} (versions: {known})"
             ) from None
-
-    def resolve(self, name: str, ref: str | None = None) -> VersionView:
-        """The version `ref` names: a number, an alias, or None for the default version."""
-        model = self.get_model(name)
-        if ref is None:
-            default = model.default_version()
-            if default is None:
-                raise NotFoundError(f"model {name!r} has no versions")
-            return model.versions[default]
-        number = version_number(ref)
-        if number is not None:
-            return self.get_version(name, number)
-        if ref in model.aliases:
-            return model.versions[model.aliases[ref]]
-        raise NotFoundError(
-            f"model {name!r} has no alias {ref!r} (aliases: {', '.join(model.aliases) or 'none'})"
-        )
 
     def events(self, name: str | None = None, limit: int = 100) -> list[EventView]:
         with self.db.session() as s:

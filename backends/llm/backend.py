@@ -123,14 +123,6 @@ class LLMBackend(Backend):
     def engine(self) -> LLMEngine:
         return self._require().engine
 
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.max_model_len
-
-    @property
-    def default_max_tokens(self) -> int:
-        return self.engine.config.default_max_tokens
-
     def encode(self, text: str, *, param: str = "prompt") -> list[int]:
         self._require()
         require_encodable(text, param)

@@ -235,10 +235,6 @@ class LLMEngine:
     def has_work(self) -> bool:
         return bool(self._incoming or self._aborts or self.scheduler.num_unfinished)
 
-    @property
-    def num_unfinished_requests(self) -> int:
-        return len(self._requests) + len(self._incoming)
-
     def step(self) -> list[RequestOutput]:
         """One engine step; outputs for every sequence that got a token or finished."""
         self._apply_aborts()

@@ -6,7 +6,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends
 from pydantic import BaseModel, Field
 
-from hub.api.deps import HubDep, require_admin
+from hub.api.deps import ManagerDep, RouterDep, require_admin
 from hub.manager import DeviceStatus, HostTierStatus, ModelStatus
 
 router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(require_admin)])
@@ -70,39 +70,47 @@ class DeviceList(BaseModel):
 
 
 @router.get("/models", response_model=list[ModelStatusPublic])
-async def admin_models(hub: HubDep) -> list[ModelStatusPublic]:
-    return [ModelStatusPublic.of(s) for s in hub.manager.status()]
+async def admin_models(manager: ManagerDep) -> list[ModelStatusPublic]:
+    return [ModelStatusPublic.of(s) for s in manager.status()]
 
 
 @router.get("/devices", response_model=DeviceList)
-async def admin_devices(hub: HubDep) -> DeviceList:
+async def admin_devices(manager: ManagerDep) -> DeviceList:
     return DeviceList(
-        devices=[DevicePublic.of(d) for d in hub.manager.device_status()],
-        host_tier=HostTierPublic.of(hub.manager.host_tier_status()),
+        devices=[DevicePublic.of(d) for d in manager.device_status()],
+        host_tier=HostTierPublic.of(manager.host_tier_status()),
     )
 
 
 @router.post("/models/{name}/versions/{version}/load", response_model=ModelStatusPublic)
-async def load_version(name: str, version: str, hub: HubDep) -> ModelStatusPublic:
-    route = hub.router.route_version(name, version)
-    return ModelStatusPublic.of(await hub.manager.load(route.name, route.version))
+async def load_version(
+    name: str, version: str, routes: RouterDep, manager: ManagerDep
+) -> ModelStatusPublic:
+    route = routes.route_version(name, version)
+    return ModelStatusPublic.of(await manager.load(route.name, route.version))
 
 
 @router.post("/models/{name}/versions/{version}/unload", response_model=ModelStatusPublic)
-async def unload_version(name: str, version: str, hub: HubDep) -> ModelStatusPublic:
-    route = hub.router.route_version(name, version)
-    return ModelStatusPublic.of(await hub.manager.unload(route.name, route.version))
+async def unload_version(
+    name: str, version: str, routes: RouterDep, manager: ManagerDep
+) -> ModelStatusPublic:
+    route = routes.route_version(name, version)
+    return ModelStatusPublic.of(await manager.unload(route.name, route.version))
 
 
 @router.post("/models/{name}/versions/{version}/pin", response_model=ModelStatusPublic)
-async def pin_version(name: str, version: str, hub: HubDep) -> ModelStatusPublic:
+async def pin_version(
+    name: str, version: str, routes: RouterDep, manager: ManagerDep
+) -> ModelStatusPublic:
     """Load if needed and keep resident under any pressure; 409 when it cannot fit beside
     the models already pinned."""
-    route = hub.router.route_version(name, version)
-    return ModelStatusPublic.of(await hub.manager.pin(route.name, route.version))
+    route = routes.route_version(name, version)
+    return ModelStatusPublic.of(await manager.pin(route.name, route.version))
 
 
 @router.post("/models/{name}/versions/{version}/unpin", response_model=ModelStatusPublic)
-async def unpin_version(name: str, version: str, hub: HubDep) -> ModelStatusPublic:
-    route = hub.router.route_version(name, version)
-    return ModelStatusPublic.of(await hub.manager.unpin(route.name, route.version))
+async def unpin_version(
+    name: str, version: str, routes: RouterDep, manager: ManagerDep
+) -> ModelStatusPublic:
+    route = routes.route_version(name, version)
+    return ModelStatusPublic.of(await manager.unpin(route.name, route.version))

@@ -1,11 +1,16 @@
-"""Request bodies, the user check and client disconnects for the hot inference routes,
-without FastAPI's per-request dependency solving.
+"""The one way inference requests are parsed and authenticated: `UserBody(Model)`.
 
-Embedding and rerank traffic is many small requests; FastAPI's dependency machinery (header
-parameters, sub-dependencies, body fields) costs about as much event-loop time per request as
-everything else the route does, on cores the model needs. These routes take the bare
-`Request`, validate the body with the same pydantic model FastAPI would use (so a malformed body
-gets the same 400, naming the field), and document that model for OpenAPI via `openapi_body`.
+    async def create_embeddings(body: Annotated[EmbeddingCreate, UserBody(EmbeddingCreate)],
+                                route_key: RouteKey, ...)
+
+`UserBody` is a dependency on the bare `Request` alone: it checks the user key, reads the
+body and validates it with `model_validate_json` (pydantic's JSON parser, one pass). FastAPI's
+own body fields and header parameters would parse the JSON into a dict first and validate
+that, and solve a sub-dependency per header; on the hot routes (many small embedding and
+rerank requests) that machinery costs about as much event-loop time as everything else the
+route does, on cores the model needs. A malformed body gets a 400 naming the field, as
+FastAPI's own validation does here; `openapi_body` documents the model as the route's
+request body.
 """
 
 from __future__ import annotations
@@ -13,39 +18,52 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
-from fastapi import Request
+from fastapi import Depends, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
-from hub.api.deps import get_hub
-from hub.state import Hub
+from hub.api.deps import hub_of
+from hub.outcome import ClientGone
 
 ROUTE_KEY_HEADER = "x-hub-route-key"
 
 Body = TypeVar("Body", bound=BaseModel)
 
 
-async def user_request(request: Request, model: type[Body]) -> tuple[Hub, Body]:
-    """The hub and the validated body of an inference request, after the user-key check."""
-    hub = await get_hub(request)
+async def read_user_body(request: Request, model: type[Body]) -> Body:
+    """The validated body of an inference request, after the user-key check."""
     headers = request.headers
-    await hub.auth.check(headers.get("authorization"), headers.get("x-api-key"), admin=False)
+    await hub_of(request).auth.check(
+        headers.get("authorization"), headers.get("x-api-key"), admin=False
+    )
     raw = await request.body()
     try:
-        body = model.model_validate_json(raw)
+        return model.model_validate_json(raw)
     except ValidationError as e:
         # FastAPI's own shape (locations under "body"), so the validation handler words it the same.
         raise RequestValidationError(
             [{**err, "loc": ("body", *err["loc"])} for err in e.errors(include_url=False)],
             body=raw,
         ) from None
-    return hub, body
 
 
-class ClientGone(Exception):
-    """The client disconnected before its answer was ready; nobody will read a response."""
+def UserBody(model: type[Body]) -> Any:
+    """The dependency marker of an inference route's body: `Annotated[M, UserBody(M)]`."""
+
+    async def user_body(request: Request) -> Body:
+        return await read_user_body(request, model)
+
+    return Depends(user_body)
+
+
+async def get_route_key(request: Request) -> str | None:
+    """The caller's sticky routing key for traffic splits (`X-Hub-Route-Key`), if any."""
+    return request.headers.get(ROUTE_KEY_HEADER)
+
+
+RouteKey = Annotated[str | None, Depends(get_route_key)]
 
 
 @contextlib.asynccontextmanager
@@ -76,21 +94,28 @@ async def cancelled_if_client_leaves(request: Request) -> AsyncIterator[None]:
         watcher.cancel()
 
 
-def route_key(request: Request) -> str | None:
-    """The caller's sticky routing key for traffic splits, if it sent one."""
-    return request.headers.get(ROUTE_KEY_HEADER)
-
-
-def openapi_body(model: type[BaseModel]) -> dict[str, Any]:
-    """`openapi_extra` documenting `model` as the JSON request body of a route."""
+def openapi_body(model: type[BaseModel], *, route_key: bool = False) -> dict[str, Any]:
+    """`openapi_extra` documenting `model` as the JSON request body of a route (and the
+    `X-Hub-Route-Key` header, for routes that follow a traffic split)."""
     schema = model.model_json_schema()
     defs = schema.pop("$defs", {})
-    return {
+    extra: dict[str, Any] = {
         "requestBody": {
             "required": True,
             "content": {"application/json": {"schema": _inline(schema, defs)}},
         }
     }
+    if route_key:
+        extra["parameters"] = [
+            {
+                "name": "X-Hub-Route-Key",
+                "in": "header",
+                "required": False,
+                "schema": {"type": "string"},
+                "description": "sticky routing key: keeps a caller on one version of a split",
+            }
+        ]
+    return extra
 
 
 def _inline(node: Any, defs: dict[str, Any]) -> Any:

@@ -14,15 +14,16 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Response
+from fastapi import APIRouter, Response
 from fastapi.responses import StreamingResponse
 
 from backends.llm.backend import LLMBackend
 from backends.llm.sampling_params import SamplingParams
 from backends.llm.sequence import Logprob
-from hub.api.deps import HubDep, RouteKey, require_user
+from hub.api.bodies import RouteKey, UserBody, openapi_body
+from hub.api.deps import RouterDep, ServingDep
 from hub.api.errors import error_body
 from hub.api.generation import Choice, Generation, start_generation
 from hub.api.openai_ignored import StreamOptions
@@ -45,23 +46,28 @@ from hub.api.openai_schemas import (
     TopLogprob,
     Usage,
 )
-from hub.api.serving import VERSION_HEADER
+from hub.api.serving import VERSION_HEADER, Serving
 from hub.errors import BadRequest
 from hub.routing import Route
-from hub.state import Hub
 
-router = APIRouter(tags=["generation"], dependencies=[Depends(require_user)])
+# Bodies are read and the caller authenticated by UserBody (hub/api/bodies.py).
+router = APIRouter(tags=["generation"])
 
 # OpenAI's default for the legacy completions endpoint.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
 
 # ---- /v1/completions ---------------------------------------------------------------------
-@router.post("/v1/completions", response_model=CompletionPublic)
+@router.post("/v1/completions", response_model=CompletionPublic,
+             openapi_extra=openapi_body(CompletionCreate, route_key=True))  # fmt: skip
 async def create_completion(
-    body: CompletionCreate, hub: HubDep, response: Response, route_key: RouteKey = None
+    body: Annotated[CompletionCreate, UserBody(CompletionCreate)],
+    router: RouterDep,
+    serving: ServingDep,
+    response: Response,
+    route_key: RouteKey,
 ) -> CompletionPublic | StreamingResponse:
-    route = hub.router.route(body.model, route_key=route_key or body.user)
+    route = router.route(body.model, route_key=route_key or body.user)
     if body.suffix:
         raise BadRequest("suffix (fill-in-the-middle) is not supported", param="suffix")
     if body.best_of is not None and body.best_of != body.n:
@@ -80,7 +86,7 @@ async def create_completion(
         return _encode_prompts(body.prompt, backend), params
 
     gen = await start_generation(
-        hub, route, "completions", build, priority=body.priority, keep_alive=body.keep_alive
+        serving, route, "completions", build, priority=body.priority, keep_alive=body.keep_alive
     )
     if body.stream:
         return _sse(gen, _completion_events(gen, body))
@@ -180,11 +186,16 @@ def _completion_logprobs(
 
 
 # ---- /v1/chat/completions ----------------------------------------------------------------
-@router.post("/v1/chat/completions", response_model=ChatCompletionPublic)
+@router.post("/v1/chat/completions", response_model=ChatCompletionPublic,
+             openapi_extra=openapi_body(ChatCompletionCreate, route_key=True))  # fmt: skip
 async def create_chat_completion(
-    body: ChatCompletionCreate, hub: HubDep, response: Response, route_key: RouteKey = None
+    body: Annotated[ChatCompletionCreate, UserBody(ChatCompletionCreate)],
+    router: RouterDep,
+    serving: ServingDep,
+    response: Response,
+    route_key: RouteKey,
 ) -> ChatCompletionPublic | StreamingResponse:
-    route = hub.router.route(body.model, route_key=route_key or body.user)
+    route = router.route(body.model, route_key=route_key or body.user)
     if body.top_logprobs is not None and not body.logprobs:
         raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -195,7 +206,7 @@ async def create_chat_completion(
         return [prompt], body.sampling_params(max_tokens=max_tokens, logprobs=logprobs)
 
     gen = await start_generation(
-        hub, route, "chat", build, priority=body.priority, keep_alive=body.keep_alive
+        serving, route, "chat", build, priority=body.priority, keep_alive=body.keep_alive
     )
     if body.stream:
         return _sse(gen, _chat_events(gen, logprobs is not None, body.stream_options))
@@ -273,23 +284,35 @@ def _chat_logprobs(backend: LLMBackend, logprobs: list[Logprob]) -> ChoiceLogpro
 
 
 # ---- /models/{name}/generate -------------------------------------------------------------
-@router.post("/models/{name}/generate", response_model=GeneratePublic)
+@router.post("/models/{name}/generate", response_model=GeneratePublic,
+             openapi_extra=openapi_body(GenerateBody, route_key=True))  # fmt: skip
 async def generate_routed(
-    name: str, body: GenerateBody, hub: HubDep, response: Response, route_key: RouteKey = None
+    name: str,
+    body: Annotated[GenerateBody, UserBody(GenerateBody)],
+    router: RouterDep,
+    serving: ServingDep,
+    response: Response,
+    route_key: RouteKey,
 ) -> GeneratePublic | StreamingResponse:
-    route = hub.router.route(name, route_key=route_key or body.user)
-    return await _generate(hub, route, body, response)
+    route = router.route(name, route_key=route_key or body.user)
+    return await _generate(serving, route, body, response)
 
 
-@router.post("/models/{name}/versions/{version}/generate", response_model=GeneratePublic)
+@router.post("/models/{name}/versions/{version}/generate", response_model=GeneratePublic,
+             openapi_extra=openapi_body(GenerateBody))  # fmt: skip
 async def generate_version(
-    name: str, version: str, body: GenerateBody, hub: HubDep, response: Response
+    name: str,
+    version: str,
+    body: Annotated[GenerateBody, UserBody(GenerateBody)],
+    router: RouterDep,
+    serving: ServingDep,
+    response: Response,
 ) -> GeneratePublic | StreamingResponse:
-    return await _generate(hub, hub.router.route_version(name, version), body, response)
+    return await _generate(serving, router.route_version(name, version), body, response)
 
 
 async def _generate(
-    hub: Hub, route: Route, body: GenerateBody, response: Response
+    serving: Serving, route: Route, body: GenerateBody, response: Response
 ) -> GeneratePublic | StreamingResponse:
     given = [f for f in ("prompt", "prompt_token_ids", "messages") if getattr(body, f) is not None]
     if len(given) != 1:
@@ -308,7 +331,7 @@ async def _generate(
         return [prompt], body.sampling_params(max_tokens=body.max_tokens, logprobs=body.logprobs)
 
     gen = await start_generation(
-        hub, route, "generate", build, priority=body.priority, keep_alive=body.keep_alive
+        serving, route, "generate", build, priority=body.priority, keep_alive=body.keep_alive
     )
     if body.stream:
         return _sse(gen, _generate_events(gen))

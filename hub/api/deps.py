@@ -1,4 +1,10 @@
-"""FastAPI dependencies shared by the routers."""
+"""FastAPI dependencies: each route declares the parts of the hub it uses.
+
+    async def readout(name: str, router: RouterDep, traffic: TrafficDep) -> ReadoutPublic
+
+Every dependency is `async` on purpose: FastAPI runs a plain `def` dependency in its thread
+pool, a thread hop on every request for what is an attribute read.
+"""
 
 from __future__ import annotations
 
@@ -6,37 +12,107 @@ from typing import Annotated
 
 from fastapi import Depends, Header, Request
 
+from hub.auth import Authenticator
+from hub.catalog import Catalog
+from hub.control import Control
+from hub.manager import ModelManager
+from hub.metrics import HubMetrics
+from hub.promotion import Promoter
+from hub.reconciler import Reconciler
+from hub.routing import Router
+from hub.serving import Serving
+from hub.settings import HubSettings
 from hub.state import Hub
+from hub.traffic.service import TrafficService
+from hub.webhooks import WebhookVerifier
 
 
-async def get_hub(request: Request) -> Hub:
-    # async on purpose: FastAPI runs a plain `def` dependency in its thread pool, a thread
-    # hop on every request for what is an attribute read.
+def hub_of(request: Request) -> Hub:
     hub: Hub = request.app.state.hub
     return hub
 
 
+async def get_hub(request: Request) -> Hub:
+    return hub_of(request)
+
+
+async def get_manager(request: Request) -> ModelManager:
+    return hub_of(request).manager
+
+
+async def get_router(request: Request) -> Router:
+    return hub_of(request).router
+
+
+async def get_catalog(request: Request) -> Catalog:
+    return hub_of(request).catalog
+
+
+async def get_control(request: Request) -> Control:
+    return hub_of(request).control
+
+
+async def get_traffic(request: Request) -> TrafficService:
+    return hub_of(request).traffic
+
+
+async def get_metrics(request: Request) -> HubMetrics:
+    return hub_of(request).metrics
+
+
+async def get_promoter(request: Request) -> Promoter:
+    return hub_of(request).promoter
+
+
+async def get_reconciler(request: Request) -> Reconciler:
+    return hub_of(request).reconciler
+
+
+async def get_settings(request: Request) -> HubSettings:
+    return hub_of(request).settings
+
+
+async def get_auth(request: Request) -> Authenticator:
+    return hub_of(request).auth
+
+
+async def get_webhooks(request: Request) -> WebhookVerifier | None:
+    return hub_of(request).webhooks
+
+
+async def get_serving(request: Request) -> Serving:
+    return hub_of(request).serving
+
+
 HubDep = Annotated[Hub, Depends(get_hub)]
+ManagerDep = Annotated[ModelManager, Depends(get_manager)]
+RouterDep = Annotated[Router, Depends(get_router)]
+CatalogDep = Annotated[Catalog, Depends(get_catalog)]
+ControlDep = Annotated[Control, Depends(get_control)]
+TrafficDep = Annotated[TrafficService, Depends(get_traffic)]
+MetricsDep = Annotated[HubMetrics, Depends(get_metrics)]
+PromoterDep = Annotated[Promoter, Depends(get_promoter)]
+ReconcilerDep = Annotated[Reconciler, Depends(get_reconciler)]
+SettingsDep = Annotated[HubSettings, Depends(get_settings)]
+WebhooksDep = Annotated[WebhookVerifier | None, Depends(get_webhooks)]
+ServingDep = Annotated[Serving, Depends(get_serving)]
 
 
 async def require_user(
-    hub: HubDep,
+    auth: Annotated[Authenticator, Depends(get_auth)],
     authorization: Annotated[str | None, Header()] = None,
     x_api_key: Annotated[str | None, Header()] = None,
 ) -> str:
-    return await hub.auth.check(authorization, x_api_key, admin=False)
+    return await auth.check(authorization, x_api_key, admin=False)
 
 
 async def require_admin(
-    hub: HubDep,
+    auth: Annotated[Authenticator, Depends(get_auth)],
     authorization: Annotated[str | None, Header()] = None,
     x_api_key: Annotated[str | None, Header()] = None,
 ) -> str:
-    return await hub.auth.check(authorization, x_api_key, admin=True)
+    return await auth.check(authorization, x_api_key, admin=True)
 
 
 # The authenticated admin's name, for the audit log.
 AdminActor = Annotated[str, Depends(require_admin)]
-
-
-RouteKey = Annotated[str | None, Header(alias="X-Hub-Route-Key")]

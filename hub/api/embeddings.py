@@ -16,13 +16,12 @@ import numpy as np
 from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from backends.embedder import EmbedderBackend, Embeddings
-from hub.api.bodies import cancelled_if_client_leaves, openapi_body, route_key, user_request
-from hub.api.serving import VERSION_HEADER, KeepAlive, require_kind, serve
+from backends.embedder import Embeddings
+from hub.api.bodies import RouteKey, UserBody, cancelled_if_client_leaves, openapi_body
+from hub.api.deps import RouterDep, ServingDep
+from hub.api.serving import EMBEDDER, VERSION_HEADER, KeepAlive, Serving
 from hub.routing import Route
-from hub.state import Hub
 from hub.traffic.replays import EmbeddingReplay
-from hub.traffic.request import mirror_to_shadow, report_tokens
 
 router = APIRouter(tags=["embeddings"])
 
@@ -141,17 +140,15 @@ def _response_bytes(result: Embeddings, model: str, encoding_format: str) -> byt
     ).encode()
 
 
-async def _embed(request: Request, hub: Hub, route: Route, body: EmbedBody) -> Response:
-    require_kind(route, "embedder", "embeddings")
+async def _embed(request: Request, serving: Serving, route: Route, body: EmbedBody) -> Response:
     async with (
         cancelled_if_client_leaves(request),
-        serve(hub, route, "embeddings", keep_alive=body.keep_alive) as backend,
+        serving.serve(route, "embeddings", EMBEDDER, keep_alive=body.keep_alive) as req,
     ):
-        assert isinstance(backend, EmbedderBackend)
         inputs = _inputs(body.input)
-        result = await backend.embed(inputs, truncate=body.truncate, dimensions=body.dimensions)
-        report_tokens(result.total_tokens)
-        mirror_to_shadow(EmbeddingReplay(inputs, truncate=body.truncate), result.vectors)
+        result = await req.backend.embed(inputs, truncate=body.truncate, dimensions=body.dimensions)
+        req.report_tokens(result.total_tokens)
+        req.mirror_to_shadow(EmbeddingReplay(inputs, truncate=body.truncate), result.vectors)
     return Response(
         _response_bytes(result, route.name, body.encoding_format),
         media_type="application/json",
@@ -159,27 +156,48 @@ async def _embed(request: Request, hub: Hub, route: Route, body: EmbedBody) -> R
     )
 
 
-# The routes take the bare Request: see hub/api/bodies.py for why.
-_EMBED_ROUTE: dict[str, Any] = {"response_model": EmbeddingPublic,
-                                "openapi_extra": openapi_body(EmbedBody)}  # fmt: skip
+# Bodies are read by UserBody (hub/api/bodies.py), so each route documents its own.
+_ROUTED = openapi_body(EmbedBody, route_key=True)
+_VERSION = openapi_body(EmbedBody)
 
 
 @router.post("/v1/embeddings", response_model=EmbeddingPublic,
-             openapi_extra=openapi_body(EmbeddingCreate))  # fmt: skip
-async def create_embeddings(request: Request) -> Response:
-    hub, body = await user_request(request, EmbeddingCreate)
-    route = hub.router.route(body.model, route_key=route_key(request) or body.user)
-    return await _embed(request, hub, route, body)
+             openapi_extra=openapi_body(EmbeddingCreate, route_key=True))  # fmt: skip
+async def create_embeddings(
+    request: Request,
+    body: Annotated[EmbeddingCreate, UserBody(EmbeddingCreate)],
+    route_key: RouteKey,
+    router: RouterDep,
+    serving: ServingDep,
+) -> Response:
+    route = router.route(body.model, route_key=route_key or body.user)
+    return await _embed(request, serving, route, body)
 
 
-@router.post("/models/{name}/embed", **_EMBED_ROUTE)
-async def embed_routed(name: str, request: Request) -> Response:
-    hub, body = await user_request(request, EmbedBody)
-    route = hub.router.route(name, route_key=route_key(request) or body.user)
-    return await _embed(request, hub, route, body)
+@router.post("/models/{name}/embed", response_model=EmbeddingPublic, openapi_extra=_ROUTED)
+async def embed_routed(
+    name: str,
+    request: Request,
+    body: Annotated[EmbedBody, UserBody(EmbedBody)],
+    route_key: RouteKey,
+    router: RouterDep,
+    serving: ServingDep,
+) -> Response:
+    route = router.route(name, route_key=route_key or body.user)
+    return await _embed(request, serving, route, body)
 
 
-@router.post("/models/{name}/versions/{version}/embed", **_EMBED_ROUTE)
-async def embed_version(name: str, version: str, request: Request) -> Response:
-    hub, body = await user_request(request, EmbedBody)
-    return await _embed(request, hub, hub.router.route_version(name, version), body)
+@router.post(
+    "/models/{name}/versions/{version}/embed",
+    response_model=EmbeddingPublic,
+    openapi_extra=_VERSION,
+)
+async def embed_version(
+    name: str,
+    version: str,
+    request: Request,
+    body: Annotated[EmbedBody, UserBody(EmbedBody)],
+    router: RouterDep,
+    serving: ServingDep,
+) -> Response:
+    return await _embed(request, serving, router.route_version(name, version), body)

@@ -1,7 +1,7 @@
 """One HTTP request's text generation, from acquiring the model to its last token.
 
-`start_generation` enters `serve(...)` (so the manager counts the request in flight and never
-evicts the model under it), builds the prompts and submits them. Errors up to that point
+`start_generation` enters `Serving.serve(...)` (so the manager counts the request in flight
+and never evicts the model under it), builds the prompts and submits them. Errors up to that point
 (a bad prompt, a context overflow) propagate before any byte of a response is sent, so they
 become proper 4xx answers. The returned `Generation` then yields the engine's deltas; closing
 it (the response finished, the client went away, a task was cancelled) aborts whatever is
@@ -23,11 +23,10 @@ from backends.llm.backend import LLMBackend
 from backends.llm.engine import RequestOutput
 from backends.llm.sampling_params import SamplingParams
 from backends.llm.sequence import Logprob
-from hub.api.serving import require_kind, serve
+from hub.api.serving import LLM, Serving
 from hub.routing import Route
-from hub.state import Hub
 from hub.traffic.replays import GenerationReplay
-from hub.traffic.request import ServedRequest, current_request
+from hub.traffic.request import ServedRequest
 
 # What a route makes of the backend: the prompts (token ids), their sampling parameters.
 PromptBuilder = Callable[[LLMBackend], tuple[list[list[int]], SamplingParams]]
@@ -149,7 +148,7 @@ class Generation:
 
 
 async def start_generation(
-    hub: Hub,
+    serving: Serving,
     route: Route,
     endpoint: str,
     build: PromptBuilder,
@@ -158,13 +157,13 @@ async def start_generation(
     keep_alive: float | None = None,
 ) -> Generation:
     """Acquire the model and submit the request's prompts; raises before anything streams."""
-    require_kind(route, "llm", endpoint)
     stack = contextlib.AsyncExitStack()
-    backend = await stack.enter_async_context(serve(hub, route, endpoint, keep_alive=keep_alive))
-    served = current_request()
+    req = await stack.enter_async_context(
+        serving.serve(route, endpoint, LLM, keep_alive=keep_alive)
+    )
+    backend = req.backend
     streams: list[RequestStream] = []
     try:
-        assert isinstance(backend, LLMBackend)
         # Tokenizing runs on the model's tokenizer thread, off the event loop.
         prompts, params = await backend.prepare(lambda: build(backend))
         for prompt in prompts:
@@ -174,7 +173,7 @@ async def start_generation(
             stream.abort()
         await stack.__aexit__(type(e), e, e.__traceback__)
         raise
-    return Generation(backend, route, prompts, params, streams, stack, served=served)
+    return Generation(backend, route, prompts, params, streams, stack, served=req.served)
 
 
 async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:

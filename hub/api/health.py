@@ -9,7 +9,7 @@ from fastapi import APIRouter, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from hub.api.deps import HubDep
+from hub.api.deps import HubDep, MetricsDep
 
 router = APIRouter(tags=["health"])
 
@@ -31,7 +31,7 @@ async def ready(hub: HubDep) -> JSONResponse:
     if not hub.ready:
         return JSONResponse({"status": "starting"}, 503, headers={"Retry-After": "2"})
     try:
-        await asyncio.wait_for(asyncio.to_thread(hub.registry.ping), timeout=5)
+        await asyncio.wait_for(hub.control.ping(), timeout=5)
     except Exception as e:
         return JSONResponse(
             {"status": "registry unavailable", "reason": str(e)}, 503, headers={"Retry-After": "5"}
@@ -40,5 +40,5 @@ async def ready(hub: HubDep) -> JSONResponse:
 
 
 @router.get("/metrics")
-async def metrics(hub: HubDep) -> Response:
-    return Response(generate_latest(hub.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+async def metrics(hub_metrics: MetricsDep) -> Response:
+    return Response(generate_latest(hub_metrics.registry), media_type=CONTENT_TYPE_LATEST)

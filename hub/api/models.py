@@ -8,7 +8,7 @@ from typing import Literal
 from fastapi import APIRouter, Depends
 from pydantic import BaseModel
 
-from hub.api.deps import HubDep, require_user
+from hub.api.deps import CatalogDep, HubDep, require_user
 from hub.errors import NotFound
 from registry.views import ModelView
 
@@ -44,8 +44,8 @@ def _card(m: ModelView, model_id: str | None = None) -> ModelCard:
 
 
 @router.get("/v1/models", response_model=ModelList)
-async def list_models(hub: HubDep) -> ModelList:
-    snapshot = hub.catalog.snapshot
+async def list_models(catalog: CatalogDep) -> ModelList:
+    snapshot = catalog.snapshot
     return ModelList(
         data=[_card(m) for m in (snapshot.models[n] for n in snapshot.names()) if m.versions]
     )

@@ -11,7 +11,14 @@ from fastapi import APIRouter, Depends, Query
 from pydantic import BaseModel, ConfigDict, Field
 
 from backends.runtime_config import RuntimeConfigError, parse_runtime_config
-from hub.api.deps import AdminActor, HubDep, require_admin
+from hub.api.deps import (
+    AdminActor,
+    ControlDep,
+    HubDep,
+    PromoterDep,
+    ReconcilerDep,
+    require_admin,
+)
 from hub.errors import BadRequest
 from hub.validation import parse_eval_set
 from registry.aliases import STAGES
@@ -180,41 +187,38 @@ def _promotion(event: EventView) -> PromotionPublic:
     responses={422: {"description": "the validation gate failed; no alias moved"}},
 )
 async def promote_version(
-    name: str, version: int, body: PromoteBody, hub: HubDep, actor: AdminActor
+    name: str, version: int, body: PromoteBody, promoter: PromoterDep, actor: AdminActor
 ) -> PromotionPublic:
     """Run the version through its validation gate, then move `to` (staging or production)."""
-    promotion = await hub.promoter.promote(name, version, body.to, actor=actor, reason=body.reason)
+    promotion = await promoter.promote(name, version, body.to, actor=actor, reason=body.reason)
     return _promotion(promotion.event)
 
 
 @router.post("/models/{name}/rollback", response_model=PromotionPublic)
 async def rollback_model(
-    name: str, hub: HubDep, actor: AdminActor, body: RollbackBody | None = None
+    name: str, promoter: PromoterDep, actor: AdminActor, body: RollbackBody | None = None
 ) -> PromotionPublic:
     """Move production back to the version before it in the promotion history."""
     reason = body.reason if body is not None else ""
-    return _promotion(await hub.promoter.rollback(name, actor=actor, reason=reason))
+    return _promotion(await promoter.rollback(name, actor=actor, reason=reason))
 
 
 @router.put("/models/{name}/aliases/{alias}", response_model=PromotionPublic)
 async def set_alias(
-    name: str, alias: str, body: AliasBody, hub: HubDep, actor: AdminActor
+    name: str, alias: str, body: AliasBody, control: ControlDep, actor: AdminActor
 ) -> PromotionPublic:
     """Point a free-form alias at a version (staging and production move only by promotion)."""
     _free_form(alias)
-    event = await asyncio.to_thread(
-        hub.registry.set_alias, name, alias, body.version, actor=actor, reason=body.reason
-    )
-    await hub.catalog.refresh()
+    event = await control.set_alias(name, alias, body.version, actor=actor, reason=body.reason)
     return _promotion(event)
 
 
 @router.delete("/models/{name}/aliases/{alias}", response_model=PromotionPublic)
-async def delete_alias(name: str, alias: str, hub: HubDep, actor: AdminActor) -> PromotionPublic:
+async def delete_alias(
+    name: str, alias: str, control: ControlDep, actor: AdminActor
+) -> PromotionPublic:
     _free_form(alias)
-    event = await asyncio.to_thread(hub.registry.set_alias, name, alias, None, actor=actor)
-    await hub.catalog.refresh()
-    return _promotion(event)
+    return _promotion(await control.set_alias(name, alias, None, actor=actor))
 
 
 def _free_form(alias: str) -> None:
@@ -226,20 +230,22 @@ def _free_form(alias: str) -> None:
 
 
 @router.get("/drift", response_model=list[DriftPublic])
-async def drift(hub: HubDep) -> list[DriftPublic]:
+async def drift(reconciler: ReconcilerDep) -> list[DriftPublic]:
     """Differences between MLflow and SQL found by the reconciler's last full check."""
-    return [DriftPublic(**d.__dict__) for d in hub.reconciler.drift]
+    return [DriftPublic(**d.__dict__) for d in reconciler.drift]
 
 
 @router.get("/models/{name}/versions", response_model=list[VersionPublic])
-async def list_versions(name: str, hub: HubDep) -> list[VersionPublic]:
-    model = await asyncio.to_thread(hub.registry.get_model, name)
+async def list_versions(name: str, control: ControlDep) -> list[VersionPublic]:
+    model = await control.model(name)
     return [VersionPublic.of(model.versions[v]) for v in sorted(model.versions)]
 
 
 @router.get("/events", response_model=list[EventPublic])
 async def list_events(
-    hub: HubDep, model: str | None = None, limit: int = Query(default=100, ge=1, le=1000)
+    control: ControlDep,
+    model: str | None = None,
+    limit: int = Query(default=100, ge=1, le=1000),
 ) -> list[EventPublic]:
-    events = await asyncio.to_thread(hub.registry.events, model, limit)
+    events = await control.events(model, limit)
     return [EventPublic.of(e) for e in events]

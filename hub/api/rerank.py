@@ -14,13 +14,11 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from backends.reranker import RerankerBackend
-from hub.api.bodies import cancelled_if_client_leaves, openapi_body, route_key, user_request
-from hub.api.serving import VERSION_HEADER, KeepAlive, require_kind, serve
+from hub.api.bodies import RouteKey, UserBody, cancelled_if_client_leaves, openapi_body
+from hub.api.deps import RouterDep, ServingDep
+from hub.api.serving import RERANKER, VERSION_HEADER, KeepAlive, Serving
 from hub.routing import Route
-from hub.state import Hub
 from hub.traffic.replays import RerankReplay
-from hub.traffic.request import mirror_to_shadow, report_tokens
 
 router = APIRouter(tags=["rerank"])
 
@@ -99,17 +97,15 @@ def _text(document: str | RerankDocument) -> str:
     return document if isinstance(document, str) else document.text
 
 
-async def _rerank(request: Request, hub: Hub, route: Route, body: RerankBody) -> Response:
-    require_kind(route, "reranker", "rerank")
+async def _rerank(request: Request, serving: Serving, route: Route, body: RerankBody) -> Response:
     texts = [_text(d) for d in body.documents]
     async with (
         cancelled_if_client_leaves(request),
-        serve(hub, route, "rerank", keep_alive=body.keep_alive) as backend,
+        serving.serve(route, "rerank", RERANKER, keep_alive=body.keep_alive) as req,
     ):
-        assert isinstance(backend, RerankerBackend)
-        scored = await backend.rerank(body.query, texts, truncate=body.truncate)
-        report_tokens(scored.total_tokens)
-        mirror_to_shadow(RerankReplay(body.query, texts, truncate=body.truncate), scored.scores)
+        scored = await req.backend.rerank(body.query, texts, truncate=body.truncate)
+        req.report_tokens(scored.total_tokens)
+        req.mirror_to_shadow(RerankReplay(body.query, texts, truncate=body.truncate), scored.scores)
     # Most relevant first; equal scores keep document order, as a stable sort does.
     order = sorted(range(len(texts)), key=lambda i: -scored.scores[i])[: body.top_n]
     results = [
@@ -134,28 +130,44 @@ async def _rerank(request: Request, hub: Hub, route: Route, body: RerankBody) ->
     )
 
 
-# The routes take the bare Request: see hub/api/bodies.py for why.
+# Bodies are read by UserBody (hub/api/bodies.py), so each route documents its own.
 _RERANK_ROUTE: dict[str, Any] = {"response_model": RerankPublic,
-                                 "response_model_exclude_none": True,
-                                 "openapi_extra": openapi_body(RerankBody)}  # fmt: skip
+                                 "response_model_exclude_none": True}  # fmt: skip
 
 
-@router.post("/v1/rerank", response_model=RerankPublic, response_model_exclude_none=True,
-             openapi_extra=openapi_body(RerankCreate))  # fmt: skip
-async def create_rerank(request: Request) -> Response:
-    hub, body = await user_request(request, RerankCreate)
-    return await _rerank(
-        request, hub, hub.router.route(body.model, route_key=route_key(request)), body
-    )
+@router.post("/v1/rerank", **_RERANK_ROUTE,
+             openapi_extra=openapi_body(RerankCreate, route_key=True))  # fmt: skip
+async def create_rerank(
+    request: Request,
+    body: Annotated[RerankCreate, UserBody(RerankCreate)],
+    route_key: RouteKey,
+    router: RouterDep,
+    serving: ServingDep,
+) -> Response:
+    return await _rerank(request, serving, router.route(body.model, route_key=route_key), body)
 
 
-@router.post("/models/{name}/rerank", **_RERANK_ROUTE)
-async def rerank_routed(name: str, request: Request) -> Response:
-    hub, body = await user_request(request, RerankBody)
-    return await _rerank(request, hub, hub.router.route(name, route_key=route_key(request)), body)
+@router.post("/models/{name}/rerank", **_RERANK_ROUTE,
+             openapi_extra=openapi_body(RerankBody, route_key=True))  # fmt: skip
+async def rerank_routed(
+    name: str,
+    request: Request,
+    body: Annotated[RerankBody, UserBody(RerankBody)],
+    route_key: RouteKey,
+    router: RouterDep,
+    serving: ServingDep,
+) -> Response:
+    return await _rerank(request, serving, router.route(name, route_key=route_key), body)
 
 
-@router.post("/models/{name}/versions/{version}/rerank", **_RERANK_ROUTE)
-async def rerank_version(name: str, version: str, request: Request) -> Response:
-    hub, body = await user_request(request, RerankBody)
-    return await _rerank(request, hub, hub.router.route_version(name, version), body)
+@router.post("/models/{name}/versions/{version}/rerank", **_RERANK_ROUTE,
+             openapi_extra=openapi_body(RerankBody))  # fmt: skip
+async def rerank_version(
+    name: str,
+    version: str,
+    request: Request,
+    body: Annotated[RerankBody, UserBody(RerankBody)],
+    router: RouterDep,
+    serving: ServingDep,
+) -> Response:
+    return await _rerank(request, serving, router.route_version(name, version), body)

@@ -26,8 +26,15 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from backends.reranker import RerankerBackend, Scores
-from hub.api.bodies import cancelled_if_client_leaves, openapi_body, route_key, user_request
+from backends.reranker import Scores
+from hub.api.bodies import (
+    RouteKey,
+    UserBody,
+    cancelled_if_client_leaves,
+    openapi_body,
+    read_user_body,
+)
+from hub.api.deps import CatalogDep, RouterDep, ServingDep
 from hub.api.rerank import (
     RerankCreate,
     RerankDocument,
@@ -37,12 +44,11 @@ from hub.api.rerank import (
     _check_query,
     create_rerank,
 )
-from hub.api.serving import VERSION_HEADER, KeepAlive, require_kind, serve
+from hub.api.serving import RERANKER, VERSION_HEADER, KeepAlive, Serving
+from hub.catalog import Catalog
 from hub.errors import BadRequest
-from hub.routing import Route
-from hub.state import Hub
+from hub.routing import Route, Router
 from hub.traffic.replays import RerankReplay
-from hub.traffic.request import mirror_to_shadow, report_tokens
 
 router = APIRouter(tags=["rerank"])
 
@@ -54,7 +60,7 @@ DOCUMENTS_PER_SEARCH_UNIT = 100
 
 async def score(
     request: Request,
-    hub: Hub,
+    serving: Serving,
     route: Route,
     query: str,
     texts: Sequence[str],
@@ -64,18 +70,16 @@ async def score(
     keep_alive: float | None = None,
 ) -> Scores:
     """Score `texts` against `query` on the routed reranker, recorded as `/v1/rerank` is."""
-    require_kind(route, "reranker", "rerank")
     async with (
         cancelled_if_client_leaves(request),
-        serve(hub, route, "rerank", keep_alive=keep_alive) as backend,
+        serving.serve(route, "rerank", RERANKER, keep_alive=keep_alive) as req,
     ):
-        assert isinstance(backend, RerankerBackend)
-        scored = await backend.rerank(
+        scored = await req.backend.rerank(
             query, texts, truncate=truncate, max_tokens_per_doc=max_tokens_per_doc
         )
-        report_tokens(scored.total_tokens)
+        req.report_tokens(scored.total_tokens)
         replay = RerankReplay(query, texts, truncate, max_tokens_per_doc)
-        mirror_to_shadow(replay, scored.scores)
+        req.mirror_to_shadow(replay, scored.scores)
     return scored
 
 
@@ -139,11 +143,16 @@ class CohereRerankPublic(BaseModel):
 
 @router.post("/v2/rerank", response_model=CohereRerankPublic, response_model_exclude_none=True,
              openapi_extra=openapi_body(CohereRerankCreate))  # fmt: skip
-async def create_rerank_v2(request: Request) -> Response:
-    hub, body = await user_request(request, CohereRerankCreate)
-    route = hub.router.route(body.model, route_key=route_key(request))
+async def create_rerank_v2(
+    request: Request,
+    body: Annotated[CohereRerankCreate, UserBody(CohereRerankCreate)],
+    route_key: RouteKey,
+    router: RouterDep,
+    serving: ServingDep,
+) -> Response:
+    route = router.route(body.model, route_key=route_key)
     texts = [d if isinstance(d, str) else d.text for d in body.documents]
-    scored = await score(request, hub, route, body.query, texts, truncate=body.truncate,
+    scored = await score(request, serving, route, body.query, texts, truncate=body.truncate,
                          max_tokens_per_doc=body.max_tokens_per_doc,
                          keep_alive=body.keep_alive)  # fmt: skip
     results = [
@@ -187,8 +196,8 @@ class TeiRank(BaseModel):
     text: str | None = None
 
 
-def _only_reranker(hub: Hub) -> str:
-    snapshot = hub.catalog.snapshot
+def _only_reranker(catalog: Catalog) -> str:
+    snapshot = catalog.snapshot
     names = [n for n in snapshot.names()
              if snapshot.models[n].kind == "reranker" and snapshot.models[n].versions]  # fmt: skip
     if len(names) != 1:
@@ -201,8 +210,10 @@ def _only_reranker(hub: Hub) -> str:
     return names[0]
 
 
-async def _tei_rerank(request: Request) -> Response:
-    hub, body = await user_request(request, TeiRerankCreate)
+async def _tei_rerank(
+    request: Request, route_key: str | None, router: Router, catalog: Catalog, serving: Serving
+) -> Response:
+    body = await read_user_body(request, TeiRerankCreate)
     if body.raw_scores:
         raise BadRequest(
             "raw_scores is not supported: scores are the model's own activation of its logit "
@@ -215,9 +226,9 @@ async def _tei_rerank(request: Request) -> Response:
             "longest first, as the model's tokenizer does",
             param="truncation_direction",
         )
-    model = body.model or _only_reranker(hub)
-    route = hub.router.route(model, route_key=route_key(request))
-    scored = await score(request, hub, route, body.query, body.texts, truncate=body.truncate,
+    model = body.model or _only_reranker(catalog)
+    route = router.route(model, route_key=route_key)
+    scored = await score(request, serving, route, body.query, body.texts, truncate=body.truncate,
                          keep_alive=body.keep_alive)  # fmt: skip
     ranks = [
         TeiRank(index=i, score=scored.scores[i], text=body.texts[i] if body.return_text else None)
@@ -236,7 +247,13 @@ def _either(*bodies: type[BaseModel]) -> dict[str, Any]:
 
 
 @router.post("/rerank", openapi_extra=_either(TeiRerankCreate, RerankCreate))
-async def rerank_tei_or_jina(request: Request) -> Response:
+async def rerank_tei_or_jina(
+    request: Request,
+    route_key: RouteKey,
+    router: RouterDep,
+    catalog: CatalogDep,
+    serving: ServingDep,
+) -> Response:
     """TEI's request (it has `texts`) answered in TEI's shape; any other body is Jina's /
     Cohere v1's, answered as `/v1/rerank` answers it."""
     try:
@@ -244,5 +261,6 @@ async def rerank_tei_or_jina(request: Request) -> Response:
     except ValueError:
         peek = None
     if isinstance(peek, dict) and "texts" in peek:
-        return await _tei_rerank(request)
-    return await create_rerank(request)
+        return await _tei_rerank(request, route_key, router, catalog, serving)
+    body = await read_user_body(request, RerankCreate)
+    return await create_rerank(request, body, route_key, router, serving)

@@ -8,18 +8,28 @@ canary owns the split is 409.
 
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from hub.api.deps import AdminActor, HubDep, require_admin
+from hub.api.deps import (
+    AdminActor,
+    CatalogDep,
+    ControlDep,
+    RouterDep,
+    SettingsDep,
+    TrafficDep,
+    require_admin,
+)
+from hub.api.traffic_models import CanaryPublic, ReadoutPublic
+from hub.control import Control
 from hub.errors import NotFound
-from hub.state import Hub
-from hub.traffic.assignment import Arm
+from hub.routing import Router
+from hub.routing.assignment import Arm
 from hub.traffic.readout import build_readout
+from hub.traffic.service import TrafficService
 from hub.units import parse_duration
 from registry.canaries import CanarySpec
 from registry.views import FaultView, ShadowView, SplitView, TrafficPolicyView
@@ -82,7 +92,7 @@ class TrafficPublic(BaseModel):
     revision: int
     updated_by: str
     updated_at: dt.datetime | None
-    canary: dict[str, Any] | None
+    canary: CanaryPublic | None
 
 
 def _seconds(value: Any) -> float:
@@ -107,9 +117,15 @@ class CanaryAbort(BaseModel):
     reason: str = ""
 
 
-def _splits(hub: Hub, name: str, policy: TrafficPolicyView) -> list[SplitPublic]:
+def _canary(doc: dict[str, Any] | None) -> CanaryPublic | None:
+    return None if doc is None else CanaryPublic.model_validate(doc)
+
+
+def _splits(
+    router: Router, traffic: TrafficService, name: str, policy: TrafficPolicyView
+) -> list[SplitPublic]:
     # Bucket shares only when this hub serves exactly this policy (not one a moment older).
-    table = hub.router.table(name) if hub.traffic.policy(name) == policy else None
+    table = router.table(name) if traffic.policy(name) == policy else None
     shares = {a.label(name): s for a, s in table.shares().items()} if table is not None else {}
     out = []
     for split in policy.splits:
@@ -120,12 +136,15 @@ def _splits(hub: Hub, name: str, policy: TrafficPolicyView) -> list[SplitPublic]
     return out
 
 
-async def _public(hub: Hub, name: str, policy: TrafficPolicyView) -> TrafficPublic:
-    model = await asyncio.to_thread(hub.registry.get_model, name)
-    latest = await hub.traffic.canaries.status(name)
+async def _public(
+    control: Control, router: Router, traffic: TrafficService, name: str,
+    policy: TrafficPolicyView,
+) -> TrafficPublic:  # fmt: skip
+    model = await control.model(name)
+    latest = await traffic.canaries.status(name)
     running = latest if latest is not None and latest.state == "running" else None
     default = not any(s.weight > 0 for s in policy.splits)
-    splits = _splits(hub, name, policy)
+    splits = _splits(router, traffic, name, policy)
     version = model.default_version()
     if default and version is not None:
         splits = [SplitPublic(version=version, weight=100.0, model=name, label=str(version),
@@ -148,21 +167,28 @@ async def _public(hub: Hub, name: str, policy: TrafficPolicyView) -> TrafficPubl
         revision=policy.revision,
         updated_by=policy.updated_by,
         updated_at=policy.updated_at,
-        canary=hub.traffic.canaries.describe(running),
+        canary=_canary(traffic.canaries.describe(running)),
     )
 
 
 @router.get("/{name}", response_model=TrafficPublic)
-async def get_traffic(name: str, hub: HubDep) -> TrafficPublic:
+async def get_traffic(
+    name: str, control: ControlDep, routes: RouterDep, traffic: TrafficDep
+) -> TrafficPublic:
     """The effective policy: the stored split, or the default (100% to production/latest),
     with shadow, faults and a running canary."""
-    policy = await asyncio.to_thread(hub.registry.traffic.get, name)
-    return await _public(hub, name, policy)
+    policy = await control.traffic(name)
+    return await _public(control, routes, traffic, name, policy)
 
 
 @router.put("/{name}", response_model=TrafficPublic)
 async def put_traffic(
-    name: str, body: TrafficUpdate, hub: HubDep, actor: AdminActor
+    name: str,
+    body: TrafficUpdate,
+    control: ControlDep,
+    routes: RouterDep,
+    traffic: TrafficDep,
+    actor: AdminActor,
 ) -> TrafficPublic:
     """Replace the split (and shadow, faults) of `name` atomically."""
     splits = [SplitView(s.model or name, s.version, s.weight) for s in body.splits]
@@ -174,43 +200,48 @@ async def put_traffic(
     faults = [
         FaultView(f.model or name, f.version, f.error_percent, f.delay_ms) for f in body.faults
     ]
-    policy = await asyncio.to_thread(
-        hub.registry.traffic.replace, name, splits, shadow=shadow, faults=faults, actor=actor
-    )
-    await hub.catalog.refresh()
-    return await _public(hub, name, policy)
+    policy = await control.replace_traffic(name, splits, shadow=shadow, faults=faults, actor=actor)
+    return await _public(control, routes, traffic, name, policy)
 
 
 @router.delete("/{name}", response_model=TrafficPublic)
-async def clear_traffic(name: str, hub: HubDep, actor: AdminActor) -> TrafficPublic:
+async def clear_traffic(
+    name: str, control: ControlDep, routes: RouterDep, traffic: TrafficDep, actor: AdminActor
+) -> TrafficPublic:
     """Back to the default: everything to production (else the latest), no shadow, no
     faults."""
-    policy = await asyncio.to_thread(hub.registry.traffic.clear, name, actor=actor)
-    await hub.catalog.refresh()
-    return await _public(hub, name, policy)
+    policy = await control.clear_traffic(name, actor=actor)
+    return await _public(control, routes, traffic, name, policy)
 
 
-@router.get("/{name}/readout")
-async def readout(name: str, hub: HubDep) -> dict[str, Any]:
+@router.get("/{name}/readout", response_model=ReadoutPublic)
+async def readout(
+    name: str,
+    catalog: CatalogDep,
+    routes: RouterDep,
+    traffic: TrafficDep,
+    settings: SettingsDep,
+) -> ReadoutPublic:
     """Per-version requests, errors, latency and tokens per second, a sample-ratio check and
     comparisons with the baseline; from this hub process's samples."""
-    view = hub.catalog.model(name)
-    canary = await hub.traffic.canaries.status(name)
-    return build_readout(
+    view = catalog.model(name)
+    canary = await traffic.canaries.status(name)
+    doc = build_readout(
         view,
-        hub.traffic.policy(name),
-        hub.router.table(name),
-        hub.traffic.stats,
-        hub.traffic.shadow,
-        min_samples=hub.settings.traffic.min_samples,
-        canary=hub.traffic.canaries.describe(canary),
+        traffic.policy(name),
+        routes.table(name),
+        traffic.stats,
+        traffic.shadow,
+        min_samples=settings.traffic.min_samples,
+        canary=traffic.canaries.describe(canary),
     )
+    return ReadoutPublic.model_validate(doc)
 
 
-@router.post("/{name}/canary", status_code=201)
+@router.post("/{name}/canary", status_code=201, response_model=CanaryPublic)
 async def start_canary(
-    name: str, body: CanaryCreate, hub: HubDep, actor: AdminActor
-) -> dict[str, Any]:
+    name: str, body: CanaryCreate, traffic: TrafficDep, actor: AdminActor
+) -> CanaryPublic:
     """Start an automated canary of `version` against production."""
     spec = CanarySpec(
         steps=tuple(body.steps),
@@ -219,29 +250,24 @@ async def start_canary(
         max_latency_ratio=body.max_latency_ratio,
         min_requests=body.min_requests,
     )
-    canary = await hub.traffic.canaries.start(name, body.version, spec, actor=actor)
-    doc = hub.traffic.canaries.describe(canary)
-    assert doc is not None
-    return doc
+    canary = await traffic.canaries.start(name, body.version, spec, actor=actor)
+    return CanaryPublic.model_validate(traffic.canaries.describe(canary))
 
 
-@router.get("/{name}/canary")
-async def canary_status(name: str, hub: HubDep) -> dict[str, Any]:
+@router.get("/{name}/canary", response_model=CanaryPublic)
+async def canary_status(name: str, traffic: TrafficDep) -> CanaryPublic:
     """The running canary of `name`, else its most recent one."""
-    doc = hub.traffic.canaries.describe(await hub.traffic.canaries.status(name))
+    doc = traffic.canaries.describe(await traffic.canaries.status(name))
     if doc is None:
         raise NotFound(f"{name} has never had a canary; start one with `hub canary start`")
-    return doc
+    return CanaryPublic.model_validate(doc)
 
 
-@router.post("/{name}/canary/abort")
+@router.post("/{name}/canary/abort", response_model=CanaryPublic)
 async def abort_canary(
-    name: str, hub: HubDep, actor: AdminActor, body: CanaryAbort | None = None
-) -> dict[str, Any]:
+    name: str, traffic: TrafficDep, actor: AdminActor, body: CanaryAbort | None = None
+) -> CanaryPublic:
     """Stop the running canary; all traffic back to the baseline."""
     reason = body.reason if body is not None else ""
-    doc = hub.traffic.canaries.describe(
-        await hub.traffic.canaries.abort(name, actor=actor, reason=reason)
-    )
-    assert doc is not None
-    return doc
+    canary = await traffic.canaries.abort(name, actor=actor, reason=reason)
+    return CanaryPublic.model_validate(traffic.canaries.describe(canary))

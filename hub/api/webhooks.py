@@ -10,7 +10,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Header, Request
 
-from hub.api.deps import HubDep
+from hub.api.deps import ReconcilerDep, WebhooksDep
 from hub.errors import BadRequest, NotFound
 
 router = APIRouter(tags=["webhooks"])
@@ -20,15 +20,16 @@ log = logging.getLogger(__name__)
 @router.post("/webhooks/mlflow")
 async def mlflow_webhook(
     request: Request,
-    hub: HubDep,
+    webhooks: WebhooksDep,
+    reconciler: ReconcilerDep,
     x_mlflow_signature: Annotated[str | None, Header()] = None,
     x_mlflow_timestamp: Annotated[str | None, Header()] = None,
     x_mlflow_delivery_id: Annotated[str | None, Header()] = None,
 ) -> dict[str, str]:
-    if hub.webhooks is None:
+    if webhooks is None:
         raise NotFound("MLflow webhooks are not enabled (set registry.webhook_secret)")
     body = await request.body()
-    hub.webhooks.verify(x_mlflow_signature, x_mlflow_timestamp, x_mlflow_delivery_id, body)
+    webhooks.verify(x_mlflow_signature, x_mlflow_timestamp, x_mlflow_delivery_id, body)
     try:
         event = json.loads(body)
     except ValueError as e:  # UnicodeDecodeError included
@@ -38,5 +39,5 @@ async def mlflow_webhook(
     what = f"{event.get('entity')}.{event.get('action')}: {event.get('data')}"
     log.info("MLflow webhook %s (%s); reconciling now", x_mlflow_delivery_id, what)
     # Reconcile before answering: once MLflow's delivery returns, the hub serves the move.
-    await hub.reconciler.reconcile()
+    await reconciler.reconcile()
     return {"status": "reconciled"}

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from hub.catalog import Catalog
+from hub.control import Control
 from hub.errors import BadRequest, Conflict, HubError, NotFound
 from hub.promotion import Promoter
 from hub.traffic.canary_analysis import Analysis, judge_step
@@ -39,7 +39,6 @@ from hub.traffic.metrics import TrafficMetrics
 from hub.traffic.stats import TrafficStats
 from registry.canaries import CanarySpec
 from registry.errors import RegistryError
-from registry.service import Registry
 from registry.views import CanaryView, SplitView
 
 log = logging.getLogger(__name__)
@@ -55,10 +54,19 @@ class _Watch:
 
 
 class CanaryController:
+    """Decides and applies the steps of every running canary.
+
+    Contract: `start`, `abort` and `status` are the commands (400/404/409 with the reason);
+    `tick(now)` looks at each running canary once and returns what happened to it
+    ("observing", "waiting", "advanced", "rolled_back", "promoted", "aborted", "raced",
+    "failed"). The decision itself is `judge_step` (pure); this class keeps the per-process
+    sample windows and applies transitions through `Control`, each a compare-and-set that
+    refreshes this hub's catalog when it happened.
+    """
+
     def __init__(
         self,
-        registry: Registry,
-        catalog: Catalog,
+        control: Control,
         promoter: Promoter,
         stats: TrafficStats,
         metrics: TrafficMetrics,
@@ -67,8 +75,8 @@ class CanaryController:
         tick_interval: float,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self.registry = registry
-        self.catalog = catalog
+        self.control = control
+        self.catalog = control.catalog
         self.promoter = promoter
         self.stats = stats
         self.metrics = metrics
@@ -85,7 +93,7 @@ class CanaryController:
     # ---- commands -----------------------------------------------------------------------
     async def start(self, name: str, version: int, spec: CanarySpec, *, actor: str) -> CanaryView:
         """Start a canary of `version` against production; 400/404/409 with the reason."""
-        model = await asyncio.to_thread(self.registry.get_model, name)
+        model = await self.control.model(name)
         if version not in model.versions:
             known = ", ".join(str(v) for v in sorted(model.versions))
             raise BadRequest(
@@ -99,26 +107,19 @@ class CanaryController:
         if baseline == version:
             raise Conflict(f"{name} v{version} is already production; nothing to canary")
         if self.require_staging:
-            passed = await asyncio.to_thread(self.registry.aliases.passed_stage, name, version)
+            passed = await self.control.passed_stage(name, version)
             if not passed:
                 raise Conflict(
                     f"{name} v{version} has not passed staging, and the canary ends by promoting "
                     "it to production; promote it to staging first (or set "
                     "registry.require_staging: false)"
                 )
-        canary = await asyncio.to_thread(
-            self.registry.canaries.start,
-            name,
-            version,
-            baseline=baseline,
-            spec=spec,
-            actor=actor,
-            now=self.clock(),
+        canary = await self.control.start_canary(
+            name, version, baseline=baseline, spec=spec, actor=actor, now=self.clock()
         )
         cursor = self.stats.cursor()
         self._watches[canary.id] = _Watch(canary.step_index, cursor, cursor)
         self.metrics.canary_weight.labels(name, str(version)).set(canary.weight)
-        await self.catalog.refresh()
         log.info(
             "canary of %s v%d against v%d started by %s: steps %s every %.0fs",
             name,
@@ -132,7 +133,7 @@ class CanaryController:
 
     async def abort(self, name: str, *, actor: str, reason: str = "") -> CanaryView:
         """Stop the running canary of `name`; all traffic back to the baseline."""
-        canary = await asyncio.to_thread(self.registry.canaries.latest, name)
+        canary = await self.control.latest_canary(name)
         if canary is None or canary.state != "running":
             raise Conflict(f"{name} has no running canary to abort")
         why = f"aborted by {actor}" + (f": {reason}" if reason else "")
@@ -142,7 +143,7 @@ class CanaryController:
         return done
 
     async def status(self, name: str) -> CanaryView | None:
-        return await asyncio.to_thread(self.registry.canaries.latest, name)
+        return await self.control.latest_canary(name)
 
     def describe(self, canary: CanaryView | None) -> dict[str, Any] | None:
         """The canary as the API shows it, with this process's latest live analysis."""
@@ -203,7 +204,7 @@ class CanaryController:
         async with self._lock:
             now = self.clock() if now is None else now
             outcomes: dict[str, str] = {}
-            for canary in await asyncio.to_thread(self.registry.canaries.running):
+            for canary in await self.control.running_canaries():
                 try:
                     outcomes[canary.model] = await self._tick_one(canary, now)
                 except Exception:
@@ -255,12 +256,8 @@ class CanaryController:
                 canary, "rolled_back", analysis.reason, self._all_to_baseline(canary), check
             )
             return "rolled_back" if done else "raced"
-        advanced = await asyncio.to_thread(
-            self.registry.canaries.advance,
-            canary,
-            now=now,
-            check=check,
-            actor=f"canary:{canary.actor}",
+        advanced = await self.control.advance_canary(
+            canary, now=now, check=check, actor=f"canary:{canary.actor}"
         )
         if advanced is None:
             return "raced"
@@ -272,7 +269,6 @@ class CanaryController:
         self.metrics.canary_weight.labels(canary.model, str(canary.canary_version)).set(
             advanced.weight
         )
-        await self.catalog.refresh()
         log.info(
             "canary of %s v%d: step %d passed, now %g%% (%s)",
             canary.model,
@@ -320,15 +316,10 @@ class CanaryController:
         splits: list[SplitView],
         check: dict[str, Any] | None,
     ) -> CanaryView | None:
-        done = await asyncio.to_thread(
-            self.registry.canaries.finish,
-            canary,
-            state=state,
-            reason=reason,
-            splits=splits,
-            check=check,
+        done = await self.control.finish_canary(
+            canary, state=state, reason=reason, splits=splits, check=check,
             actor=f"canary:{canary.actor}",
-        )
+        )  # fmt: skip
         if done is None:
             return None
         self._watches.pop(canary.id, None)
@@ -338,13 +329,12 @@ class CanaryController:
         (log.info if state == "promoted" else log.warning)(
             "canary of %s v%d %s: %s", canary.model, canary.canary_version, state, reason
         )
-        await self.catalog.refresh()
         return done
 
     async def _promote(self, canary: CanaryView) -> str:
         """The last step passed: production moves to the canary through the gate."""
         name, version = canary.model, canary.canary_version
-        model = await asyncio.to_thread(self.registry.get_model, name)
+        model = await self.control.model(name)
         if model.aliases.get("production") != version:
             try:
                 await self.promoter.promote(

@@ -14,7 +14,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-from hub.traffic.assignment import Arm, AssignmentTable
+from hub.routing.assignment import Arm, AssignmentTable
 from hub.traffic.shadow import ShadowMirror
 from hub.traffic.significance import (
     mann_whitney,

@@ -1,22 +1,20 @@
-"""The request-scoped handle `serve()` opens for every inference request.
+"""What the traffic layer records of one request while `serve()` serves it.
 
-Routes report what only they know through two one-liners, valid inside `async with serve(...)`
-(outside it they do nothing):
+`TrafficService.begin` creates a `ServedRequest`; the route reaches it through the request
+handle `serve()` yields (hub.api.serving), never through a global:
 
-    report_tokens(result.total_tokens)                     # embeddings: input tokens;
+    req.report_tokens(result.total_tokens)                 # embeddings: input tokens;
                                                            # LLM: generated tokens
-    mirror_to_shadow(EmbeddingReplay(texts, truncate), result.vectors)
+    req.mirror_to_shadow(EmbeddingReplay(texts, truncate), result.vectors)
 
 `mirror_to_shadow` hands over the primary's output and how to replay the request on another
-version; it is used only when the traffic policy selected this request for its shadow, and
-the mirror is queued only after the primary's answer is complete (when `serve()` exits).
-The handle lives in a context variable, so nothing changes in `serve()`'s signature.
+version; it is kept only when the traffic policy selected this request for its shadow, and
+the mirror is queued only after the primary's answer is complete (`TrafficService.finish`).
+Once finished, the record ignores further reports.
 """
 
 from __future__ import annotations
 
-import contextlib
-from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,45 +35,18 @@ class ServedRequest:
     output: Any = None
     finished: bool = False
 
+    @property
+    def mirrored(self) -> bool:
+        """Whether this request will be mirrored to a shadow version (routes whose replay is
+        costly to prepare check this first)."""
+        return self.shadow is not None and not self.finished
 
-_current: ContextVar[ServedRequest | None] = ContextVar("hub_served_request", default=None)
+    def report_tokens(self, tokens: int) -> None:
+        """Add `tokens` to the count (for tokens per second in readouts)."""
+        if not self.finished:
+            self.tokens += int(tokens)
 
-
-def current_request() -> ServedRequest | None:
-    """The request `serve()` is serving in this context, if any."""
-    request = _current.get()
-    return request if request is not None and not request.finished else None
-
-
-def report_tokens(tokens: int) -> None:
-    """Add `tokens` to the current request's count (for tokens per second in readouts)."""
-    request = current_request()
-    if request is not None:
-        request.tokens += int(tokens)
-
-
-def shadow_selected() -> bool:
-    """Whether the current request will be mirrored, for routes whose replay is costly to
-    prepare; `mirror_to_shadow` checks this itself."""
-    request = current_request()
-    return request is not None and request.shadow is not None
-
-
-def mirror_to_shadow(replay: Replay, output: Any) -> None:
-    """Offer the primary's `output` and how to `replay` the request on the shadow version."""
-    request = current_request()
-    if request is not None and request.shadow is not None:
-        request.replay, request.output = replay, output
-
-
-def enter(request: ServedRequest) -> None:
-    _current.set(request)
-
-
-def leave(request: ServedRequest) -> None:
-    request.finished = True
-    # A streaming route may leave serve() in another context than it entered it; resetting
-    # by token would fail there, and the finished flag already makes the handle inert.
-    with contextlib.suppress(ValueError, LookupError):
-        if _current.get() is request:
-            _current.set(None)
+    def mirror_to_shadow(self, replay: Replay, output: Any) -> None:
+        """Offer the primary's `output` and how to `replay` the request on the shadow."""
+        if self.mirrored:
+            self.replay, self.output = replay, output

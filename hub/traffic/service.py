@@ -4,7 +4,7 @@ The router picks a version (hub.routing); everything after that lives here: faul
 injection, per-version samples (hub.traffic.stats), the shadow mirror queue
 (hub.traffic.shadow) and the canary controller (hub.traffic.canary). `serve()` calls
 `begin` before acquiring the model, `inject_faults` next, and `finish` when the request is
-over; routes add tokens and mirror material through hub.traffic.request.
+over; routes add tokens and mirror material through the request's `ServedRequest`.
 """
 
 from __future__ import annotations
@@ -15,12 +15,11 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry
 
-from hub.catalog import Catalog
+from hub.control import Control
 from hub.manager import ModelManager
 from hub.promotion import Promoter
 from hub.routing import Route
 from hub.settings import TrafficSettings
-from hub.traffic import request as requests
 from hub.traffic.canary import CanaryController
 from hub.traffic.faults import FaultInjector
 from hub.traffic.in_flight import InFlight
@@ -28,16 +27,24 @@ from hub.traffic.metrics import TrafficMetrics
 from hub.traffic.request import ServedRequest
 from hub.traffic.shadow import MirrorJob, ShadowMirror
 from hub.traffic.stats import TrafficStats
-from registry.service import Registry
 from registry.views import RegistrySnapshot, TrafficPolicyView
 
 
 class TrafficService:
+    """One hub's versioned-routing machinery after the router: faults, samples, shadow
+    mirrors, canaries.
+
+    Contract: `serve()` calls `begin(route)` when a request starts (it decides whether the
+    request is mirrored and returns its `ServedRequest`), `inject_faults(route)` before the
+    model is acquired, and `finish(request, ...)` exactly once when it is over; a request
+    answered with a 5xx counts as an error in the readout, a cancelled one is not recorded.
+    A change of a model's stored policy starts a new sample epoch for it.
+    """
+
     def __init__(
         self,
         settings: TrafficSettings,
-        registry: Registry,
-        catalog: Catalog,
+        control: Control,
         manager: ModelManager,
         promoter: Promoter,
         metrics_registry: CollectorRegistry,
@@ -47,8 +54,7 @@ class TrafficService:
         rng: random.Random | None = None,
     ) -> None:
         self.settings = settings
-        self.registry = registry
-        self.catalog = catalog
+        self.catalog = control.catalog
         self.metrics = TrafficMetrics(metrics_registry)
         self.stats = TrafficStats(settings.sample_window)
         self.in_flight = InFlight()
@@ -64,8 +70,7 @@ class TrafficService:
             max_wait=settings.shadow_max_wait,
         )
         self.canaries = CanaryController(
-            registry,
-            catalog,
+            control,
             promoter,
             self.stats,
             self.metrics,
@@ -74,7 +79,7 @@ class TrafficService:
             clock=clock,
         )
         self._rng = rng or random.Random()
-        catalog.on_change(self._policies_changed)
+        control.catalog.on_change(self._policies_changed)
 
     async def start(self) -> None:
         self.shadow.start()
@@ -99,9 +104,7 @@ class TrafficService:
             or self._rng.random() * 100 >= shadow.percent
         ):
             shadow = None
-        request = ServedRequest(route, shadow=shadow)
-        requests.enter(request)
-        return request
+        return ServedRequest(route, shadow=shadow)
 
     async def inject_faults(self, route: Route) -> None:
         await self.faults.apply(self.policy(route.public_name), route)
@@ -109,7 +112,7 @@ class TrafficService:
     def finish(self, request: ServedRequest, *, latency_s: float, status: int | None) -> None:
         """The request is over with HTTP `status` (None: cancelled, e.g. the client left,
         which says nothing about the model and is not recorded)."""
-        requests.leave(request)
+        request.finished = True
         route = request.route
         if status is None:
             return

@@ -3,23 +3,28 @@
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from hub.validation.evalset import EmbedderCase, EvalSet, LLMCase, RerankerCase
-
-if TYPE_CHECKING:
-    from hub.validation.gate import Check
 
 SMOKE_TEXTS = ["The validation gate checks this model.", "hello"]
 SMOKE_PROMPT = "The validation gate checks that this model"
 SMOKE_TOKENS = 4
 
 
-def _check(name: str, passed: bool, detail: str) -> Check:
-    from hub.validation.gate import Check
+@dataclass(frozen=True)
+class Check:
+    """One check of the gate: its name, whether it passed, and why in words."""
 
+    name: str
+    passed: bool
+    detail: str
+
+
+def _check(name: str, passed: bool, detail: str) -> Check:
     return Check(name, passed, detail)
 
 

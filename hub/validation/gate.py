@@ -14,15 +14,9 @@ from typing import Any
 from hub.errors import HubError
 from hub.manager import ModelManager
 from hub.validation import checks
+from hub.validation.checks import Check
 from hub.validation.evalset import parse_eval_set
 from registry.views import VersionView
-
-
-@dataclass(frozen=True)
-class Check:
-    name: str
-    passed: bool
-    detail: str
 
 
 @dataclass(frozen=True)
@@ -41,6 +35,10 @@ class GateResult:
 
 
 class ValidationGate:
+    """Runs a version through load, smoke test and eval set; never raises for a failing
+    model (a load failure, a timeout after `timeout` seconds, an exception become failed
+    checks), so the result can always be stored and audited."""
+
     def __init__(self, manager: ModelManager, timeout: float) -> None:
         self.manager = manager
         self.timeout = timeout

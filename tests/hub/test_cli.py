@@ -104,3 +104,26 @@ def test_promote_and_rollback_validate_locally(config: Path, tiny_embedder_dir: 
     rolled = last_json(result.stdout)
     assert (rolled["version"], rolled["from_version"]) == (1, 2)
     assert "production rollback 2 -> 1" in hub("events", "emb").output
+
+
+def test_register_hf_source_uses_the_configured_hf_cache(
+    config: Path, tiny_embedder_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`hub register hf://...` reads `registry.hf_cache_dir` as the app does (it was ignored:
+    the CLI wired its own registry)."""
+    from tests.registry.test_sources import fake_hf_cache
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cache = tmp_path / "hf-cache"
+    fake_hf_cache(cache, "acme/tiny-embedder", tiny_embedder_dir)
+    doc = yaml.safe_load(config.read_text())
+    config.write_text(yaml.safe_dump({**doc, "registry": {"hf_cache_dir": str(cache)}}))
+    result = runner.invoke(
+        app,
+        ["register", "--name", "emb", "--kind", "embedder", "--source", "hf://acme/tiny-embedder",
+         "--config", str(config)],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output.strip().splitlines()[-1]) == {"name": "emb", "version": 1}
+    out = runner.invoke(app, ["versions", "emb", "--config", str(config)]).output
+    assert "hf://acme/tiny-embedder" in out

@@ -11,7 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 from safetensors.torch import load_file, save_file
 
-from tests.hub.test_embeddings_api import register
+from tests.hub.api.test_embeddings import register
 
 
 def served_version(client: TestClient, model: str = "emb") -> str:

@@ -52,8 +52,9 @@ def test_latest_version_is_default_without_production(
 ) -> None:
     registry.register("emb", "embedder", str(tiny_embedder_dir))
     registry.register("emb", "embedder", str(tiny_embedder_dir))
-    assert registry.resolve("emb").version == 2
-    assert registry.resolve("emb", "1").version == 1
+    model = registry.get_model("emb")
+    assert sorted(model.versions) == [1, 2]
+    assert model.default_version() == 2
 
 
 def test_materialise_verifies_and_reuses(registry: Registry, tiny_embedder_dir: Path) -> None:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
-from hub.traffic.assignment import BUCKETS, Arm, AssignmentTable, bucket_of, random_bucket
+from hub.routing.assignment import BUCKETS, Arm, AssignmentTable, bucket_of, random_bucket
 
 V1, V2, V3 = Arm("emb", 1), Arm("emb", 2), Arm("emb", 3)
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from tests.hub.traffic.conftest import TrafficHub, embed, register
 from tests.support.hubs import make_settings, running_app
+from tests.support.traffic_hub import TrafficHub, embed, register
 
 PARKED = {"canary_tick": "1h"}
 HOUR = 3600.0

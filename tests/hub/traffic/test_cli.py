@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from hub.cli import app
 from hub.traffic import cli as traffic_cli
-from tests.hub.test_embeddings_api import register
+from tests.hub.api.test_embeddings import register
 
 runner = CliRunner()
 

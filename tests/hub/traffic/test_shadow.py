@@ -13,7 +13,7 @@ import pytest
 from backends.base import Backend
 from hub.traffic.shadow import MirrorJob, exact_match, mean_cosine, rank_correlation
 from registry.views import ShadowView
-from tests.hub.traffic.conftest import TrafficHub, register
+from tests.support.traffic_hub import TrafficHub, register
 
 TEXTS = [f"sentence number {i} about shadow traffic" for i in range(12)]
 

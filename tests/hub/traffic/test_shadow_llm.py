@@ -6,9 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from backends.tiny import build_tiny_llm
-from tests.hub.traffic.conftest import TrafficHub, register
 from tests.hub.traffic.test_shadow import shadow_row
 from tests.support.hubs import make_settings, running_app
+from tests.support.traffic_hub import TrafficHub, register
 
 PROMPTS = ["The harbour", "A long road", "Seven small boats"]
 

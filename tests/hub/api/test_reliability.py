@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from tests.hub.test_embeddings_api import register
+from tests.hub.api.test_embeddings import register
 
 
 def _post_raw(client: TestClient, path: str, raw: str) -> Any:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hub.traffic.assignment import bucket_of
-from tests.hub.traffic.conftest import TrafficHub, embed, register, versions
+from hub.routing.assignment import bucket_of
+from tests.support.traffic_hub import TrafficHub, embed, register, versions
 
 
 async def test_policy_is_replaced_whole_and_bad_ones_are_400(

@@ -18,7 +18,7 @@ from fastapi.testclient import TestClient
 
 from backends.llm.backend import LLMBackend
 from hub.app import create_app
-from tests.hub.test_embeddings_api import register
+from tests.hub.api.test_embeddings import register
 from tests.support.hubs import make_settings
 
 LIMIT = 2**20

@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 
 from hub.app import create_app
 from hub.webhooks import sign
-from tests.hub.test_embeddings_api import register
+from tests.hub.api.test_embeddings import register
 from tests.hub.test_promotion import promote, served_version
 from tests.support.hubs import make_settings
 

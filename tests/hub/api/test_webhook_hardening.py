@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 
 from hub.errors import Unauthorized
 from hub.webhooks import WebhookVerifier, sign
-from tests.hub.test_webhooks import SECRET, deliver, slow_poll_client  # noqa: F401
+from tests.hub.api.test_webhooks import SECRET, deliver, slow_poll_client  # noqa: F401
 
 
 def _headers(raw: bytes, **overrides: bytes | str) -> dict[str, bytes | str]:

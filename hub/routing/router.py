@@ -1,7 +1,7 @@
 """Which version of a model answers a request.
 
 `model` in a request is a registered name, `name@version` or `name@alias`. A bare name is
-served by its traffic split when it has one (see hub.traffic.assignment: a sticky bucket
+served by its traffic split when it has one (see hub.routing.assignment: a sticky bucket
 from the routing key, weighted over versions), else its default version: the `production`
 alias, else the latest. `name@version`, `name@alias` and `/versions/{v}/` bypass the split.
 """
@@ -12,13 +12,15 @@ from dataclasses import dataclass
 
 from hub.catalog import Catalog
 from hub.errors import BadRequest, NotFound
-from hub.traffic.assignment import Arm, AssignmentTable, bucket_of, random_bucket
+from hub.routing.assignment import Arm, AssignmentTable, bucket_of, random_bucket
 from registry.refs import version_number
 from registry.views import ModelView, SplitView
 
 
 @dataclass(frozen=True)
 class Route:
+    """The version chosen for one request, and how it was chosen."""
+
     name: str
     version: int
     kind: str
@@ -44,6 +46,15 @@ class Route:
 
 
 class Router:
+    """Picks the version that answers a request, from the catalog's snapshot alone (no I/O).
+
+    Contract: `route(model, route_key=...)` accepts `name`, `name@version` and `name@alias`;
+    a bare name follows the model's traffic split (the same key always lands on the same
+    version while the weights stay) or else its default version; a split naming a version no
+    longer in the catalog is ignored. Unknown names and references raise NotFound naming
+    what exists; `name@` raises BadRequest.
+    """
+
     def __init__(self, catalog: Catalog) -> None:
         self.catalog = catalog
         # Assignment tables by model, rebuilt only when its split changes.

@@ -12,7 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from hub.settings import HubSettings
-from tests.hub.test_rerank_api import DOCUMENTS, QUERY, predict, register
+from tests.hub.api.test_rerank import DOCUMENTS, QUERY, predict, register
 from tests.support.live import live_hub
 
 

@@ -11,7 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from hub.settings import HubSettings
-from tests.hub.test_embeddings_api import register
+from tests.hub.api.test_embeddings import register
 from tests.support.live import live_hub
 
 MESSAGES = [{"role": "user", "content": "Hello there!"}]

@@ -15,7 +15,7 @@ import torch
 from fastapi.testclient import TestClient
 
 from hub.settings import HubSettings
-from tests.hub.test_embeddings_api import register
+from tests.hub.api.test_embeddings import register
 from tests.support.live import live_hub
 
 PROMPT = "The harbour town woke slowly on winter mornings"

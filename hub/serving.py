@@ -1,0 +1,137 @@
+"""The request path shared by every inference route: check the kind, acquire, measure.
+
+Routes reach it as `ServingDep` (hub.api.deps); the HTTP parts (bodies, the version header
+on answers) stay in hub.api.
+
+    async with serving.serve(route, "embeddings", EMBEDDER, keep_alive=...) as req:
+        result = await req.backend.embed(...)      # req.backend is an EmbedderBackend
+        req.report_tokens(result.total_tokens)
+        req.mirror_to_shadow(EmbeddingReplay(...), result.vectors)
+
+`serve` refuses a model of another kind (400) before anything is acquired, checks the
+backend's class once (routes need no `isinstance`), and on the way out counts the request in
+`hub_requests_total` with the status `status_of` (hub.outcome) gives its exception: the
+status the error answer carries too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from backends.base import Backend
+from backends.embedder import EmbedderBackend
+from backends.errors import BackendError
+from backends.llm.backend import LLMBackend
+from backends.reranker import RerankerBackend
+from hub.errors import BadRequest, HubError
+from hub.manager import ModelManager
+from hub.metrics import HubMetrics
+from hub.outcome import CLIENT_CLOSED, status_of
+from hub.routing import Route
+from hub.traffic.request import ServedRequest
+from hub.traffic.service import TrafficService
+from hub.traffic.shadow import Replay
+
+VERSION_HEADER = "X-Hub-Model-Version"
+
+B = TypeVar("B", bound=Backend)
+
+
+@dataclass(frozen=True)
+class Kind(Generic[B]):
+    """A model kind as a route asks for it: the registry's name and the backend class."""
+
+    name: str
+    backend: type[B]
+
+
+EMBEDDER = Kind("embedder", EmbedderBackend)
+RERANKER = Kind("reranker", RerankerBackend)
+LLM = Kind("llm", LLMBackend)
+
+
+@dataclass
+class InferenceRequest(Generic[B]):
+    """One request inside `serve()`: the routed version, its backend (of the kind the route
+    asked for) and the traffic layer's record, which takes tokens and shadow material."""
+
+    route: Route
+    backend: B
+    served: ServedRequest
+
+    def report_tokens(self, tokens: int) -> None:
+        """Input tokens (embeddings, rerank) or generated tokens (LLM), for readouts."""
+        self.served.report_tokens(tokens)
+
+    def mirror_to_shadow(self, replay: Replay, output: Any) -> None:
+        """The primary's `output` and how to replay the request on the shadow version; kept
+        only when the traffic policy selected this request for its shadow."""
+        self.served.mirror_to_shadow(replay, output)
+
+
+class Serving:
+    """The parts every inference request passes through: the manager (acquire), the traffic
+    layer (faults, samples, shadow) and the request metrics.
+
+    Contract: `serve` acquires the routed version for one request and yields an
+    `InferenceRequest` typed by `kind`; every request it starts is counted once in
+    `hub_requests_total` with `status_of(exception)` (200 without one, 499 when cancelled)
+    and handed to the traffic layer's `finish`.
+    """
+
+    def __init__(self, manager: ModelManager, traffic: TrafficService, metrics: HubMetrics) -> None:
+        self.manager = manager
+        self.traffic = traffic
+        self.metrics = metrics
+
+    @contextlib.asynccontextmanager
+    async def serve(
+        self,
+        route: Route,
+        endpoint: str,
+        kind: Kind[B],
+        *,
+        keep_alive: float | None = None,
+    ) -> AsyncIterator[InferenceRequest[B]]:
+        """Serve one request with `route`'s version; faults the traffic policy injects are
+        raised here, before the model is acquired."""
+        if route.kind != kind.name:
+            raise BadRequest(
+                f"model {route.name!r} is a {route.kind}; {endpoint} needs a {kind.name}",
+                param="model",
+                code="wrong_model_kind",
+            )
+        labels = (route.name, str(route.version), endpoint)
+        served = self.traffic.begin(route)
+        start = time.perf_counter()
+        status = 200
+        try:
+            await self.traffic.inject_faults(route)
+            async with self.manager.acquire(
+                route.name, route.version, route.kind, keep_alive=keep_alive
+            ) as backend:
+                if not isinstance(backend, kind.backend):
+                    raise TypeError(
+                        f"{route.name} v{route.version} is registered as a {kind.name} but its "
+                        f"backend is a {type(backend).__name__}, not a {kind.backend.__name__}"
+                    )
+                yield InferenceRequest(route, backend, served)
+        except BaseException as e:
+            status = status_of(e).status
+            # The error answer (an injected fault, a load failure) names the version too.
+            if isinstance(e, HubError):
+                e.headers.setdefault(VERSION_HEADER, route.label)
+            elif isinstance(e, BackendError):
+                e.served_by = route.label
+            raise
+        finally:
+            elapsed = time.perf_counter() - start
+            self.metrics.requests.labels(*labels, str(status)).inc()
+            self.metrics.request_seconds.labels(*labels).observe(elapsed)
+            # A client that went away says nothing about the model: not recorded as a sample.
+            outcome = None if status == CLIENT_CLOSED else status
+            self.traffic.finish(served, latency_s=elapsed, status=outcome)
