@@ -19,7 +19,7 @@ from hub.traffic.service import TrafficService
 from hub.validation import ValidationGate
 from hub.webhooks import EVENTS, WebhookVerifier
 from registry.cache import ArtifactCache
-from registry.db import Database, upgrade
+from registry.db import REGISTRATION_LOCK, Database, upgrade
 from registry.keys import ApiKeys
 from registry.mlflow_store import MlflowStore
 from registry.service import Registry
@@ -138,6 +138,15 @@ class Hub:
         self.db.dispose()
 
     def _register_configured_models(self) -> None:
+        if not self.settings.models:
+            return
+        # Replicas starting together on one database: one registers while the others wait
+        # for the lock, then find the versions it made: one version per configured model, in
+        # SQL and MLflow alike.
+        with self.db.exclusive(REGISTRATION_LOCK, "registering the configured models"):
+            self._register_missing_models()
+
+    def _register_missing_models(self) -> None:
         snapshot = self.registry.snapshot()
         for spec in self.settings.models:
             existing = snapshot.models.get(spec.name)
