@@ -13,6 +13,7 @@ from hub.manager import Device, ModelManager, VersionLoader
 from hub.metrics import HubMetrics
 from hub.promotion import Promoter
 from hub.reconciler import Reconciler
+from hub.replicas import Membership
 from hub.routing import Router
 from hub.settings import HubSettings
 from hub.traffic.service import TrafficService
@@ -41,6 +42,7 @@ class Hub:
     promoter: Promoter
     webhooks: WebhookVerifier | None
     traffic: TrafficService
+    replicas: Membership
     ready: bool = False
     background: list[asyncio.Task[None]] = field(default_factory=list)
 
@@ -110,6 +112,7 @@ class Hub:
             promoter=promoter,
             webhooks=WebhookVerifier(secret) if secret else None,
             traffic=traffic,
+            replicas=Membership.for_hub(settings, manager, metrics.registry),
         )
 
     async def start(self) -> None:
@@ -122,6 +125,7 @@ class Hub:
         self.reconciler.start()
         await self.traffic.start()
         self.manager.start()
+        await self.replicas.start()
         self.ready = True
         preload = [m for m in self.settings.models if m.preload or m.pin]
         if preload:
@@ -129,6 +133,7 @@ class Hub:
 
     async def stop(self) -> None:
         self.ready = False
+        await self.replicas.stop()  # first: peers stop listing this replica at once
         for task in self.background:
             task.cancel()
         await asyncio.gather(*self.background, return_exceptions=True)
