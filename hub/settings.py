@@ -183,6 +183,9 @@ class ReplicaSettings(_Section):
     expire_after: Seconds = Field(default=15.0, gt=0)
     # The longest one heartbeat (or a listing) may wait for the database.
     sql_timeout: Seconds = Field(default=3.0, gt=0)
+    # On SIGTERM (a pod being stopped) the hub stops accepting connections and gives the
+    # requests in flight, streams included, this long to finish before it cuts them.
+    drain_timeout: Seconds = Field(default=30.0, ge=0)
 
     @model_validator(mode="after")
     def _expiry_after_beats(self) -> ReplicaSettings:
