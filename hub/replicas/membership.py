@@ -130,7 +130,12 @@ class Membership:
         if self._pending is not None and not self._pending.done():
             self.metrics.heartbeats.labels("skipped").inc()
             return False
-        beat = self._report()
+        try:
+            beat = self._report()
+        except Exception:  # a bug, not an outage: say so loudly, keep beating
+            log.exception("could not read this replica's status for its heartbeat")
+            self.metrics.heartbeats.labels("failed").inc()
+            return False
         first = self._first_beat
         expire_after = self.settings.expire_after
         future = asyncio.get_running_loop().run_in_executor(
