@@ -19,6 +19,7 @@ from hub.api import (
     health,
     models,
     registry,
+    replicas,
     rerank,
     rerank_shapes,
     webhooks,
@@ -83,4 +84,5 @@ def create_app(settings: HubSettings, *, announce: bool = False) -> FastAPI:
     for module in (*routers, rerank_shapes, dashboard):
         app.include_router(module.router)
     app.include_router(traffic_api.router)
+    app.include_router(replicas.router)
     return app

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -88,7 +89,8 @@ def serve(
         host=settings.host,
         port=settings.port,
         log_config=None,
-        timeout_graceful_shutdown=30,
+        # SIGTERM: stop accepting, let requests in flight (streams too) finish, then stop.
+        timeout_graceful_shutdown=math.ceil(settings.replica.drain_timeout),
     )
 
 

@@ -217,6 +217,50 @@ class EngineSettings(_Section):
         )
 
 
+# ---- scale-out: replica membership (issue 13) ------------------------------------------------
+
+
+class ReplicaSettings(_Section):
+    """How this hub process announces itself to the other replicas sharing its database."""
+
+    # Unique among the replicas of one database; default `<hostname>-<port>` (in Kubernetes
+    # the hostname is the pod name). A restarted process with the same id takes its row over.
+    id: str | None = Field(default=None, min_length=1, max_length=200)
+    # The base URL at which peers reach this replica; default http://<host>:<port> (the
+    # hostname when the hub binds every interface). In Kubernetes: the pod IP, see deploy/.
+    advertise_url: str | None = None
+    # How often this replica writes its heartbeat row (what it holds, free memory, queue).
+    heartbeat_interval: Seconds = Field(default=5.0, gt=0)
+    # A replica whose last heartbeat is older than this is no longer listed (a few missed
+    # beats); must exceed heartbeat_interval.
+    expire_after: Seconds = Field(default=15.0, gt=0)
+    # The longest one heartbeat (or a listing) may wait for the database.
+    sql_timeout: Seconds = Field(default=3.0, gt=0)
+    # On SIGTERM (a pod being stopped) the hub stops accepting connections and gives the
+    # requests in flight, streams included, this long to finish before it cuts them.
+    drain_timeout: Seconds = Field(default=30.0, ge=0)
+
+    @model_validator(mode="after")
+    def _expiry_after_beats(self) -> ReplicaSettings:
+        if self.expire_after <= self.heartbeat_interval:
+            raise ValueError(
+                f"replica.expire_after ({self.expire_after}s) must exceed "
+                f"replica.heartbeat_interval ({self.heartbeat_interval}s), else a live replica "
+                "drops out of the list between two heartbeats"
+            )
+        return self
+
+    @validator("advertise_url")
+    @classmethod
+    def _http_url(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"https?://[^/\s]+/?", v):
+            raise ValueError(f"{v!r} is not a base URL like http://10.0.0.7:8000")
+        return v.rstrip("/") if v else v
+
+
+# ---- end of scale-out settings -----------------------------------------------------------------
+
+
 class HubSettings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX,
@@ -240,6 +284,7 @@ class HubSettings(BaseSettings):
     registry: RegistrySettings = RegistrySettings()
     traffic: TrafficSettings = TrafficSettings()
     engine: EngineSettings = Field(default_factory=EngineSettings)
+    replica: ReplicaSettings = ReplicaSettings()
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
     log_level: Literal["debug", "info", "warning", "error"] = "info"

@@ -14,13 +14,14 @@ from hub.manager import Device, ModelManager, VersionLoader
 from hub.metrics import HubMetrics
 from hub.promotion import Promoter
 from hub.reconciler import Reconciler
+from hub.replicas import Membership
 from hub.routing import Router
 from hub.serving import Serving
 from hub.settings import HubSettings
 from hub.traffic.service import TrafficService
 from hub.validation import ValidationGate
 from hub.webhooks import EVENTS, WebhookVerifier
-from registry.db import Database, upgrade
+from registry.db import REGISTRATION_LOCK, Database, upgrade
 from registry.keys import ApiKeys
 from registry.service import Registry
 
@@ -49,6 +50,7 @@ class Hub:
     webhooks: WebhookVerifier | None
     traffic: TrafficService
     serving: Serving
+    replicas: Membership
     ready: bool = False
     background: list[asyncio.Task[None]] = field(default_factory=list)
 
@@ -112,6 +114,7 @@ class Hub:
             webhooks=WebhookVerifier(secret) if secret else None,
             traffic=traffic,
             serving=Serving(manager, traffic, metrics),
+            replicas=Membership.for_hub(settings, manager, metrics.registry),
         )
 
     async def start(self) -> None:
@@ -124,6 +127,7 @@ class Hub:
         self.reconciler.start()
         await self.traffic.start()
         self.manager.start()
+        await self.replicas.start()
         self.ready = True
         preload = [m for m in self.settings.models if m.preload or m.pin]
         if preload:
@@ -131,6 +135,7 @@ class Hub:
 
     async def stop(self) -> None:
         self.ready = False
+        await self.replicas.stop()  # first: peers stop listing this replica at once
         for task in self.background:
             task.cancel()
         await asyncio.gather(*self.background, return_exceptions=True)
@@ -140,6 +145,15 @@ class Hub:
         self.db.dispose()
 
     def _register_configured_models(self) -> None:
+        if not self.settings.models:
+            return
+        # Replicas starting together on one database: one registers while the others wait
+        # for the lock, then find the versions it made: one version per configured model, in
+        # SQL and MLflow alike.
+        with self.db.exclusive(REGISTRATION_LOCK, "registering the configured models"):
+            self._register_missing_models()
+
+    def _register_missing_models(self) -> None:
         snapshot = self.registry.snapshot()
         for spec in self.settings.models:
             existing = snapshot.models.get(spec.name)

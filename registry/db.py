@@ -3,21 +3,32 @@
 SQLite is the embedded default; PostgreSQL works by URL (`postgresql+psycopg://...`). The
 hub's Alembic history lives in `migrations/` and records its revision in its own version
 table, so it can share a database with MLflow, which keeps `alembic_version` for itself.
+
+Several processes may migrate one PostgreSQL database at once (replicas starting together,
+a migration Job beside them): `upgrade` and `downgrade` hold a PostgreSQL advisory lock, so
+one migrates and the others wait, then find the schema at its head. SQLite serialises
+writers itself.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event, inspect
+from sqlalchemy import Engine, create_engine, event, inspect, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.pool import NullPool
 
 VERSION_TABLE = "hub_alembic_version"
+
+# Keys of the PostgreSQL advisory locks the hub takes (one 64-bit key space per database,
+# shared with every other client of it: these spell "hub:migr" and "hub:regi" in ASCII).
+MIGRATION_LOCK = 0x6875623A6D696772
+REGISTRATION_LOCK = 0x6875623A72656769
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +76,11 @@ class Database:
         with self._sessions() as session, session.begin():
             yield session
 
+    def exclusive(self, key: int, what: str) -> AbstractContextManager[None]:
+        """One process at a time across every client of a PostgreSQL database (an advisory
+        lock, see `advisory_lock`); within one process only on SQLite."""
+        return advisory_lock(self.engine, key, what)
+
     def ping(self) -> None:
         """Raise if the database does not answer or the schema is not migrated."""
         if not inspect(self.engine).has_table(VERSION_TABLE):
@@ -72,6 +88,35 @@ class Database:
 
     def dispose(self) -> None:
         self.engine.dispose()
+
+
+@contextmanager
+def advisory_lock(engine: Engine, key: int, what: str) -> Iterator[None]:
+    """Hold PostgreSQL's session-level advisory lock `key` for the block (no-op on other
+    databases). The lock lives on a connection of its own, so the block may use any other
+    connection; it is released at the end, or by the server when this process dies."""
+    if engine.dialect.name != "postgresql":
+        yield
+        return
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        if not conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": key}).scalar():
+            log.info("another process is %s; waiting for it to finish", what)
+            conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": key})
+        try:
+            yield
+        finally:
+            conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": key})
+
+
+@contextmanager
+def migration_lock(url: str) -> Iterator[None]:
+    """Serialise schema migrations of one database across processes."""
+    engine = create_engine(url, poolclass=NullPool)
+    try:
+        with advisory_lock(engine, MIGRATION_LOCK, "migrating the hub's tables"):
+            yield
+    finally:
+        engine.dispose()
 
 
 def alembic_config(url: str) -> Any:
@@ -87,19 +132,22 @@ def alembic_config(url: str) -> Any:
 
 
 def upgrade(url: str, revision: str = "head") -> None:
-    """Migrate the hub's tables to `revision` (default: the newest)."""
+    """Migrate the hub's tables to `revision` (default: the newest). Safe to run from several
+    processes at once on PostgreSQL: the others wait for the first, then have nothing to do."""
     from alembic import command
 
     path = sqlite_path(url)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
-    command.upgrade(alembic_config(url), revision)
+    with migration_lock(url):
+        command.upgrade(alembic_config(url), revision)
 
 
 def downgrade(url: str, revision: str) -> None:
     from alembic import command
 
-    command.downgrade(alembic_config(url), revision)
+    with migration_lock(url):
+        command.downgrade(alembic_config(url), revision)
 
 
 def current_revision(url: str) -> str | None:

@@ -210,3 +210,27 @@ class ApiKey(Base):
     role: Mapped[str] = mapped_column(String(16))  # admin | user
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     revoked_at: Mapped[dt.datetime | None] = mapped_column(default=None)
+
+
+class Replica(Base):
+    """One live hub process sharing this database: its heartbeat row, rewritten every few
+    seconds with what it holds and how busy it is; gone on a clean shutdown, ignored once
+    `last_seen` is older than the expiry (a replica that died)."""
+
+    __tablename__ = "hub_replicas"
+
+    id: Mapped[str] = mapped_column(String(200), primary_key=True)
+    # The base URL at which peers reach this replica (http://10.0.0.7:8000).
+    address: Mapped[str] = mapped_column(Text)
+    # The hub's software version, to tell replicas apart during a rolling update.
+    hub_version: Mapped[str] = mapped_column(String(32), default="")
+    started_at: Mapped[dt.datetime] = mapped_column()
+    last_seen: Mapped[dt.datetime] = mapped_column(index=True)
+    # [{name, version, kind, state (loading | loaded | warm | ...), device, bytes, pinned,
+    #   in_flight}]: every model resident on a device or parked warm in host memory.
+    models: Mapped[list[dict[str, Any]]] = mapped_column(JSON, default=list)
+    # [{name, budget_bytes, free_bytes}] per device, and the host tier's free bytes.
+    devices: Mapped[list[dict[str, Any]]] = mapped_column(JSON, default=list)
+    host_free_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    # Requests in flight plus requests waiting for a model to load.
+    queue_depth: Mapped[int] = mapped_column(Integer, default=0)

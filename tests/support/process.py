@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TextIO
 
 import httpx
 
@@ -18,17 +19,9 @@ from tests.support.postgres import free_port
 REPO = Path(__file__).resolve().parents[2]
 
 
-@contextlib.contextmanager
-def hub_process(
-    config: Path,
-    cwd: Path,
-    env: dict[str, str] | None = None,
-    timeout: float = 180,
-    port: int | None = None,
-) -> Iterator[tuple[str, subprocess.Popen[str]]]:
-    """Start `hub serve --config CONFIG` in CWD on `port` (default: a free one); yield
-    (base URL, process)."""
-    port = port or free_port()
+def _spawn(
+    config: Path, cwd: Path, port: int, env: dict[str, str] | None
+) -> tuple[subprocess.Popen[str], TextIO]:
     full_env = {
         **os.environ,
         "HUB_PORT": str(port),
@@ -42,29 +35,79 @@ def hub_process(
         [sys.executable, "-m", "hub.cli", "serve", "--config", str(config)],
         cwd=cwd, env=full_env, stdout=log, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
+    return proc, log
+
+
+def _wait_ready(base: str, proc: subprocess.Popen[str], log: TextIO, deadline: float) -> None:
+    timeout = deadline - time.monotonic()
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"hub exited with {proc.returncode}:\n{read_log(log.name)}")
+        try:
+            if httpx.get(f"{base}/health/ready", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"hub not ready after {timeout:.0f}s:\n{read_log(log.name)}")
+        time.sleep(0.3)
+
+
+def _interrupt(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)  # once: a second SIGINT makes uvicorn force its exit
+
+
+def _reap(proc: subprocess.Popen[str], log: TextIO) -> None:
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log.close()
+
+
+@contextlib.contextmanager
+def hub_process(
+    config: Path,
+    cwd: Path,
+    env: dict[str, str] | None = None,
+    timeout: float = 180,
+    port: int | None = None,
+) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+    """Start `hub serve --config CONFIG` in CWD on `port` (default: a free one); yield
+    (base URL, process)."""
+    port = port or free_port()
+    proc, log = _spawn(config, cwd, port, env)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"hub exited with {proc.returncode}:\n{read_log(log.name)}")
-            try:
-                if httpx.get(f"{base}/health/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"hub not ready after {timeout}s:\n{read_log(log.name)}")
-            time.sleep(0.3)
+        _wait_ready(base, proc, log, time.monotonic() + timeout)
         yield base, proc
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        log.close()
+        _interrupt(proc)
+        _reap(proc, log)
+
+
+@contextlib.contextmanager
+def hub_processes(
+    config: Path, cwds: list[Path], timeout: float = 180
+) -> Iterator[list[tuple[str, subprocess.Popen[str]]]]:
+    """Start one `hub serve --config CONFIG` per folder of `cwds` at the same instant, each
+    on a free port; yield [(base URL, process)] once every one is ready. Each is stopped with
+    SIGINT (a clean shutdown) at the end, unless it is gone already."""
+    started = []
+    try:
+        for cwd in cwds:
+            port = free_port()
+            started.append((f"http://127.0.0.1:{port}", *_spawn(config, cwd, port, None)))
+        deadline = time.monotonic() + timeout
+        for base, proc, log in started:
+            _wait_ready(base, proc, log, deadline)
+        yield [(base, proc) for base, proc, _ in started]
+    finally:
+        for _, proc, _ in started:
+            _interrupt(proc)
+        for _, proc, log in started:
+            _reap(proc, log)
 
 
 @contextlib.contextmanager
@@ -76,6 +119,9 @@ def mlflow_server(backend_store_uri: str, root: Path, timeout: float = 180) -> I
         **os.environ,
         "MLFLOW_WEBHOOK_ALLOWED_SCHEMES": "http,https",
         "MLFLOW_WEBHOOK_ALLOW_PRIVATE_IPS": "true",
+        # MLflow's job runner (half a dozen huey consumer processes) serves nothing the hub
+        # uses; without it the server starts in a fraction of the time.
+        "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
     }
     log = (root / "mlflow-server.log").open("w")
     proc = subprocess.Popen(
