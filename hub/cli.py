@@ -51,6 +51,7 @@ def _settings(config: Path | None, **overrides: Any) -> HubSettings:
 
 
 def _registry(settings: HubSettings) -> Any:
+    from backends.llm.architectures import folder_problem
     from registry.cache import ArtifactCache
     from registry.db import Database, upgrade
     from registry.mlflow_store import MlflowStore
@@ -63,6 +64,7 @@ def _registry(settings: HubSettings) -> Any:
         mlflow,
         ArtifactCache(settings.cache_dir, mlflow),
         allow_pickle=settings.allow_pickle,
+        folder_check=folder_problem,
     )
 
 

@@ -6,6 +6,7 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
+from backends.llm.architectures import folder_problem
 from hub.auth import Authenticator
 from hub.catalog import Catalog
 from hub.demo import is_builtin, materialise_builtin
@@ -56,6 +57,7 @@ class Hub:
             cache,
             allow_pickle=settings.allow_pickle,
             hf_cache_dir=settings.registry.hf_cache_dir,
+            folder_check=folder_problem,
         )
         metrics = HubMetrics()
         catalog = Catalog(registry)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -96,11 +96,15 @@ class Registry:
         *,
         allow_pickle: bool = False,
         hf_cache_dir: Path | None = None,
+        folder_check: Callable[[Path, str], str | None] | None = None,
     ) -> None:
         self.db = db
         self.mlflow = mlflow
         self.cache = cache
         self.allow_pickle = allow_pickle
+        # The serving side's own refusal (an LLM architecture it cannot run): folder and kind
+        # in, a reason out (None: servable). Injected, as the registry imports no backend.
+        self.folder_check = folder_check
         self.aliases = AliasBook(db, mlflow)
         self.traffic = TrafficBook(db)
         self.canaries = CanaryBook(db, self.traffic)
@@ -150,6 +154,9 @@ class Registry:
         actor: str,
     ) -> VersionView:
         inspected = inspect_folder(folder, kind, allow_pickle=self.allow_pickle)
+        problem = self.folder_check(folder, kind) if self.folder_check is not None else None
+        if problem is not None:
+            raise InvalidSourceError(f"source {source} cannot be served: {problem}")
         with self.db.session() as s:
             existing = s.scalar(select(RegisteredModel).where(RegisteredModel.name == name))
             if existing is not None and existing.kind != kind:

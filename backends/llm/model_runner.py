@@ -20,6 +20,7 @@ import torch
 
 from backends.errors import LoadError
 from backends.llm import attention, cpu_kernels
+from backends.llm.architectures import unsupported_reason
 from backends.llm.attention import NativeDecode, PagedAttentionMetadata, PrefillChunk
 from backends.llm.config import EngineConfig
 from backends.llm.sampler import Sampler, SamplerOutput
@@ -27,20 +28,6 @@ from backends.llm.scheduler import SchedulerOutput
 from backends.llm.sequence import Sequence
 
 log = logging.getLogger(__name__)
-
-# model_type -> what was verified: greedy output equal to transformers' generate.
-SUPPORTED_ARCHITECTURES: dict[str, str] = {
-    "llama": "Llama",
-    "mistral": "Mistral (sliding window)",
-    "qwen2": "Qwen2",
-    "qwen3": "Qwen3",
-    "phi3": "Phi-3",
-    "gemma2": "Gemma 2 (alternating sliding window, soft-capping)",
-}
-
-
-def supported_list() -> str:
-    return ", ".join(f"{k} ({v})" for k, v in SUPPORTED_ARCHITECTURES.items())
 
 
 def kv_shape(config: Any) -> tuple[int, int, int]:
@@ -115,11 +102,9 @@ class ModelRunner:
             )
         except Exception as e:
             raise LoadError(f"cannot read the model config in {artifact_dir}: {e}") from e
-        if config.model_type not in SUPPORTED_ARCHITECTURES:
-            raise LoadError(
-                f"architecture {config.model_type!r} is not supported by the LLM engine; "
-                f"supported: {supported_list()}"
-            )
+        reason = unsupported_reason(config.to_dict())
+        if reason is not None:
+            raise LoadError(reason)
         attention.register()
         try:
             # Weights go straight from the safetensors files onto the device (no random init

@@ -21,6 +21,8 @@ SLIDING_WINDOW = 16
 ARCH_OVERRIDES: dict[str, dict[str, Any]] = {
     "mistral": {"sliding_window": SLIDING_WINDOW},
     "gemma2": {"sliding_window": SLIDING_WINDOW},
+    "gemma3_text": {"sliding_window": SLIDING_WINDOW},
+    "mixtral": {"sliding_window": SLIDING_WINDOW},
 }
 # Token ids from here on are plain text for the tiny tokenizer (below are special tokens).
 FIRST_PLAIN_TOKEN = 7
