@@ -23,6 +23,7 @@ from backends.llm import attention, cpu_kernels
 from backends.llm.architectures import unsupported_reason
 from backends.llm.attention import NativeDecode, PagedAttentionMetadata, PrefillChunk
 from backends.llm.config import EngineConfig
+from backends.llm.quantization import quantize_model
 from backends.llm.sampler import Sampler, SamplerOutput
 from backends.llm.scheduler import SchedulerOutput
 from backends.llm.sequence import Sequence
@@ -91,7 +92,10 @@ class ModelRunner:
         trust_remote_code: bool = False,
         batched_decode: bool | None = None,
         native_decode: bool | None = None,
+        quantization: str | None = None,
     ) -> ModelRunner:
+        """The model in `artifact_dir` on `device`; `quantization` "int8" stores its linear
+        layers as int8 (`backends.llm.quantization`), None keeps the checkpoint's weights."""
         from transformers import AutoConfig
 
         from backends.loading import load_causal_lm
@@ -120,6 +124,11 @@ class ModelRunner:
             raise
         except Exception as e:
             raise LoadError(f"cannot load the model in {artifact_dir}: {e}") from e
+        if quantization == "int8":
+            layers = quantize_model(model)
+            log.info("%s: %d linear layers quantized to int8", artifact_dir, layers)
+        elif quantization is not None:
+            raise LoadError(f"quantization {quantization!r} is not supported; use int8")
         return cls(
             model,
             engine_config,

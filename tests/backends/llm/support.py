@@ -38,13 +38,24 @@ def build_model(root: Path, arch: str) -> Path:
 
 
 def make_engine(
-    folder: Path, tokenizer: Any = None, *, batched_decode: bool | None = None, **config: Any
+    folder: Path,
+    tokenizer: Any = None,
+    *,
+    batched_decode: bool | None = None,
+    quantization: str | None = None,
+    **config: Any,
 ) -> LLMEngine:
     """An engine over `folder` on CPU in float32; `batched_decode` forces the accelerators'
-    one-call decode attention (None: the device's default)."""
+    one-call decode attention (None: the device's default); `quantization` "int8" stores the
+    linear layers as int8."""
     engine_config = EngineConfig(**config)
     runner = ModelRunner.load(
-        folder, "cpu", torch.float32, engine_config, batched_decode=batched_decode
+        folder,
+        "cpu",
+        torch.float32,
+        engine_config,
+        batched_decode=batched_decode,
+        quantization=quantization,
     )
     return LLMEngine(engine_config, runner, tokenizer)
 
