@@ -319,11 +319,14 @@ def int8_ratios(
             continue
         pairs = list(zip(runs[fp32_name], runs[int8_name], strict=False))
         ratios = [i.tokens_per_s / f.tokens_per_s for f, i in pairs]
+        # CPU time (one torch thread) is disturbed much less by a shared machine than wall time.
+        cpu_ratios = [i.tokens_per_cpu_s / f.tokens_per_cpu_s for f, i in pairs if f.cpu_seconds]
         out[label] = {
             "fp32_tokens_per_s": statistics.median(f.tokens_per_s for f, _ in pairs),
             "int8_tokens_per_s": statistics.median(i.tokens_per_s for _, i in pairs),
             "int8_speedup_median_of_rounds": statistics.median(ratios),
             "int8_speedup_rounds": ratios,
+            "int8_speedup_cpu_time_median_of_rounds": statistics.median(cpu_ratios or [0.0]),
         }
     out["greedy_outputs_equal"] = sum(
         a == b for a, b in zip(int8_outputs, fp32_outputs, strict=True)
