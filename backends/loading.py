@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -76,9 +76,16 @@ def require_safe_weights(folder: Path, *, allow_pickle: bool = False) -> list[Pa
     return []
 
 
-def tensor_bytes_from_headers(files: Iterable[Path], dtype: torch.dtype | None = None) -> int:
+def tensor_bytes_from_headers(
+    files: Iterable[Path],
+    dtype: torch.dtype | None = None,
+    *,
+    size_of: Callable[[str, list[int], int], int] | None = None,
+) -> int:
     """Bytes the tensors of these safetensors files take once loaded, read from the headers
-    only; with `dtype`, floating-point tensors are counted as cast to it."""
+    only; with `dtype`, floating-point tensors are counted as cast to it. `size_of(name,
+    shape, element_size)`, when given, says what a floating-point tensor takes instead
+    (a quantized weight)."""
     total = 0
     target = torch.empty((), dtype=dtype).element_size() if dtype is not None else None
     for path in files:
@@ -92,6 +99,9 @@ def tensor_bytes_from_headers(files: Iterable[Path], dtype: torch.dtype | None =
                 size = SAFETENSORS_DTYPE_BYTES.get(kind, 4)
                 if target is not None and kind.startswith(("F", "BF")):
                     size = target
+                if size_of is not None and kind.startswith(("F", "BF")):
+                    total += size_of(name, list(sl.get_shape()), size)
+                    continue
                 total += numel * size
     return total
 

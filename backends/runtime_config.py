@@ -22,7 +22,7 @@ from __future__ import annotations
 import difflib
 import re
 from collections.abc import Mapping
-from typing import Annotated, Any, ClassVar, Self
+from typing import Annotated, Any, ClassVar, Literal, Self
 
 from pydantic import (
     BaseModel,
@@ -200,6 +200,13 @@ class LLMConfig(RuntimeConfig):
     priority_aging_steps: Count = 256
     # The model's context length, recorded from its config.json at registration, for reading.
     context_length: Count | None = None
+    # Weight-only quantization applied at load (backends/llm/quantization.py); none: the
+    # model's dtype.
+    quantization: Literal["none", "int8"] | None = None
+
+    def quantization_method(self) -> str | None:
+        """The quantization to apply at load ("int8"), or None."""
+        return None if self.quantization in (None, "none") else self.quantization
 
     @model_validator(mode="after")
     def _consistent(self) -> LLMConfig:

@@ -14,6 +14,9 @@ ignored), so every system produces the same number of useful tokens.
 - `engine`: our `LLMEngine`, text detokenized as it would be for a client.
 - `engine_torch_attention`: the same engine with its native CPU decode kernel off (decode
   attention in plain torch), as it runs where no C compiler is found.
+- `engine_int8`: the engine with `quantization: int8` (int8 linear layers), same workload;
+  `engine_c1` and `engine_int8_c1` run the first `--c1-requests` requests one at a time
+  (concurrency 1) in float32 and int8. The int8/float32 ratios of each round are reported.
 
 It also measures time to first token for a 512-token shared system prompt without and with
 a prefix-cache hit, and KV-cache waste (allocated block slots against tokens stored, over
@@ -171,11 +174,22 @@ def hf_generate_batch(model: Any, requests: list[Request], pad: int) -> Phase:
     return Phase("hf_generate_batch", len(requests), produced, seconds)
 
 
-def make_engine(model_dir: Path, config: EngineConfig, *, native_decode: bool = True) -> LLMEngine:
+def make_engine(
+    model_dir: Path,
+    config: EngineConfig,
+    *,
+    native_decode: bool = True,
+    quantization: str | None = None,
+) -> LLMEngine:
     from transformers import AutoTokenizer
 
     runner = ModelRunner.load(
-        model_dir, "cpu", torch.float32, config, native_decode=None if native_decode else False
+        model_dir,
+        "cpu",
+        torch.float32,
+        config,
+        native_decode=None if native_decode else False,
+        quantization=quantization,
     )
     return LLMEngine(config, runner, AutoTokenizer.from_pretrained(model_dir))
 
@@ -218,6 +232,17 @@ def engine_throughput(
     waste = {"kv_waste_fraction": 1 - stored / allocated, "kv_waste_peak_step": peak_waste}
     phase = Phase(name, len(requests), sum(len(o) for o in ordered), seconds)
     return phase, ordered, waste
+
+
+def engine_one_at_a_time(engine: LLMEngine, requests: list[Request], name: str) -> Phase:
+    """Each request alone (concurrency 1), the next sent when the previous is done."""
+    produced = 0
+    start = time.perf_counter()
+    for i, r in enumerate(requests):
+        engine.add_request(f"{name}-{i}", r.prompt, greedy(r.max_tokens))
+        while engine.has_work():
+            produced += sum(len(out.token_ids) for out in engine.step())
+    return Phase(name, len(requests), produced, time.perf_counter() - start)
 
 
 def ttft(engine: LLMEngine, prompt: list[int]) -> float:
@@ -280,6 +305,36 @@ def plot(results: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def int8_ratios(
+    runs: dict[str, list[Phase]], int8_outputs: list[list[int]], fp32_outputs: list[list[int]]
+) -> dict[str, Any]:
+    """int8 against float32 at concurrency 64 (the workload) and 1: tokens/s of each, and
+    the median of the per-round ratios (each round ran both, one after the other)."""
+    out: dict[str, Any] = {}
+    for label, fp32_name, int8_name in (
+        ("concurrency_64", "engine", "engine_int8"),
+        ("concurrency_1", "engine_c1", "engine_int8_c1"),
+    ):
+        if fp32_name not in runs or int8_name not in runs:
+            continue
+        pairs = list(zip(runs[fp32_name], runs[int8_name], strict=False))
+        ratios = [i.tokens_per_s / f.tokens_per_s for f, i in pairs]
+        # CPU time (one torch thread) is disturbed much less by a shared machine than wall time.
+        cpu_ratios = [i.tokens_per_cpu_s / f.tokens_per_cpu_s for f, i in pairs if f.cpu_seconds]
+        out[label] = {
+            "fp32_tokens_per_s": statistics.median(f.tokens_per_s for f, _ in pairs),
+            "int8_tokens_per_s": statistics.median(i.tokens_per_s for _, i in pairs),
+            "int8_speedup_median_of_rounds": statistics.median(ratios),
+            "int8_speedup_rounds": ratios,
+            "int8_speedup_cpu_time_median_of_rounds": statistics.median(cpu_ratios or [0.0]),
+        }
+    out["greedy_outputs_equal"] = sum(
+        a == b for a, b in zip(int8_outputs, fp32_outputs, strict=True)
+    )
+    out["requests"] = len(fp32_outputs)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a small workload (smoke test)")
@@ -300,6 +355,9 @@ def main() -> None:
         type=int,
         default=3,
         help="interleaved rounds of the batched phases; each reports its median (default 3)",
+    )
+    parser.add_argument(
+        "--c1-requests", type=int, default=8, help="requests of the concurrency-1 phases"
     )
     parser.add_argument("--out", type=Path, default=RESULTS / "llm_throughput.json")
     args = parser.parse_args()
@@ -335,6 +393,9 @@ def main() -> None:
         "hf_generate_batch",
         "engine_torch_attention",
         "engine",
+        "engine_int8",
+        "engine_c1",
+        "engine_int8_c1",
         "ttft",
     ]
     # Interleaved rounds: each phase once a round, so a slow spell of a shared machine hits
@@ -347,6 +408,8 @@ def main() -> None:
         if step not in args.skip and (r == 0 or step not in once)
     ]
     plain = make_engine(model_dir, config, native_decode=False)
+    int8 = make_engine(model_dir, config, quantization="int8")
+    c1_work = work[: 2 if args.quick else args.c1_requests]
     runs: dict[str, list[Phase]] = {}
     for step in tqdm(plan, desc="phases"):
         cpu_start = time.process_time()
@@ -361,6 +424,10 @@ def main() -> None:
         elif step == "engine":
             phase, engine_outputs, engine_waste = engine_throughput(engine, work)
             waste = waste or engine_waste
+        elif step == "engine_int8":
+            phase, int8_outputs, _ = engine_throughput(int8, work, step)
+        elif step in ("engine_c1", "engine_int8_c1"):
+            phase = engine_one_at_a_time(engine if step == "engine_c1" else int8, c1_work, step)
         else:
             prefix = prefix_ttft(engine, vocab, 512, 2 if args.quick else 5)
             continue
@@ -418,6 +485,8 @@ def main() -> None:
         "kv_cache": waste,
         "prefix_cache": prefix,
     }
+    if "engine_int8" in runs:
+        results["int8_vs_fp32"] = int8_ratios(runs, int8_outputs, engine_outputs)
     if hf_outputs is not None:
         results["engine_equals_hf_greedy"] = sum(
             a == b for a, b in zip(engine_outputs, hf_outputs, strict=True)
@@ -430,6 +499,7 @@ def main() -> None:
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     plot(results, args.out.with_suffix(".png"))
     keys = ("engine_speedup", "engine_speedup_cpu_time", "kv_cache", "prefix_cache")
+    keys += ("int8_vs_fp32",) if "int8_vs_fp32" in results else ()
     print(json.dumps({k: results[k] for k in keys}, indent=2))
 
 

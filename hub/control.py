@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 def build_registry(settings: HubSettings) -> Registry:
     """The registry the settings describe (SQL, MLflow, the artifact cache, the Hugging Face
     cache); does no I/O and runs no migration."""
+    from backends.llm.architectures import folder_problem
     from backends.runtime_config import parse_runtime_config
     from hub.manager.devices import Device
     from registry.cache import ArtifactCache
@@ -60,6 +61,7 @@ def build_registry(settings: HubSettings) -> Registry:
         allow_pickle=settings.allow_pickle,
         hf_cache_dir=settings.registry.hf_cache_dir,
         check_config=parse_runtime_config,
+        folder_check=folder_problem,
         trust_remote_code=settings.trust_remote_code,
         # A model whose config alone says it cannot fit the largest device is refused.
         max_model_bytes=max(

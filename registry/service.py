@@ -106,6 +106,7 @@ class Registry:
         check_config: ConfigCheck | None = None,
         trust_remote_code: bool = False,
         max_model_bytes: int | None = None,
+        folder_check: Callable[[Path, str], str | None] | None = None,
     ) -> None:
         self.db = db
         self.check_config = check_config
@@ -115,6 +116,9 @@ class Registry:
         self.trust_remote_code = trust_remote_code
         # The largest device budget: a config whose weights cannot fit it is refused.
         self.max_model_bytes = max_model_bytes
+        # The serving side's own refusal (an LLM architecture it cannot run): folder and kind
+        # in, a reason out (None: servable). Injected, as the registry imports no backend.
+        self.folder_check = folder_check
         self.traffic = TrafficBook(db)
         self.aliases = AliasBook(db, mlflow, self.traffic)
         self.canaries = CanaryBook(db, self.traffic)
@@ -175,6 +179,9 @@ class Registry:
         # What is stored: the defaults read from the model's files, then the caller's keys.
         runtime_config = {**inspected.runtime_defaults, **(config or {})}
         self._check_config(kind, runtime_config)
+        problem = self.folder_check(folder, kind) if self.folder_check is not None else None
+        if problem is not None:
+            raise InvalidSourceError(f"source {source} cannot be served: {problem}")
         with self.db.session() as s:
             existing = s.scalar(select(RegisteredModel).where(RegisteredModel.name == name))
             if existing is not None and existing.kind != kind:

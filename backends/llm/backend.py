@@ -4,9 +4,10 @@ The backend owns the tokenizer and one `AsyncLLMEngine` (model runner, KV cache,
 step thread). Requests come in as text or chat messages, become token ids here, and stream
 back as `RequestOutput` deltas; the hub's routes shape them into OpenAI responses.
 
-Memory: `predict_memory` is the weights (from safetensors headers, in the configured dtype)
-plus the KV-cache reservation (`kv_cache_bytes`, or `kv_cache_fraction` of the device
-budget) plus a small allowance for activations; `memory_bytes` measures parameters, buffers
+Memory: `predict_memory` is the weights (from safetensors headers, in the configured dtype,
+int8 where the runtime config asks `quantization: int8`) plus the KV-cache reservation
+(`kv_cache_bytes`, or `kv_cache_fraction` of the device budget) plus a small allowance for
+activations; `memory_bytes` measures parameters, buffers
 and the KV-cache tensors. `offload` parks the weights in one host buffer (backends.parking)
 and drops the KV cache; `restore` copies them back in one transfer and allocates an empty
 cache; `unload` frees the weights in place without waiting for the garbage collector.
@@ -31,6 +32,7 @@ from backends.llm.config import EngineConfig, kv_cache_reservation, llm_config
 from backends.llm.engine import LLMEngine, RequestOutput
 from backends.llm.metrics import EngineMetrics
 from backends.llm.model_runner import ModelRunner
+from backends.llm.quantization import quantized_bytes
 from backends.llm.sampling_params import SamplingParams
 from backends.loading import (
     module_bytes,
@@ -77,7 +79,10 @@ class LLMBackend(Backend):
         config = llm_config(runtime_config)
         files = require_safe_weights(artifact_dir)
         dtype = parse_dtype(config.dtype)
-        weights = tensor_bytes_from_headers(files, dtype)
+        quantized = config.quantization == "int8"
+        weights = tensor_bytes_from_headers(
+            files, dtype, size_of=quantized_bytes if quantized else None
+        )
         kv_cache = kv_cache_reservation(config, device_budget_bytes)
         return weights + kv_cache + _RUNTIME_OVERHEAD_BYTES
 
@@ -101,6 +106,7 @@ class LLMBackend(Backend):
             allow_pickle=ctx.allow_pickle,
             trust_remote_code=ctx.trust_remote_code,
             kernels=ctx.kernels,
+            quantization=self.config.quantization_method(),
         )
         self._metrics = EngineMetrics(ctx.metrics_registry, ctx.model, ctx.version)
         engine = LLMEngine(config, runner, tokenizer, self._metrics)

@@ -20,27 +20,15 @@ import torch
 
 from backends.errors import LoadError
 from backends.llm import attention, cpu_kernels
+from backends.llm.architectures import unsupported_reason
 from backends.llm.attention import NativeDecode, PagedAttentionMetadata, PrefillChunk
 from backends.llm.config import EngineConfig
+from backends.llm.quantization import quantize_model
 from backends.llm.sampler import Sampler, SamplerOutput
 from backends.llm.scheduler import ScheduledSequence, SchedulerOutput
 from backends.llm.sequence import Sequence
 
 log = logging.getLogger(__name__)
-
-# model_type -> what was verified: greedy output equal to transformers' generate.
-SUPPORTED_ARCHITECTURES: dict[str, str] = {
-    "llama": "Llama",
-    "mistral": "Mistral (sliding window)",
-    "qwen2": "Qwen2",
-    "qwen3": "Qwen3",
-    "phi3": "Phi-3",
-    "gemma2": "Gemma 2 (alternating sliding window, soft-capping)",
-}
-
-
-def supported_list() -> str:
-    return ", ".join(f"{k} ({v})" for k, v in SUPPORTED_ARCHITECTURES.items())
 
 
 def kv_shape(config: Any) -> tuple[int, int, int]:
@@ -108,7 +96,10 @@ class ModelRunner:
         batched_decode: bool | None = None,
         native_decode: bool | None = None,
         kernels: cpu_kernels.KernelSettings | None = None,
+        quantization: str | None = None,
     ) -> ModelRunner:
+        """The model in `artifact_dir` on `device`; `quantization` "int8" stores its linear
+        layers as int8 (`backends.llm.quantization`), None keeps the checkpoint's weights."""
         from transformers import AutoConfig
 
         from backends.loading import load_causal_lm
@@ -119,11 +110,9 @@ class ModelRunner:
             )
         except Exception as e:
             raise LoadError(f"cannot read the model config in {artifact_dir}: {e}") from e
-        if config.model_type not in SUPPORTED_ARCHITECTURES:
-            raise LoadError(
-                f"architecture {config.model_type!r} is not supported by the LLM engine; "
-                f"supported: {supported_list()}"
-            )
+        reason = unsupported_reason(config.to_dict())
+        if reason is not None:
+            raise LoadError(reason)
         attention.register()
         try:
             # Weights go straight from the safetensors files onto the device (no random init
@@ -139,6 +128,11 @@ class ModelRunner:
             raise
         except Exception as e:
             raise LoadError(f"cannot load the model in {artifact_dir}: {e}") from e
+        if quantization == "int8":
+            layers = quantize_model(model)
+            log.info("%s: %d linear layers quantized to int8", artifact_dir, layers)
+        elif quantization is not None:
+            raise LoadError(f"quantization {quantization!r} is not supported; use int8")
         return cls(
             model,
             engine_config,

@@ -1,5 +1,5 @@
 """Tiny models with random weights, built into a folder on the spot for tests, benchmarks and
-the demo: causal LLMs of six architectures, a benchmark-sized Llama, a sentence embedder and a
+the demo: causal LLMs of twelve architectures, a benchmark-sized Llama, a sentence embedder and a
 cross-encoder reranker, each with a tokenizer trained locally. Nothing is downloaded; weights
 are safetensors only and depend on the seed alone.
 """

@@ -25,19 +25,38 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     Gemma2Config,
+    Gemma3TextConfig,
     GenerationConfig,
+    GraniteConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
+    Olmo2Config,
     Phi3Config,
     PretrainedConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    Qwen2MoeConfig,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 from backends.tiny.tokenizer import build_tokenizer
 
-TINY_LLM_ARCHITECTURES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2")
+TINY_LLM_ARCHITECTURES: tuple[str, ...] = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "phi3",
+    "gemma2",
+    "gemma3_text",
+    "granite",
+    "olmo2",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+)
 
 INITIALIZER_RANGE = 0.2
 BENCHMARK_VOCAB_SIZE = 8192
@@ -53,7 +72,18 @@ _CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
     "qwen3": Qwen3Config,
     "phi3": Phi3Config,
     "gemma2": Gemma2Config,
+    "gemma3_text": Gemma3TextConfig,
+    "granite": GraniteConfig,
+    "olmo2": Olmo2Config,
+    "mixtral": MixtralConfig,
+    "qwen2_moe": Qwen2MoeConfig,
+    "qwen3_moe": Qwen3MoeConfig,
 }
+
+# Mixture-of-experts models: few experts, two picked per token, so that every expert gets
+# tokens in a short test and routing differs between tokens.
+_MOE_EXPERTS = 4
+_MOE_TOP_K = 2
 
 # Per-architecture settings on top of the shared ones, following each family's small
 # checkpoints: Qwen ties the output head to the embeddings, Llama, Mistral and Phi-3 do not.
@@ -75,6 +105,49 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
         "hidden_activation": "gelu_pytorch_tanh",
         "attn_logit_softcapping": 50.0,
         "final_logit_softcapping": 30.0,
+    },
+    # Gemma 3 interleaves local (sliding-window) and global layers with a rotary base each,
+    # the global one scaled (linear, factor 8, as the 4B+ checkpoints ship); no soft-capping
+    # but q/k norms. Untied for the reason Gemma2 is. The layer pattern is set per depth in
+    # `tiny_llm_config`: alternating, so a two-layer model has one of each. Its q/k norms damp
+    # attention, so weights drawn at 0.2 settle into repeating a token; 0.3 keeps it varied.
+    "gemma3_text": {
+        "tie_word_embeddings": False,
+        "initializer_range": 0.3,
+        "sliding_window": 4096,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+        },
+    },
+    # Granite scales embeddings, residuals, attention scores and logits by constants (those
+    # of granite-3.0-2b, with the attention multiplier at 1/head_dim as there).
+    "granite": {
+        "tie_word_embeddings": False,
+        "embedding_multiplier": 12.0,
+        "residual_multiplier": 0.22,
+        "logits_scaling": 8.0,
+    },
+    "olmo2": {"tie_word_embeddings": False},
+    "mixtral": {
+        "tie_word_embeddings": False,
+        "num_local_experts": _MOE_EXPERTS,
+        "num_experts_per_tok": _MOE_TOP_K,
+    },
+    # Qwen2-MoE adds a gated shared expert beside the routed ones; Qwen3-MoE has none.
+    "qwen2_moe": {
+        "tie_word_embeddings": False,
+        "use_sliding_window": False,
+        "num_experts": _MOE_EXPERTS,
+        "num_experts_per_tok": _MOE_TOP_K,
+    },
+    "qwen3_moe": {
+        "tie_word_embeddings": False,
+        "use_sliding_window": False,
+        "num_experts": _MOE_EXPERTS,
+        "num_experts_per_tok": _MOE_TOP_K,
+        "norm_topk_prob": True,
     },
 }
 
@@ -121,11 +194,22 @@ def tiny_llm_config(
         **ids,
         **_ARCH_DEFAULTS[arch],
     }
-    # Qwen3 and Gemma2 default head_dim to 128/256 rather than hidden_size // num_heads.
-    if arch in ("llama", "mistral", "qwen3", "gemma2"):
+    # Qwen3 and Gemma default head_dim to 128/256 rather than hidden_size // num_heads.
+    if arch in ("llama", "mistral", "qwen3", "gemma2", "gemma3_text", "mixtral"):
         kwargs["head_dim"] = head_dim
-    if arch == "gemma2":
+    if arch in ("gemma2", "gemma3_text"):
         kwargs["query_pre_attn_scalar"] = head_dim
+    if arch == "gemma3_text":
+        kwargs["layer_types"] = [
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)
+        ]
+    if arch == "granite":
+        kwargs["attention_multiplier"] = 1.0 / head_dim
+    if arch in ("qwen2_moe", "qwen3_moe"):
+        # Each expert as wide as the dense MLP would be; Qwen2-MoE's shared expert too.
+        kwargs["moe_intermediate_size"] = kwargs["intermediate_size"]
+        if arch == "qwen2_moe":
+            kwargs["shared_expert_intermediate_size"] = kwargs["intermediate_size"]
     if arch == "phi3":
         kwargs["original_max_position_embeddings"] = max_position_embeddings
     kwargs.update(config_overrides or {})

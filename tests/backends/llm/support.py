@@ -21,6 +21,8 @@ SLIDING_WINDOW = 16
 ARCH_OVERRIDES: dict[str, dict[str, Any]] = {
     "mistral": {"sliding_window": SLIDING_WINDOW},
     "gemma2": {"sliding_window": SLIDING_WINDOW},
+    "gemma3_text": {"sliding_window": SLIDING_WINDOW},
+    "mixtral": {"sliding_window": SLIDING_WINDOW},
 }
 # Token ids from here on are plain text for the tiny tokenizer (below are special tokens).
 FIRST_PLAIN_TOKEN = 7
@@ -36,13 +38,24 @@ def build_model(root: Path, arch: str) -> Path:
 
 
 def make_engine(
-    folder: Path, tokenizer: Any = None, *, batched_decode: bool | None = None, **config: Any
+    folder: Path,
+    tokenizer: Any = None,
+    *,
+    batched_decode: bool | None = None,
+    quantization: str | None = None,
+    **config: Any,
 ) -> LLMEngine:
     """An engine over `folder` on CPU in float32; `batched_decode` forces the accelerators'
-    one-call decode attention (None: the device's default)."""
+    one-call decode attention (None: the device's default); `quantization` "int8" stores the
+    linear layers as int8."""
     engine_config = EngineConfig(**config)
     runner = ModelRunner.load(
-        folder, "cpu", torch.float32, engine_config, batched_decode=batched_decode
+        folder,
+        "cpu",
+        torch.float32,
+        engine_config,
+        batched_decode=batched_decode,
+        quantization=quantization,
     )
     return LLMEngine(engine_config, runner, tokenizer)
 

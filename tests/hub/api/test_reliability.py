@@ -78,23 +78,23 @@ def test_unicode_digits_are_no_version_number(served: TestClient) -> None:
     assert r.status_code == 200 and r.headers["X-Hub-Model-Version"] == "1"
 
 
-def test_lone_surrogates_in_text_are_refused_naming_the_field(served: TestClient) -> None:
+def test_lone_surrogates_in_text_are_a_400_naming_the_body(served: TestClient) -> None:
+    # Every inference route parses its body with pydantic's JSON parser, which refuses the
+    # escape itself (400 naming the body and the column); the backends check too, for
+    # direct callers (tests/backends/test_text_input.py).
     cases = [
-        # The encoder routes parse with pydantic's JSON parser, which refuses the escape
-        # itself (400 naming the body); the backends check too, for direct callers.
         ("/v1/embeddings", '{"model": "emb", "input": "a\\ud800b"}', "body"),
         ("/v1/embeddings", '{"model": "emb", "input": ["ok", "\\udfff"]}', "body"),
-        ("/v1/completions", '{"model": "tiny", "prompt": "x\\ud83d", "max_tokens": 2}', "prompt"),
+        ("/v1/completions", '{"model": "tiny", "prompt": "x\\ud83d", "max_tokens": 2}', "body"),
         (
             "/v1/chat/completions",
             '{"model": "tiny", "max_tokens": 2, '
             '"messages": [{"role": "user", "content": "hi \\udc00"}]}',
-            "messages",
+            "body",
         ),
-        ("/models/tiny/generate", '{"prompt": "\\ud800", "max_tokens": 2}', "prompt"),
+        ("/models/tiny/generate", '{"prompt": "\\ud800", "max_tokens": 2}', "body"),
     ]
     for path, raw, param in cases:
-        # The route's JSON parser refuses the escape, or else the model does.
         _refused(_post_raw(served, path, raw), param)
     # A proper pair (an emoji written as two escapes) is fine.
     ok = _post_raw(served, "/v1/embeddings", '{"model": "emb", "input": "\\ud83d\\ude00"}')

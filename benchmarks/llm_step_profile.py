@@ -1,0 +1,112 @@
+"""Where a decode step's time goes: GEMM, attention, the rest of the forward, sampling, and
+everything else (scheduling, input preparation, detokenizing: Python).
+
+The benchmark Llama (~25M parameters, float32, or int8 with `--quantization int8`) decodes
+`--batch` sequences at once; after a warm-up, each part is timed over `--steps` decode steps
+with wall-clock wrappers around `nn.Linear` / `Int8Linear` forwards (GEMM), the paged
+attention function (attention), the sampler, the model's forward and the engine's step.
+Prints a JSON breakdown (milliseconds per step and fractions).
+
+    python benchmarks/llm_step_profile.py [--batch 64] [--steps 20] [--quantization int8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+from backends.llm import attention  # noqa: E402
+from backends.llm.config import EngineConfig  # noqa: E402
+from backends.llm.engine import LLMEngine  # noqa: E402
+from backends.llm.model_runner import ModelRunner  # noqa: E402
+from backends.llm.quantization import Int8Linear  # noqa: E402
+from backends.llm.sampling_params import SamplingParams  # noqa: E402
+from backends.tiny import build_benchmark_llm  # noqa: E402
+
+totals: dict[str, float] = defaultdict(float)
+
+
+def timed(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            totals[name] += time.perf_counter() - start
+
+    return wrapper
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--quantization", default=None)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--model-dir", type=Path)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model_dir = args.model_dir or Path(tempfile.mkdtemp(prefix="llm-profile-")) / "model"
+    if not (model_dir / "config.json").is_file():
+        build_benchmark_llm(model_dir)
+    config = EngineConfig(kv_cache_bytes=256 * 2**20, max_num_seqs=max(64, args.batch))
+    runner = ModelRunner.load(
+        model_dir, "cpu", torch.float32, config, quantization=args.quantization
+    )
+    engine = LLMEngine(config, runner, None)
+    params = SamplingParams(temperature=0.0, max_tokens=1024, ignore_eos=True)
+    for i in range(args.batch):
+        engine.add_request(str(i), [7 + (i * 13 + j) % 8000 for j in range(128)], params)
+    scheduler = engine.scheduler
+    while scheduler.waiting or any(s.num_computed_tokens < 128 for s in scheduler.running):
+        engine.step()  # prefill
+    for _ in range(3):
+        engine.step()  # warm-up decodes
+
+    torch.nn.Linear.forward = timed("gemm", torch.nn.Linear.forward)  # type: ignore[method-assign]
+    Int8Linear.forward = timed("gemm", Int8Linear.forward)  # type: ignore[method-assign]
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(
+        attention.ATTENTION_NAME, timed("attention", attention.paged_attention)
+    )
+    sampler_class = type(runner.sampler)
+    sampler_class.__call__ = timed("sampling", sampler_class.__call__)  # type: ignore[method-assign]
+    runner.model = timed("forward", runner.model)
+    step = timed("step", engine.step)
+    for _ in range(args.steps):
+        step()
+    per_step = {k: 1000 * v / args.steps for k, v in totals.items()}
+    forward_other = per_step["forward"] - per_step["gemm"] - per_step["attention"]
+    python = per_step["step"] - per_step["forward"] - per_step["sampling"]
+    parts = {
+        "gemm": per_step["gemm"],
+        "attention": per_step["attention"],
+        "forward_other (norms, rotary, activations, module calls)": forward_other,
+        "sampling": per_step["sampling"],
+        "engine_other (scheduling, inputs, detokenizing)": python,
+    }
+    result = {
+        "batch": args.batch,
+        "quantization": args.quantization or "none",
+        "ms_per_step": per_step["step"],
+        "ms": parts,
+        "fraction": {k: v / per_step["step"] for k, v in parts.items()},
+    }
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
