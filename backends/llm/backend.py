@@ -30,6 +30,7 @@ from backends.llm.engine import LLMEngine, RequestOutput
 from backends.llm.metrics import EngineMetrics
 from backends.llm.model_runner import ModelRunner
 from backends.llm.sampling_params import SamplingParams
+from backends.llm.structured.metrics import GrammarMetrics
 from backends.loading import (
     module_bytes,
     parse_dtype,
@@ -90,7 +91,8 @@ class LLMBackend(Backend):
             trust_remote_code=ctx.trust_remote_code,
         )
         self._metrics = EngineMetrics(ctx.metrics_registry, ctx.model, ctx.version)
-        engine = LLMEngine(config, runner, tokenizer, self._metrics)
+        grammar_metrics = GrammarMetrics(ctx.metrics_registry, ctx.model, ctx.version)
+        engine = LLMEngine(config, runner, tokenizer, self._metrics, grammar_metrics)
         self.tokenizer = tokenizer
         self._runner = runner
         self._engine = AsyncLLMEngine(engine, name=f"{ctx.model}@{ctx.version}")
@@ -145,6 +147,14 @@ class LLMBackend(Backend):
     def decode(self, token_ids: list[int]) -> str:
         text: str = self.tokenizer.decode(token_ids)
         return text
+
+    async def prepare(self, params: SamplingParams) -> None:
+        """Compile the request's grammar, if any, in a worker thread (cached per constraint),
+        so the event loop and the engine's step never wait on a compile. InputError (400)
+        names what the grammar library does not support."""
+        grammars = self._require().engine.grammars
+        if params.structured is not None and grammars is not None:
+            await asyncio.to_thread(grammars.compile, params.structured)
 
     def submit(
         self, prompt_token_ids: list[int], params: SamplingParams, *, priority: int = 0

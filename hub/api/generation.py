@@ -166,6 +166,7 @@ async def start_generation(
     try:
         assert isinstance(backend, LLMBackend)
         prompts, params = build(backend)
+        await backend.prepare(params)  # a grammar compiles off the event loop
         for prompt in prompts:
             streams.append(backend.submit(prompt, params, priority=priority))
     except BaseException as e:
