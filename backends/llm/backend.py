@@ -124,8 +124,13 @@ class LLMBackend(Backend):
         ids: list[int] = self.tokenizer.encode(text)
         return ids
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-        """The prompt the tokenizer's chat template makes of `messages`, ready to answer."""
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
+        """The prompt the tokenizer's chat template makes of `messages` (and `tools`, in
+        the template's own way of showing them), ready to answer."""
         self._require()
         if not getattr(self.tokenizer, "chat_template", None):
             raise InputError(
@@ -135,7 +140,7 @@ class LLMBackend(Backend):
             )
         try:
             text = self.tokenizer.apply_chat_template(
-                list(messages), tokenize=False, add_generation_prompt=True
+                list(messages), tools=tools, tokenize=False, add_generation_prompt=True
             )
         except Exception as e:  # the template raised (an unknown role, say)
             raise InputError(

@@ -17,22 +17,24 @@ if TYPE_CHECKING:
 
 StructuredKind = Literal["json", "json_object", "regex", "choice", "grammar"]
 
-# JSON whitespace between tokens: a few characters (room for pretty-printing at shallow
-# depth), not an unbounded run, so a weak model cannot spend max_tokens on blank lines.
-_JSON_OPTIONS: JsonCompileOptions = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,8}"}
+# JSON whitespace between tokens: one space, or a line break and an indent (pretty-printing
+# to a depth of eight), never a free run of blanks: a weak model could spend its max_tokens
+# on them, and a strong one writes nothing else.
+_JSON_OPTIONS: JsonCompileOptions = {"whitespace_pattern": r"(?:[ ]|\n[ ]{0,16})?"}
 
 
 @dataclass(frozen=True)
 class StructuredOutput:
-    """A constraint on generated text. `source`: a JSON schema (serialised with sorted keys),
-    a regex, a JSON list of choice strings, or a Lark grammar, by `kind`."""
+    """A constraint on generated text. `source`, by `kind`: a JSON schema (serialised
+    compactly with its keys in their given order, since properties are generated in schema
+    order), a regex, a JSON list of choice strings, or a Lark grammar."""
 
     kind: StructuredKind
     source: str = ""
 
     @classmethod
     def json_schema(cls, schema: dict[str, Any] | bool) -> StructuredOutput:
-        return cls("json", json.dumps(schema, sort_keys=True, separators=(",", ":")))
+        return cls("json", json.dumps(schema, separators=(",", ":")))
 
     @classmethod
     def json_object(cls) -> StructuredOutput:
