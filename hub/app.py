@@ -22,6 +22,7 @@ from hub.api import (
     rerank,
     webhooks,
 )
+from hub.api import responses as responses_api
 from hub.api import traffic as traffic_api
 from hub.api.errors import install_error_handlers
 from hub.settings import HubSettings
@@ -80,4 +81,5 @@ def create_app(settings: HubSettings, *, announce: bool = False) -> FastAPI:
     for module in (*routers, dashboard):
         app.include_router(module.router)
     app.include_router(traffic_api.router)
+    app.include_router(responses_api.router)
     return app
