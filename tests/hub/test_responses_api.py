@@ -37,6 +37,7 @@ def client(settings: HubSettings, tool_llm_dir: Path) -> Iterator[Any]:
         r = httpx.post(
             f"{url}/admin/registry/models",
             json={"name": "tiny", "kind": "llm", "source": str(tool_llm_dir)},
+            timeout=120,
         )
         assert r.status_code == 201, r.text
         yield openai_client(url)
