@@ -50,7 +50,6 @@ class MaskFiller:
 
     def __init__(self) -> None:
         self._pool: ThreadPoolExecutor | None = None
-        self._executor: Any = None
         self._pending: Future[torch.Tensor] | None = None
         self._pending_seqs: list[Any] | None = None
         # Off: fill in the sampler's own thread (the benchmark compares both).
@@ -95,16 +94,17 @@ class MaskFiller:
         logits[index] = logits[index].masked_fill(allowed == 0, float("-inf"))
 
     def _fill(self, seqs: list[Any]) -> torch.Tensor:
-        from llguidance import LLExecutor
-        from llguidance.torch import fill_next_token_bitmask_par
-
+        """One bitmask row per constrained sequence, one matcher after another: llguidance's
+        parallel executor (a rayon pool) measured 68 ms a step for 32 sequences on a busy
+        2-core machine against 3.9 ms serial; the overlap with the forward pass is what
+        hides this work."""
         guided = [(s.guide, i) for i, s in enumerate(seqs) if s.guide is not None]
         words = (guided[0][0].vocab_size + 31) // 32
         bitmask = torch.full((len(seqs), words), -1, dtype=torch.int32)
-        matchers = [(guide.matcher, i) for guide, i in guided]
-        if self._executor is None:
-            self._executor = LLExecutor()
-        fill_next_token_bitmask_par(self._executor, matchers, bitmask)
+        row_bytes = words * 4
+        base = bitmask.data_ptr()
+        for guide, i in guided:
+            guide.matcher.unsafe_compute_mask_ptr(base + i * row_bytes, row_bytes)
         return bitmask
 
     def close(self) -> None:
