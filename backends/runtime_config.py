@@ -203,6 +203,9 @@ class LLMConfig(RuntimeConfig):
     # Weight-only quantization applied at load (backends/llm/quantization.py); none: the
     # model's dtype.
     quantization: Literal["none", "int8"] | None = None
+    # How tool calls are found in the model's output with `tool_choice: auto`
+    # (hub/api/tool_parsers); None: chosen from the chat template.
+    tool_parser: Literal["hermes", "llama3_json", "mistral"] | None = None
 
     def quantization_method(self) -> str | None:
         """The quantization to apply at load ("int8"), or None."""

@@ -24,6 +24,7 @@ from hub.api import (
     rerank_shapes,
     webhooks,
 )
+from hub.api import responses as responses_api
 from hub.api import traffic as traffic_api
 from hub.api.errors import install_error_handlers
 from hub.api.limits import BodyLimitMiddleware
@@ -85,4 +86,5 @@ def create_app(settings: HubSettings, *, announce: bool = False) -> FastAPI:
         app.include_router(module.router)
     app.include_router(traffic_api.router)
     app.include_router(replicas.router)
+    app.include_router(responses_api.router)
     return app

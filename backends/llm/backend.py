@@ -34,6 +34,7 @@ from backends.llm.metrics import EngineMetrics
 from backends.llm.model_runner import ModelRunner
 from backends.llm.quantization import quantized_bytes
 from backends.llm.sampling_params import SamplingParams
+from backends.llm.structured.metrics import GrammarMetrics
 from backends.loading import (
     module_bytes,
     parse_dtype,
@@ -109,7 +110,8 @@ class LLMBackend(Backend):
             quantization=self.config.quantization_method(),
         )
         self._metrics = EngineMetrics(ctx.metrics_registry, ctx.model, ctx.version)
-        engine = LLMEngine(config, runner, tokenizer, self._metrics)
+        grammar_metrics = GrammarMetrics(ctx.metrics_registry, ctx.model, ctx.version)
+        engine = LLMEngine(config, runner, tokenizer, self._metrics, grammar_metrics)
         self.tokenizer = tokenizer
         self._runner = runner
         self._engine = AsyncLLMEngine(engine, name=f"{ctx.model}@{ctx.version}")
@@ -135,8 +137,13 @@ class LLMBackend(Backend):
         ids: list[int] = self.tokenizer.encode(text)
         return ids
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-        """The prompt the tokenizer's chat template makes of `messages`, ready to answer."""
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
+        """The prompt the tokenizer's chat template makes of `messages` (and `tools`, in
+        the template's own way of showing them), ready to answer."""
         self._require()
         if not getattr(self.tokenizer, "chat_template", None):
             raise InputError(
@@ -148,7 +155,7 @@ class LLMBackend(Backend):
             require_encodable(list(message.values()), "messages")
         try:
             text = self.tokenizer.apply_chat_template(
-                list(messages), tokenize=False, add_generation_prompt=True
+                list(messages), tools=tools, tokenize=False, add_generation_prompt=True
             )
         except Exception as e:  # the template raised (an unknown role, say)
             raise InputError(
@@ -157,7 +164,7 @@ class LLMBackend(Backend):
         ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False)
         return ids
 
-    async def prepare(self, build: Callable[[], T]) -> T:
+    async def tokenize(self, build: Callable[[], T]) -> T:
         """Run `build` (which tokenizes a request's prompts with `encode` / `encode_chat`) on
         this model's tokenizer thread and return its result; the event loop stays free."""
         pool = self._tokenize_pool
@@ -169,6 +176,14 @@ class LLMBackend(Backend):
     def decode(self, token_ids: list[int]) -> str:
         text: str = self.tokenizer.decode(token_ids)
         return text
+
+    async def compile_grammar(self, params: SamplingParams) -> None:
+        """Compile the request's grammar, if any, in a worker thread (cached per constraint),
+        so the event loop and the engine's step never wait on a compile. InputError (400)
+        names what the grammar library does not support."""
+        grammars = self._require().engine.grammars
+        if params.structured is not None and grammars is not None:
+            await asyncio.to_thread(grammars.compile, params.structured)
 
     def submit(
         self, prompt_token_ids: list[int], params: SamplingParams, *, priority: int = 0

@@ -29,6 +29,9 @@ from backends.llm.model_runner import ModelRunner
 from backends.llm.sampling_params import MAX_COUNT, SamplingParams
 from backends.llm.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
 from backends.llm.sequence import FinishReason, Logprob, Sequence
+from backends.llm.structured.compiler import GrammarCompiler
+from backends.llm.structured.guide import TokenGuide
+from backends.llm.structured.metrics import GrammarMetrics
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +95,7 @@ class LLMEngine:
         runner: ModelRunner,
         tokenizer: Any | None = None,
         metrics: EngineMetrics | None = None,
+        grammar_metrics: GrammarMetrics | None = None,
     ) -> None:
         self.config = config
         self.runner = runner
@@ -106,6 +110,14 @@ class LLMEngine:
         self._aborts: collections.deque[str] = collections.deque()
         self._aborted_early: set[str] = set()
         self._requests: dict[str, _Request] = {}
+        # Structured outputs need the tokenizer (a grammar speaks in text).
+        self.grammars = (
+            GrammarCompiler(
+                tokenizer, runner.vocab_size, runner.sampler.eos_token_ids, grammar_metrics
+            )
+            if tokenizer is not None
+            else None
+        )
         self.reset_cache()
 
     def reset_cache(self) -> None:
@@ -156,6 +168,14 @@ class LLMEngine:
             )
             for i in range(params.n)
         ]
+        if params.structured is not None:
+            if self.grammars is None:
+                raise InputError(
+                    "structured outputs need the model's tokenizer", param="response_format"
+                )
+            for seq in seqs:  # each sample walks the grammar on its own
+                matcher = self.grammars.matcher(params.structured)
+                seq.guide = TokenGuide(matcher, self.runner.vocab_size)
         detokenizers: list[IncrementalDetokenizer | None] = [
             IncrementalDetokenizer(
                 self.tokenizer,
@@ -248,6 +268,9 @@ class LLMEngine:
         except Exception as e:
             raise self._recover(output, e) from e
         updated = scheduler.update(output, sampled.token_ids)
+        for seq, _ in updated:
+            if seq.guide is not None and not seq.is_finished:
+                self._advance_guide(seq, seq.guide)
         now = time.monotonic()
         for item in output.scheduled:
             request = self._requests.get(item.seq.request_id)
@@ -291,6 +314,15 @@ class LLMEngine:
                 continue
             for seq in request.seqs:
                 self.scheduler.finish(seq, FinishReason.ABORT)
+
+    def _advance_guide(self, seq: Sequence, guide: TokenGuide) -> None:
+        """Feed the sampled token to the sequence's grammar; a complete grammar ends it."""
+        if not guide.accept(seq.token_ids[-1]):
+            # Only a bug lets a masked-out token through; end the sequence, not the engine.
+            log.error("request %s left its grammar: %s", seq.request_id, guide.error)
+            self.scheduler.finish(seq, FinishReason.STOP)
+        elif guide.is_done:
+            self.scheduler.finish(seq, FinishReason.STOP)
 
     def _emit(self, seq: Sequence, logprob: Logprob | None, now: float) -> RequestOutput:
         request = self._requests[seq.request_id]

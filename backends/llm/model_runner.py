@@ -170,6 +170,7 @@ class ModelRunner:
         if output.is_empty:
             return SamplerOutput([], [])
         inputs = self._prepare(output)
+        self.sampler.prepare(inputs.sampling_seqs)  # grammar masks fill during the forward
         logits = self.model(
             input_ids=inputs.input_ids,
             position_ids=inputs.positions,

@@ -1,12 +1,14 @@
 """Logits to tokens, one row per sequence that samples in the step.
 
 Order of work on a row: log-probabilities of the raw model distribution (what `logprobs`
-reports), then logit bias, the min_tokens ban on stop tokens, repetition / presence /
-frequency penalties; greedy rows take the argmax, the others are divided by their
-temperature, cut by top-k, top-p and min-p, and sampled. Sampling uses the exponential race
-(`argmax(p / E)`, E ~ Exp(1)), which draws exactly `vocab` numbers per token: a seeded
-sequence owns a generator that advances the same way whatever else is in the batch, so the
-same seed gives the same text in any batch. A batch of plain greedy rows costs one argmax.
+reports), then the grammar mask of a structured request (disallowed tokens to -inf; the mask
+is filled while the model runs, see `prepare`), then logit bias, the min_tokens ban on stop
+tokens, repetition / presence / frequency penalties; greedy rows take the argmax, the others
+are divided by their temperature, cut by top-k, top-p and min-p, and sampled. Sampling uses
+the exponential race (`argmax(p / E)`, E ~ Exp(1)), which draws exactly `vocab` numbers per
+token: a seeded sequence owns a generator that advances the same way whatever else is in the
+batch, so the same seed gives the same text in any batch (a grammar mask changes which
+tokens can win, never the draws). A batch of plain greedy rows costs one argmax.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 
 from backends.llm.sampling_params import SamplingParams
 from backends.llm.sequence import Logprob, Sequence
+from backends.llm.structured.guide import MaskFiller
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,12 @@ class Sampler:
     def __init__(self, stop_token_ids: Iterable[int]) -> None:
         self.eos_token_ids = sorted(set(stop_token_ids))
         self._generators: dict[int, torch.Generator] = {}
+        self.masks = MaskFiller()
+
+    def prepare(self, seqs: list[Sequence]) -> None:
+        """Called before the forward pass of the step that will sample `seqs`: starts
+        filling the grammar masks of constrained rows so they are ready with the logits."""
+        self.masks.start(seqs)
 
     def forget(self, seq_ids: Iterable[int]) -> None:
         for seq_id in seq_ids:
@@ -43,6 +52,7 @@ class Sampler:
         logits = logits.float()
         want_logprobs = [s.params.logprobs is not None for s in seqs]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+        self.masks.apply(logits, seqs)
         if all(self._is_plain_greedy(s) for s in seqs):
             tokens = logits.argmax(dim=-1)
         else:
@@ -60,6 +70,7 @@ class Sampler:
         return (
             p.greedy
             and not p.logit_bias
+            and seq.guide is None
             and not p.needs_penalties
             and seq.num_output_tokens >= p.min_tokens
         )

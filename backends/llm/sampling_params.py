@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 from backends.errors import InputError
+from backends.llm.structured.spec import StructuredOutput
 
 # Below this a temperature means greedy decoding (argmax), as in OpenAI's API.
 GREEDY_EPSILON = 1e-5
@@ -46,6 +47,8 @@ class SamplingParams:
     # None: no log-probabilities; k: the sampled token's plus the k most likely ones.
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # A grammar the output must follow (JSON schema, regex, choice, Lark); None: free text.
+    structured: StructuredOutput | None = None
 
     @property
     def greedy(self) -> bool:

@@ -13,8 +13,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from backends.llm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from backends.llm.structured.guide import TokenGuide
 
 # The parent hash of a sequence's first block.
 ROOT_HASH = 0
@@ -54,6 +58,7 @@ class Sequence:
         "block_ids",
         "block_size",
         "finish_reason",
+        "guide",
         "index",
         "max_tokens",
         "num_cached_tokens",
@@ -103,6 +108,9 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         # The stop token id or stop string that ended the sequence, if one did.
         self.stop_reason: int | str | None = None
+        # The grammar state of a structured request; it follows `token_ids`, so preemption
+        # (which keeps the tokens and recomputes their KV) leaves it as it is.
+        self.guide: TokenGuide | None = None
         self._hash_full_blocks()
 
     @property

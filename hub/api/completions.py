@@ -47,6 +47,7 @@ from hub.api.openai_schemas import (
     Usage,
 )
 from hub.api.serving import VERSION_HEADER, Serving
+from hub.api.tools import ToolPlan, ToolStream, apply_plan, chat_tool_plan, message_parts
 from hub.errors import BadRequest
 from hub.routing import Route
 
@@ -199,20 +200,29 @@ async def create_chat_completion(
     if body.top_logprobs is not None and not body.logprobs:
         raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    plans: list[ToolPlan] = []  # decided in build, where the backend is known
 
     def build(backend: LLMBackend) -> tuple[list[list[int]], SamplingParams]:
-        prompt = backend.encode_chat([m.as_template_input() for m in body.messages])
+        plan = chat_tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls, backend)
+        plans.append(plan)
+        messages = [m.as_template_input() for m in body.messages]
+        prompt = backend.encode_chat(messages, tools=plan.template_tools)
         max_tokens = body.max_completion_tokens or body.max_tokens
-        return [prompt], body.sampling_params(max_tokens=max_tokens, logprobs=logprobs)
+        params = body.sampling_params(max_tokens=max_tokens, logprobs=logprobs)
+        return [prompt], apply_plan(params, plan)
 
     gen = await start_generation(
         serving, route, "chat", build, priority=body.priority, keep_alive=body.keep_alive
     )
+    plan, parallel = plans[0], body.parallel_tool_calls
     if body.stream:
-        return _sse(gen, _chat_events(gen, logprobs is not None, body.stream_options))
+        return _sse(
+            gen, _chat_events(gen, logprobs is not None, body.stream_options, plan, parallel)
+        )
     async with gen:
         choices = await gen.collect()
     response.headers[VERSION_HEADER] = route.label
+    answers = [message_parts(plan, c.text, c.finish_reason, parallel) for c in choices]
     return ChatCompletionPublic(
         id=f"chatcmpl-{gen.id}",
         created=gen.created,
@@ -220,19 +230,23 @@ async def create_chat_completion(
         choices=[
             ChatChoice(
                 index=c.index,
-                message=AssistantMessage(content=c.text),
+                message=AssistantMessage(content=content, tool_calls=calls),
                 logprobs=_chat_logprobs(gen.backend, c.logprobs) if logprobs is not None else None,
-                finish_reason=c.finish_reason,
+                finish_reason=finish,
                 stop_reason=c.stop_reason,
             )
-            for c in choices
+            for c, (content, calls, finish) in zip(choices, answers, strict=True)
         ],
         usage=_usage(gen),
     )
 
 
 async def _chat_events(
-    gen: Generation, with_logprobs: bool, stream_options: StreamOptions | None
+    gen: Generation,
+    with_logprobs: bool,
+    stream_options: StreamOptions | None,
+    plan: ToolPlan | None = None,
+    parallel: bool = True,
 ) -> AsyncIterator[str]:
     head: dict[str, Any] = {
         "id": f"chatcmpl-{gen.id}",
@@ -244,14 +258,25 @@ async def _chat_events(
     if include_usage:
         head["usage"] = None
     started: set[int] = set()
+    tool_streams: dict[int, ToolStream] = {}
     async for index, out in gen.deltas():
         delta: dict[str, Any] = {}
         if index not in started:
             started.add(index)
             delta["role"] = "assistant"
-        if out.text:
-            delta["content"] = out.text
         finish = out.finish_reason.value if out.finish_reason else None
+        if plan is not None and plan.active:
+            # Tool calls: content and call deltas as the ToolStream releases them, one chunk
+            # each; the finishing chunk names tool_calls if any call went out.
+            tools = tool_streams.setdefault(index, ToolStream(plan, parallel))
+            for part in tools.push(out.text, finish is not None):
+                chunk = {"index": index, "delta": {**delta, **part}, "finish_reason": None}
+                delta = {}
+                yield _event({**head, "choices": [{**chunk, "logprobs": None}]})
+            if finish == "stop" and tools.calls:
+                finish = "tool_calls"
+        elif out.text:
+            delta["content"] = out.text
         if not delta and finish is None and not with_logprobs:
             continue
         choice: dict[str, Any] = {

@@ -164,8 +164,10 @@ async def start_generation(
     backend = req.backend
     streams: list[RequestStream] = []
     try:
-        # Tokenizing runs on the model's tokenizer thread, off the event loop.
-        prompts, params = await backend.prepare(lambda: build(backend))
+        # Tokenizing runs on the model's tokenizer thread, off the event loop; so does a
+        # grammar's compile.
+        prompts, params = await backend.tokenize(lambda: build(backend))
+        await backend.compile_grammar(params)
         for prompt in prompts:
             streams.append(backend.submit(prompt, params, priority=priority))
     except BaseException as e:

@@ -11,17 +11,27 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+)
 
 from backends.llm.sampling_params import MAX_COUNT, SamplingParams
 from hub.api.openai_ignored import IgnoredChatFields, StreamOptions
 from hub.api.serving import KeepAlive
+from hub.api.structured import StructuredFields
+from hub.api.tool_schemas import ToolCall, ToolChoice, ToolDef
 
 TokenIds = list[Annotated[int, Field(ge=0, le=MAX_COUNT)]]
 
 
-class SamplingFields(BaseModel):
-    """Sampling and stopping settings shared by every generation body."""
+class SamplingFields(StructuredFields):
+    """Sampling and stopping settings shared by every generation body (and the output
+    constraints of `StructuredFields`)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -90,6 +100,7 @@ class SamplingFields(BaseModel):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            structured=self.structured_output(),
         )
 
 
@@ -150,6 +161,9 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    # ---- tool calls: an assistant turn's calls, a tool turn's answer to one ----
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     def as_template_input(self) -> dict[str, Any]:
         content = self.content
@@ -157,7 +171,14 @@ class ChatMessage(BaseModel):
             content = "".join(part.text for part in content)
         # Templates know "system"; OpenAI's newer "developer" role means the same.
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or ""}
+        message: dict[str, Any] = {"role": role, "content": content or ""}
+        if self.tool_calls:
+            message["tool_calls"] = [c.as_template_input() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None and self.role == "tool":
+            message["name"] = self.name
+        return message
 
 
 class ChatCompletionCreate(SamplingFields, IgnoredChatFields):
@@ -166,6 +187,10 @@ class ChatCompletionCreate(SamplingFields, IgnoredChatFields):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    # ---- tools (hub.api.tools) ----
+    tools: list[ToolDef] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 class TopLogprob(BaseModel):
@@ -184,14 +209,23 @@ class ChoiceLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_empty_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # OpenAI leaves tool_calls out of a message that calls nothing.
+        data: dict[str, Any] = handler(self)
+        if data.get("tool_calls") is None:
+            data.pop("tool_calls", None)
+        return data
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChoiceLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None = None
     stop_reason: int | str | None = None
 
 

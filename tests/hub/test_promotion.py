@@ -198,8 +198,15 @@ def test_alias_moved_in_mlflow_is_followed_within_a_poll(
         ]
     )
     assert not np.allclose(first, second)  # really another model's output
-    latest = client.get("/admin/registry/events").json()[0]
-    assert (latest["action"], latest["actor"], latest["version"]) == ("sync", "reconciler", 2)
+    # The pass that notices the drift records it; if the move landed between that pass's
+    # drift check and its catalog refresh, the new version is served first and the next pass
+    # records the event.
+    while True:
+        latest = client.get("/admin/registry/events").json()[0]
+        if (latest["action"], latest["actor"], latest["version"]) == ("sync", "reconciler", 2):
+            break
+        assert hub.reconciler.rounds - rounds_at_move <= 3, f"drift never recorded: {latest}"
+        time.sleep(0.05)
 
 
 def test_an_llm_with_corrupt_weights_fails_its_gate(
