@@ -5,9 +5,14 @@ from __future__ import annotations
 
 import datetime as dt
 
+import pytest
+
 from hub.traffic.canary_analysis import judge_step
 from hub.traffic.stats import Sample
 from registry.views import CanaryView
+
+# No torch, FastAPI or SQLAlchemy: also run in a bare environment (make test-pure).
+pytestmark = pytest.mark.pure
 
 
 def canary(**overrides: object) -> CanaryView:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from hub.traffic.significance import (
     INSUFFICIENT,
     mann_whitney,
@@ -11,6 +13,9 @@ from hub.traffic.significance import (
     sample_ratio,
     two_proportions,
 )
+
+# No torch, FastAPI or SQLAlchemy: also run in a bare environment (make test-pure).
+pytestmark = pytest.mark.pure
 
 
 def test_sample_ratio_passes_a_fair_split_and_flags_a_skewed_one() -> None:
