@@ -35,6 +35,7 @@ class QueueTimeAdmission:
         *,
         name: str,
         workers: int = 1,
+        unit: str = "inputs",
         min_retry_after_s: float = 1.0,
         alpha: float = EWMA_ALPHA,
     ) -> None:
@@ -45,6 +46,7 @@ class QueueTimeAdmission:
         self.max_queue_time_s = max_queue_time_s
         self.name = name
         self.workers = max(1, workers)
+        self.unit = unit  # what the queue holds, for messages: "inputs", "sequences"
         self.min_retry_after_s = min_retry_after_s
         self._alpha = alpha
         self._seconds_per_input: float | None = None
@@ -57,7 +59,7 @@ class QueueTimeAdmission:
         return self._seconds_per_input / self.workers
 
     def observe(self, inputs: int, busy_s: float) -> None:
-        """One forward pass served `inputs` in `busy_s` seconds."""
+        """`inputs` left the queue in `busy_s` seconds (one forward pass served them)."""
         if inputs < 1 or not math.isfinite(busy_s) or busy_s < 0:
             return
         sample = busy_s / inputs
@@ -83,8 +85,9 @@ class QueueTimeAdmission:
         rate = 1 / per_input if per_input > 0 else float("inf")
         retry_after = max(self.min_retry_after_s, math.ceil(wait - bound))
         raise CapacityError(
-            f"{self.name} is overloaded: {ahead} inputs wait ahead of this request "
-            f"({size} inputs), an estimated {wait:.2f}s at the measured {rate:.0f} inputs/s, "
+            f"{self.name} is overloaded: {ahead} {self.unit} wait ahead of this request "
+            f"({size} {self.unit}), an estimated {wait:.2f}s at the measured {rate:.0f} "
+            f"{self.unit}/s, "
             f"more than its max_queue_time_ms ({bound * 1000:g}); retry after "
             f"{retry_after:g}s or send fewer concurrent requests",
             retry_after=retry_after,

@@ -50,8 +50,9 @@ class _Collectors:
         )  # fmt: skip
         self.shed = Counter(
             "hub_requests_shed_total",
-            "Requests refused with 503 before queueing: queue_full (max_queue inputs wait) or "
-            "queue_time (the estimated wait exceeds max_queue_time_ms)",
+            "Requests refused with 503 before queueing: queue_full (max_queue inputs or "
+            "max_waiting sequences wait) or queue_time (the estimated wait exceeds "
+            "max_queue_time_ms)",
             [*labels, "reason"], registry=registry,
         )  # fmt: skip
         self.queued_inputs = Gauge(
@@ -73,10 +74,7 @@ class BatchMetrics:
     """The batching metrics of one model version; safe to call from any thread."""
 
     def __init__(self, registry: CollectorRegistry, model: str, version: str) -> None:
-        with _guard:
-            collectors = _by_registry.get(registry)
-            if collectors is None:
-                collectors = _by_registry[registry] = _Collectors(registry)
+        collectors = _collectors(registry)
         labels = (model, version)
         self._size = collectors.batch_size.labels(*labels)
         self._tokens = collectors.batch_tokens.labels(*labels)
@@ -85,7 +83,7 @@ class BatchMetrics:
         self._queue = collectors.queue_seconds.labels(*labels)
         self._request = collectors.request_seconds.labels(*labels)
         self._queued = collectors.queued_inputs.labels(*labels)
-        self._shed = {reason: collectors.shed.labels(*labels, reason) for reason in SHED_REASONS}
+        self._shed = ShedMetrics(registry, model, version)
 
     def observe_batch(
         self, lengths: Sequence[int], forward_s: float, queued: int, *, unpadded: bool = False
@@ -105,4 +103,24 @@ class BatchMetrics:
 
     def observe_shed(self, reason: str) -> None:
         """A request was refused before queueing, for `reason` (one of SHED_REASONS)."""
-        self._shed[reason].inc()
+        self._shed.observe(reason)
+
+
+def _collectors(registry: CollectorRegistry) -> _Collectors:
+    with _guard:
+        collectors = _by_registry.get(registry)
+        if collectors is None:
+            collectors = _by_registry[registry] = _Collectors(registry)
+        return collectors
+
+
+class ShedMetrics:
+    """`hub_requests_shed_total` of one model version, for any kind (the LLM engine too)."""
+
+    def __init__(self, registry: CollectorRegistry, model: str, version: str) -> None:
+        shed = _collectors(registry).shed
+        self._by_reason = {reason: shed.labels(model, version, reason) for reason in SHED_REASONS}
+
+    def observe(self, reason: str) -> None:
+        """A request was refused before queueing, for `reason` (one of SHED_REASONS)."""
+        self._by_reason[reason].inc()

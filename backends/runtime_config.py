@@ -201,6 +201,10 @@ class LLMConfig(RuntimeConfig):
     default_max_tokens: Count = 256
     max_logprobs: Count = 20
     max_waiting: Count = 1024
+    # Longest a new request may be estimated to wait before its sequences start (sequences
+    # waiting ahead x the measured seconds between admissions); beyond it 503 + Retry-After
+    # at once. None: no bound, only `max_waiting`.
+    max_queue_time_ms: Milliseconds | None = None
     priority_aging_steps: Count = 256
     # The model's context length, recorded from its config.json at registration, for reading.
     context_length: Count | None = None
