@@ -22,6 +22,8 @@ class BatchLimits:
     batch_wait_s: float = _CONFIG.batch_wait_ms / 1000
     # Inputs allowed to wait for a forward pass; more get CapacityError (HTTP 503).
     max_queue: int = _CONFIG.max_queue
+    # Longest estimated wait for a forward pass a request is admitted with; None: no bound.
+    max_queue_time_s: float | None = None
     # Seconds suggested to callers refused for capacity.
     retry_after_s: float = 1.0
     # Forward threads taking batches from the pool, each running its own batch.
@@ -44,6 +46,9 @@ class BatchLimits:
             max_batch_size=config.max_batch_size,
             batch_wait_s=config.batch_wait_ms / 1000,
             max_queue=config.max_queue,
+            max_queue_time_s=(
+                None if config.max_queue_time_ms is None else config.max_queue_time_ms / 1000
+            ),
             forward_workers=config.forward_workers or default.forward_workers,
             batch_overhead_tokens=(
                 default.batch_overhead_tokens

@@ -11,7 +11,7 @@ import threading
 import weakref
 from collections.abc import Sequence
 
-from prometheus_client import CollectorRegistry, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _TOKEN_BUCKETS = (16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
@@ -48,11 +48,21 @@ class _Collectors:
             "forward)",
             labels, buckets=_SECONDS_BUCKETS, registry=registry,
         )  # fmt: skip
+        self.shed = Counter(
+            "hub_requests_shed_total",
+            "Requests refused with 503 before queueing: queue_full (max_queue inputs or "
+            "max_waiting sequences wait) or queue_time (the estimated wait exceeds "
+            "max_queue_time_ms)",
+            [*labels, "reason"], registry=registry,
+        )  # fmt: skip
         self.queued_inputs = Gauge(
             "hub_batch_queued_inputs", "Inputs waiting for a forward pass", labels,
             registry=registry,
         )  # fmt: skip
 
+
+# Why a request was shed: the queue was full, or its estimated wait was too long.
+SHED_REASONS = ("queue_full", "queue_time")
 
 _by_registry: weakref.WeakKeyDictionary[CollectorRegistry, _Collectors] = (
     weakref.WeakKeyDictionary()
@@ -64,10 +74,7 @@ class BatchMetrics:
     """The batching metrics of one model version; safe to call from any thread."""
 
     def __init__(self, registry: CollectorRegistry, model: str, version: str) -> None:
-        with _guard:
-            collectors = _by_registry.get(registry)
-            if collectors is None:
-                collectors = _by_registry[registry] = _Collectors(registry)
+        collectors = _collectors(registry)
         labels = (model, version)
         self._size = collectors.batch_size.labels(*labels)
         self._tokens = collectors.batch_tokens.labels(*labels)
@@ -76,6 +83,7 @@ class BatchMetrics:
         self._queue = collectors.queue_seconds.labels(*labels)
         self._request = collectors.request_seconds.labels(*labels)
         self._queued = collectors.queued_inputs.labels(*labels)
+        self._shed = ShedMetrics(registry, model, version)
 
     def observe_batch(
         self, lengths: Sequence[int], forward_s: float, queued: int, *, unpadded: bool = False
@@ -92,3 +100,27 @@ class BatchMetrics:
         """A request finished: `queue_s` until its first batch started, `latency_s` in all."""
         self._queue.observe(queue_s)
         self._request.observe(latency_s)
+
+    def observe_shed(self, reason: str) -> None:
+        """A request was refused before queueing, for `reason` (one of SHED_REASONS)."""
+        self._shed.observe(reason)
+
+
+def _collectors(registry: CollectorRegistry) -> _Collectors:
+    with _guard:
+        collectors = _by_registry.get(registry)
+        if collectors is None:
+            collectors = _by_registry[registry] = _Collectors(registry)
+        return collectors
+
+
+class ShedMetrics:
+    """`hub_requests_shed_total` of one model version, for any kind (the LLM engine too)."""
+
+    def __init__(self, registry: CollectorRegistry, model: str, version: str) -> None:
+        shed = _collectors(registry).shed
+        self._by_reason = {reason: shed.labels(model, version, reason) for reason in SHED_REASONS}
+
+    def observe(self, reason: str) -> None:
+        """A request was refused before queueing, for `reason` (one of SHED_REASONS)."""
+        self._by_reason[reason].inc()

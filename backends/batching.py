@@ -27,9 +27,11 @@ requests gets full batches, a lone client pays no wait. With several forward thr
 (`forward_workers`) each runs its own batch.
 
 Capacity. At most `max_queue` inputs wait (not yet in a forward pass); beyond that `submit`
-raises `CapacityError`. A cancelled `submit` (the client went away) drops its inputs that have
-not run yet. Results resolve on the submitting event loop via `call_soon_threadsafe`, once per
-batch and loop.
+raises `CapacityError`. With `max_queue_time_s` set, a request whose estimated wait (the inputs
+ahead of it times the measured seconds per input, `backends.admission`) exceeds it is refused
+the same way at once, so that a burst is shed rather than absorbed. A cancelled `submit` (the
+client went away) drops its inputs that have not run yet. Results resolve on the submitting
+event loop via `call_soon_threadsafe`, once per batch and loop.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, Protocol, TypeVar
 
+from backends.admission import QueueTimeAdmission
 from backends.batch_limits import BatchLimits
 from backends.batch_metrics import BatchMetrics
 from backends.errors import BackendClosedError, CapacityError, InputError
@@ -145,6 +148,13 @@ class DynamicBatcher(Generic[P, I, R]):
         self._last_batch_size = 1
         self._seq = itertools.count()
         self._closed = False
+        # Measures the service rate from every pass; refuses only with max_queue_time_s set.
+        self.admission = QueueTimeAdmission(
+            limits.max_queue_time_s,
+            name=name,
+            workers=limits.forward_workers,
+            min_retry_after_s=limits.retry_after_s,
+        )
         self._threads = [
             threading.Thread(target=self._tokenize_loop, name=f"{name} tokenize", daemon=True),
         ]
@@ -176,11 +186,17 @@ class DynamicBatcher(Generic[P, I, R]):
             if self._closed:
                 raise BackendClosedError(f"{self.name} is shut down")
             if self._queued + size > self.limits.max_queue:
+                self._shed("queue_full")
                 raise CapacityError(
                     f"{self.name}: {self._queued} inputs already wait and this request adds "
                     f"{size} (max_queue {self.limits.max_queue}); retry later",
                     retry_after=self.limits.retry_after_s,
                 )
+            try:
+                self.admission.check(self._queued, size)
+            except CapacityError:
+                self._shed("queue_time")
+                raise
             self._queued += size
             self._incoming.append(request)
             self._arrived.notify()
@@ -189,6 +205,10 @@ class DynamicBatcher(Generic[P, I, R]):
         except asyncio.CancelledError:
             self._cancel(request)
             raise
+
+    def _shed(self, reason: str) -> None:
+        if self._metrics is not None:
+            self._metrics.observe_shed(reason)
 
     def close(self) -> None:
         """Stop both threads; requests not finished fail with BackendClosedError. Idempotent."""
@@ -354,6 +374,9 @@ class DynamicBatcher(Generic[P, I, R]):
             log.exception("%s: forward pass over %d inputs failed", self.name, len(batch))
             self._fail_requests({id(s.request): s.request for s in batch}.values(), e)
             return
+        end = time.perf_counter()
+        with self._lock:
+            self.admission.observe(len(batch), end - start)
         done: list[tuple[_Request[P, R], list[R] | BaseException]] = []
         for slot, result in zip(batch, results, strict=True):
             request = slot.request
@@ -364,7 +387,6 @@ class DynamicBatcher(Generic[P, I, R]):
             if request.missing == 0:
                 done.append((request, request.results))  # type: ignore[arg-type]  # all set
         if self._metrics is not None:
-            end = time.perf_counter()
             lengths = [s.item.length for s in batch]
             self._metrics.observe_batch(
                 lengths, end - start, self._queued, unpadded=self.limits.unpadded

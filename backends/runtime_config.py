@@ -138,6 +138,10 @@ class EncoderConfig(RuntimeConfig):
     batch_wait_ms: Milliseconds = 2.0
     # Inputs waiting for a forward pass; beyond it 503 + Retry-After.
     max_queue: Count = 4096
+    # Longest a request may be estimated to wait for a forward pass (inputs ahead x the
+    # measured seconds per input); a request that would wait longer gets 503 + Retry-After at
+    # once (backends/admission.py). None: no bound, only `max_queue`.
+    max_queue_time_ms: Milliseconds | None = None
     # The fixed cost of one pass in padded tokens; None: by device (small on a CPU).
     batch_overhead_tokens: NonNegative | None = None
     # Forward passes in parallel and torch threads each; None: by device.
@@ -197,6 +201,10 @@ class LLMConfig(RuntimeConfig):
     default_max_tokens: Count = 256
     max_logprobs: Count = 20
     max_waiting: Count = 1024
+    # Longest a new request may be estimated to wait before its sequences start (sequences
+    # waiting ahead x the measured seconds between admissions); beyond it 503 + Retry-After
+    # at once. None: no bound, only `max_waiting`.
+    max_queue_time_ms: Milliseconds | None = None
     priority_aging_steps: Count = 256
     # The model's context length, recorded from its config.json at registration, for reading.
     context_length: Count | None = None

@@ -19,6 +19,7 @@ read by the loader; `keep_alive`, `pin`, `device`, read by the hub) are left to 
 | `default_max_tokens` | 256 | `max_tokens` of a request that sets none (capped by the context) |
 | `max_logprobs` | 20 | largest `logprobs` / `top_logprobs` accepted |
 | `max_waiting` | 1024 | requests queued before new ones are refused with "retry later" |
+| `max_queue_time_ms` | none | longest estimated wait before a request starts; then 503 |
 | `priority_aging_steps` | 256 | a waiting request gains one priority level per this many steps |
 """
 
@@ -74,6 +75,7 @@ class EngineConfig:
     default_max_tokens: int = _CONFIG.default_max_tokens
     max_logprobs: int = _CONFIG.max_logprobs
     max_waiting: int = _CONFIG.max_waiting
+    max_queue_time_s: float | None = None
     priority_aging_steps: int = _CONFIG.priority_aging_steps
 
     @classmethod
@@ -95,5 +97,8 @@ class EngineConfig:
             default_max_tokens=config.default_max_tokens,
             max_logprobs=config.max_logprobs,
             max_waiting=config.max_waiting,
+            max_queue_time_s=(
+                None if config.max_queue_time_ms is None else config.max_queue_time_ms / 1000
+            ),
             priority_aging_steps=config.priority_aging_steps,
         )

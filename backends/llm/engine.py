@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from backends.admission import QueueTimeAdmission
 from backends.errors import CapacityError, InputError
 from backends.llm.config import EngineConfig
 from backends.llm.detokenizer import IncrementalDetokenizer
@@ -110,6 +111,12 @@ class LLMEngine:
         self._aborts: collections.deque[str] = collections.deque()
         self._aborted_early: set[str] = set()
         self._requests: dict[str, _Request] = {}
+        # Sequences leave the waiting queue at a rate measured over the steps during which
+        # some waited (`_queued_s` accumulates those steps until one admits a sequence).
+        self.admission = QueueTimeAdmission(
+            config.max_queue_time_s, name="this LLM", unit="sequences"
+        )
+        self._queued_s = 0.0
         # Structured outputs need the tokenizer (a grammar speaks in text).
         self.grammars = (
             GrammarCompiler(
@@ -152,9 +159,16 @@ class LLMEngine:
             )
         max_tokens = self.check_request(prompt_token_ids, params)
         if len(self._incoming) + self.scheduler.num_unfinished >= self.config.max_waiting:
+            self.metrics.observe_shed("queue_full")
             raise CapacityError(
                 f"{self.config.max_waiting} sequences are already queued or running; retry later"
             )
+        ahead = sum(len(r.seqs) for r in list(self._incoming)) + len(self.scheduler.waiting)
+        try:
+            self.admission.check(ahead, params.n)
+        except CapacityError:
+            self.metrics.observe_shed("queue_time")
+            raise
         seqs = [
             Sequence(
                 next(self._seq_ids),
@@ -261,6 +275,7 @@ class LLMEngine:
         self._apply_incoming()
         scheduler = self.scheduler
         queries, hits = self.kv_cache.prefix_queries, self.kv_cache.prefix_hits
+        started, waited = time.monotonic(), len(scheduler.waiting)
         output = scheduler.schedule()
         scheduled_at = time.monotonic()
         try:
@@ -278,6 +293,12 @@ class LLMEngine:
                 request.scheduled_time = scheduled_at
                 self.metrics.observe_latency("queue", scheduled_at - request.arrival_time)
         outputs = [self._emit(seq, sampled.logprobs[row], now) for seq, row in updated]
+        if waited:
+            self._queued_s += now - started
+            admitted = waited - len(scheduler.waiting)  # preempted ones count against it
+            if admitted > 0:
+                self.admission.observe(admitted, self._queued_s)
+                self._queued_s = 0.0
         self.metrics.observe_step(
             running=len(scheduler.running),
             waiting=len(scheduler.waiting),

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from backends.batch_metrics import ShedMetrics
+
 # Token latencies on CPU range from milliseconds to seconds.
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5, 5)
 _REQUEST_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320)
@@ -114,6 +116,7 @@ class EngineMetrics:
         self.prompt_tokens = s.prompt_tokens.labels(model, version)
         self.generation_tokens = s.generation_tokens.labels(model, version)
         self.preemptions = s.preemptions.labels(model, version)
+        self.shed = ShedMetrics(registry, model, version)
 
     @classmethod
     def disabled(cls) -> EngineMetrics:
@@ -147,6 +150,11 @@ class EngineMetrics:
     def observe_arrival(self, prompt_tokens: int) -> None:
         if self.enabled:
             self.prompt_tokens.inc(prompt_tokens)
+
+    def observe_shed(self, reason: str) -> None:
+        """A request was refused before queueing (`queue_full` or `queue_time`)."""
+        if self.enabled:
+            self.shed.observe(reason)
 
     def observe_latency(self, series: str, seconds: float) -> None:
         """`series`: "ttft", "itl", "e2e" or "queue"."""

@@ -1,0 +1,294 @@
+"""Overload: a burst of concurrent mixed requests against one hub, shed or absorbed.
+
+A real `hub serve` process holds all-MiniLM-L6-v2 (embeddings) and a small cross-encoder
+(rerank, built on the spot) twice each: once with `max_queue_time_ms` (admission control,
+backends/admission.py) and once without (the queue only bounded by `max_queue`). From this
+process an asyncio HTTP client
+
+  1. measures the unloaded latency: mixed requests one at a time;
+  2. sends a burst of `--burst` mixed requests at once to the models that shed;
+  3. sends the same burst to the models that do not;
+  4. sends it once more naming models that do not exist (404s): the floor HTTP, JSON and
+     the event loop set under the burst, whatever admission does behind them.
+
+It reports, for each burst, how many were admitted (200) and shed (503), whether every shed
+answer carried `Retry-After`, how many got no answer at all (a connection error), and the
+p50/p99 latency of the admitted requests, against the unloaded p99. The goal: admitted p99 at
+most 3x the unloaded p99, every shed request a 503 with Retry-After, none lost. Results go to
+`benchmarks/results/overload.json` and `.png`.
+
+    python benchmarks/overload.py            # a burst of 512
+    python benchmarks/overload.py --quick    # a burst of 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import random
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as `python benchmarks/<name>.py` from anywhere
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.embed_throughput import make_sentences  # noqa: E402
+from tests.support.process import hub_process, read_log  # noqa: E402
+
+RESULTS = REPO / "benchmarks" / "results"
+# Served twice: "<name>" sheds beyond max_queue_time_ms, "<name>-open" absorbs.
+EMBEDDER, RERANKER = "emb", "rr"
+DOCUMENTS = 8  # per rerank request
+
+
+def _hub_config(root: Path, reranker: Path, max_queue_time_ms: float) -> Path:
+    shed = {"max_queue_time_ms": max_queue_time_ms}
+    models = []
+    for suffix, config in (("", shed), ("-open", {})):
+        models += [
+            {"name": EMBEDDER + suffix, "kind": "embedder", "source": "builtin:minilm",
+             "preload": True, "config": config},
+            {"name": RERANKER + suffix, "kind": "reranker", "source": str(reranker),
+             "preload": True, "config": config},
+        ]  # fmt: skip
+    config = {
+        "database_url": f"sqlite:///{root / 'hub.db'}",
+        "mlflow_tracking_uri": f"sqlite:///{root / 'mlflow.db'}",
+        "cache_dir": str(root / "cache"),
+        "demo_dir": str(root / "demo"),
+        "devices": [{"name": "cpu", "memory_budget": "4GiB"}],
+        "host_cache_budget": "1GiB",
+        "log_level": "warning",
+        "models": models,
+    }
+    path = root / "hub.yaml"
+    path.write_text(json.dumps(config))  # JSON is YAML
+    return path
+
+
+@contextmanager
+def hub_server(root: Path, max_queue_time_ms: float) -> Iterator[str]:
+    """`hub serve` with the four models loaded and answering; yields its base URL."""
+    import httpx
+
+    from backends.tiny import build_tiny_reranker
+
+    reranker = build_tiny_reranker(root / "reranker", hidden_size=256, num_layers=4)
+    config = _hub_config(root, reranker, max_queue_time_ms)
+    with hub_process(config, cwd=root, timeout=300) as (base, _proc):
+        deadline = time.monotonic() + 300
+        pending = [f"{EMBEDDER}", f"{EMBEDDER}-open", f"{RERANKER}", f"{RERANKER}-open"]
+        while pending:
+            path, body = _request(pending[0], "warm up", ["a document"])
+            try:
+                if httpx.post(base + path, json=body, timeout=60).status_code == 200:
+                    pending.pop(0)
+                    continue
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                logs = "\n".join(read_log(str(p)) for p in root.glob("hub-*.log"))
+                raise TimeoutError(f"hub not serving {pending[0]}:\n{logs}")
+            time.sleep(0.5)
+        yield base
+
+
+def _request(model: str, text: str, documents: list[str]) -> tuple[str, dict[str, Any]]:
+    if model.startswith(RERANKER):
+        return "/v1/rerank", {"model": model, "query": text, "documents": documents}
+    return "/v1/embeddings", {"model": model, "input": text}
+
+
+def _mix(n: int, suffix: str, seed: int) -> list[tuple[str, dict[str, Any]]]:
+    """`n` requests, embeddings and rerank alternating, of sentences of mixed length."""
+    rng = random.Random(seed)
+    sentences = make_sentences(1024, seed)
+    out = []
+    for i in range(n):
+        model = (EMBEDDER if i % 2 == 0 else RERANKER) + suffix
+        out.append(_request(model, rng.choice(sentences), rng.sample(sentences, DOCUMENTS)))
+    return out
+
+
+async def _send(client: Any, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    start = time.perf_counter()
+    try:
+        r = await client.post(path, json=body)
+    except Exception as e:  # a request with no answer is what we count
+        return {"status": None, "error": type(e).__name__, "s": time.perf_counter() - start}
+    return {
+        "status": r.status_code,
+        "retry_after": r.headers.get("Retry-After"),
+        "kind": "rerank" if "rerank" in path else "embed",
+        "message": r.json().get("error", {}).get("message") if r.status_code != 200 else None,
+        "s": time.perf_counter() - start,
+    }
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _summary(results: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
+    ok = [r["s"] for r in results if r["status"] == 200]
+    shed = [r for r in results if r["status"] == 503]
+    other = [r for r in results if r["status"] not in (200, 503, 404, None)]
+    lost = [r for r in results if r["status"] is None]
+    return {
+        "sent": len(results),
+        "admitted": len(ok),
+        "shed": len(shed),
+        "shed_with_retry_after": sum(r["retry_after"] is not None for r in shed),
+        "shed_by_kind": {k: sum(r["kind"] == k for r in shed) for k in ("embed", "rerank")},
+        "not_found": sum(r["status"] == 404 for r in results),
+        "other_status": sorted({r["status"] for r in other}),
+        "lost": len(lost),
+        "lost_errors": sorted({r["error"] for r in lost}),
+        # Every answer, shed and refused ones included: how fast the hub answers at all.
+        "answer_p50_ms": _ms(_percentile([r["s"] for r in results if r["status"]], 0.50)),
+        "answer_p99_ms": _ms(_percentile([r["s"] for r in results if r["status"]], 0.99)),
+        "p50_ms": _ms(_percentile(ok, 0.50)),
+        "p99_ms": _ms(_percentile(ok, 0.99)),
+        "max_ms": _ms(max(ok, default=None)),
+        "wall_s": round(wall_s, 2),
+        "example_shed_message": shed[0]["message"] if shed else None,
+        "_latencies": ok,
+    }
+
+
+def _ms(s: float | None) -> float | None:
+    return None if s is None else round(s * 1000, 1)
+
+
+async def _one_at_a_time(base: str, requests: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    import httpx
+
+    async with httpx.AsyncClient(base_url=base, timeout=120) as client:
+        start = time.perf_counter()
+        results = [await _send(client, path, body) for path, body in requests]
+        return _summary(results, time.perf_counter() - start)
+
+
+async def _burst(base: str, requests: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    import httpx
+
+    limits = httpx.Limits(max_connections=len(requests), max_keepalive_connections=len(requests))
+    async with httpx.AsyncClient(base_url=base, timeout=300, limits=limits) as client:
+        start = time.perf_counter()
+        results = await asyncio.gather(*(_send(client, p, b) for p, b in requests))
+        return _summary(list(results), time.perf_counter() - start)
+
+
+def _shed_counters(base: str) -> dict[str, float]:
+    import httpx
+
+    out = {}
+    for line in httpx.get(f"{base}/metrics", timeout=30).text.splitlines():
+        if line.startswith("hub_requests_shed_total{"):
+            labels, value = line.rsplit(" ", 1)
+            if float(value):
+                out[labels.removeprefix("hub_requests_shed_total")] = float(value)
+    return out
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [("unloaded", report["unloaded"]), ("burst, shedding", report["shedding"]),
+            ("burst, no shedding", report["absorbing"]),
+            ("burst, all 404 (floor)", report["http_floor"])]  # fmt: skip
+    fig, (lat, counts) = plt.subplots(1, 2, figsize=(13, 4.6))
+    names = [n for n, _ in runs]
+    xs = range(len(runs))
+    p50 = [r["p50_ms"] or r["answer_p50_ms"] or 0 for _, r in runs]
+    p99 = [r["p99_ms"] or r["answer_p99_ms"] or 0 for _, r in runs]
+    lat.bar([x - 0.2 for x in xs], p50, 0.4, label="p50")
+    lat.bar([x + 0.2 for x in xs], p99, 0.4, label="p99")
+    goal = 3 * (report["unloaded"]["p99_ms"] or 0)
+    lat.axhline(goal, color="grey", linestyle="--", label="3x unloaded p99")
+    lat.set_xticks(list(xs), names, fontsize=8)
+    lat.set_yscale("log")
+    lat.set_ylabel("latency of admitted requests (ms); floor: of the 404s")
+    lat.legend()
+    bursts = runs[1:3]
+    bx = range(len(bursts))
+    counts.bar(bx, [r["admitted"] for _, r in bursts], label="admitted (200)")
+    counts.bar(bx, [r["shed"] for _, r in bursts], bottom=[r["admitted"] for _, r in bursts],
+               label="shed (503 + Retry-After)")  # fmt: skip
+    counts.set_xticks(list(bx), [n for n, _ in bursts])
+    counts.set_ylabel("requests")
+    counts.legend()
+    fig.suptitle(
+        f"A burst of {report['burst']} mixed requests (embeddings + rerank), "
+        f"max_queue_time_ms={report['max_queue_time_ms']:g}"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a burst of 128, fewer probes")
+    parser.add_argument("--burst", type=int, help="concurrent requests in the burst")
+    parser.add_argument("--max-queue-time-ms", type=float, default=50.0)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    burst = args.burst or (128 if args.quick else 512)
+    probes = 40 if args.quick else 100
+
+    with (
+        tempfile.TemporaryDirectory(prefix="overload-bench-") as tmp,
+        hub_server(Path(tmp), args.max_queue_time_ms) as base,
+    ):
+        unloaded = asyncio.run(_one_at_a_time(base, _mix(probes, "", seed=1)))
+        shedding = asyncio.run(_burst(base, _mix(burst, "", seed=2)))
+        shed_metrics = _shed_counters(base)
+        absorbing = asyncio.run(_burst(base, _mix(burst, "-open", seed=2)))
+        # The same burst naming a model nobody serves: every answer a 404 from the route,
+        # no model involved; what HTTP and the event loop alone cost under this burst.
+        http_floor = asyncio.run(_burst(base, _mix(burst, "-missing", seed=2)))
+    for run in (unloaded, shedding, absorbing, http_floor):
+        run.pop("_latencies")
+    ratio = None
+    if shedding["p99_ms"] and unloaded["p99_ms"]:
+        ratio = round(shedding["p99_ms"] / unloaded["p99_ms"], 2)
+    report = {
+        "burst": burst,
+        "max_queue_time_ms": args.max_queue_time_ms,
+        "unloaded": unloaded,
+        "shedding": shedding,
+        "absorbing": absorbing,
+        "http_floor": http_floor,
+        "admitted_p99_over_unloaded_p99": ratio,
+        "goal": {
+            "admitted_p99_at_most_3x_unloaded": ratio is not None and ratio <= 3,
+            "every_shed_a_503_with_retry_after": shedding["shed"]
+            == shedding["shed_with_retry_after"],
+            "none_lost": shedding["lost"] == 0 and not shedding["other_status"],
+        },
+        "shed_metrics": shed_metrics,
+        "machine": {"python": platform.python_version(), "platform": platform.platform()},
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "overload.json").write_text(json.dumps(report, indent=2) + "\n")
+    plot(report, args.out / "overload.png")
+    print(json.dumps({k: v for k, v in report.items() if k != "machine"}, indent=2))
+    print(f"wrote {args.out / 'overload.json'} and .png")
+
+
+if __name__ == "__main__":
+    main()
