@@ -16,7 +16,10 @@ schemathesis = pytest.importorskip("schemathesis")
 hypothesis = pytest.importorskip("hypothesis")
 
 from schemathesis.checks import not_a_server_error  # noqa: E402
-from schemathesis.specs.openapi.checks import response_schema_conformance  # noqa: E402
+from schemathesis.specs.openapi.checks import (  # noqa: E402
+    response_schema_conformance,
+    status_code_conformance,
+)
 
 EXAMPLES = 25
 SEED = 16
@@ -75,7 +78,7 @@ def test_every_operation_answers_as_documented(
     register(client, "emb", "embedder", tiny_embedder_dir)
     register(client, "rr", "reranker", tiny_reranker_dir)
     schema = schemathesis.openapi.from_dict(client.get("/openapi.json").json())
-    checks = [not_a_server_error, response_schema_conformance]
+    checks = [not_a_server_error, response_schema_conformance, status_code_conformance]
     failures: dict[str, str] = {}
     for result in schema.get_all_operations():
         operation = result.ok()
