@@ -26,7 +26,7 @@ from hub.api import (
 )
 from hub.api import responses as responses_api
 from hub.api import traffic as traffic_api
-from hub.api.errors import install_error_handlers
+from hub.api.errors import error_responses, install_error_handlers
 from hub.api.limits import BodyLimitMiddleware
 from hub.settings import HubSettings
 from hub.state import Hub
@@ -81,10 +81,24 @@ def create_app(settings: HubSettings, *, announce: bool = False) -> FastAPI:
     install_error_handlers(app)
     app.add_middleware(InFlightMiddleware)  # shadow traffic waits for idle moments
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_body_bytes)
-    routers = (health, models, embeddings, rerank, completions, admin_models, registry, webhooks)
-    for module in (*routers, rerank_shapes, dashboard):
-        app.include_router(module.router)
-    app.include_router(traffic_api.router)
-    app.include_router(replicas.router)
-    app.include_router(responses_api.router)
+    # The error statuses each router's routes answer, documented in /openapi.json.
+    inference = error_responses(400, 401, 404, 413, 503)
+    admin = error_responses(400, 401, 403, 404, 409, 413, 503)
+    documented = {
+        health: {},
+        dashboard: {},
+        models: error_responses(401, 404),
+        embeddings: inference,
+        rerank: inference,
+        rerank_shapes: inference,
+        completions: inference,
+        responses_api: inference,
+        admin_models: admin,
+        registry: admin,
+        traffic_api: admin,
+        replicas: error_responses(401, 403),
+        webhooks: error_responses(400, 401, 404, 409, 413),
+    }
+    for module, responses in documented.items():
+        app.include_router(module.router, responses=responses)
     return app

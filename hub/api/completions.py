@@ -16,7 +16,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 
 from backends.llm.backend import LLMBackend
@@ -65,6 +65,7 @@ async def create_completion(
     body: Annotated[CompletionCreate, UserBody(CompletionCreate)],
     router: RouterDep,
     serving: ServingDep,
+    request: Request,
     response: Response,
     route_key: RouteKey,
 ) -> CompletionPublic | StreamingResponse:
@@ -91,8 +92,7 @@ async def create_completion(
     )
     if body.stream:
         return _sse(gen, _completion_events(gen, body))
-    async with gen:
-        choices = await gen.collect()
+    choices = await gen.answer(request)
     response.headers[VERSION_HEADER] = route.label
     return CompletionPublic(
         id=f"cmpl-{gen.id}",
@@ -193,6 +193,7 @@ async def create_chat_completion(
     body: Annotated[ChatCompletionCreate, UserBody(ChatCompletionCreate)],
     router: RouterDep,
     serving: ServingDep,
+    request: Request,
     response: Response,
     route_key: RouteKey,
 ) -> ChatCompletionPublic | StreamingResponse:
@@ -219,8 +220,7 @@ async def create_chat_completion(
         return _sse(
             gen, _chat_events(gen, logprobs is not None, body.stream_options, plan, parallel)
         )
-    async with gen:
-        choices = await gen.collect()
+    choices = await gen.answer(request)
     response.headers[VERSION_HEADER] = route.label
     answers = [message_parts(plan, c.text, c.finish_reason, parallel) for c in choices]
     return ChatCompletionPublic(
@@ -316,11 +316,12 @@ async def generate_routed(
     body: Annotated[GenerateBody, UserBody(GenerateBody)],
     router: RouterDep,
     serving: ServingDep,
+    request: Request,
     response: Response,
     route_key: RouteKey,
 ) -> GeneratePublic | StreamingResponse:
     route = router.route(name, route_key=route_key or body.user)
-    return await _generate(serving, route, body, response)
+    return await _generate(serving, route, body, request, response)
 
 
 @router.post("/models/{name}/versions/{version}/generate", response_model=GeneratePublic,
@@ -331,13 +332,15 @@ async def generate_version(
     body: Annotated[GenerateBody, UserBody(GenerateBody)],
     router: RouterDep,
     serving: ServingDep,
+    request: Request,
     response: Response,
 ) -> GeneratePublic | StreamingResponse:
-    return await _generate(serving, router.route_version(name, version), body, response)
+    route = router.route_version(name, version)
+    return await _generate(serving, route, body, request, response)
 
 
 async def _generate(
-    serving: Serving, route: Route, body: GenerateBody, response: Response
+    serving: Serving, route: Route, body: GenerateBody, request: Request, response: Response
 ) -> GeneratePublic | StreamingResponse:
     given = [f for f in ("prompt", "prompt_token_ids", "messages") if getattr(body, f) is not None]
     if len(given) != 1:
@@ -360,8 +363,7 @@ async def _generate(
     )
     if body.stream:
         return _sse(gen, _generate_events(gen))
-    async with gen:
-        choices = await gen.collect()
+    choices = await gen.answer(request)
     response.headers[VERSION_HEADER] = route.label
     return GeneratePublic(
         id=gen.id,

@@ -12,6 +12,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from backends.errors import BackendClosedError, BackendError, CapacityError, InputError, LoadError
@@ -23,6 +24,35 @@ from registry.errors import InvalidConfigError
 # Seconds a client should wait before retrying, by error.
 LOAD_RETRY_AFTER = 5
 CLOSED_RETRY_AFTER = 1
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: Any = None
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error answer (OpenAI's shape)."""
+
+    error: ErrorDetail
+
+
+_MEANING = {
+    400: "the request is invalid (the error names the field)",
+    401: "missing or wrong API key",
+    403: "the key may not do this",
+    404: "no such model, version, alias or resource",
+    409: "conflicts with the current state",
+    413: "the request body is over the hub's limit",
+    503: "no capacity now, or the model is loading or failed to load (see Retry-After)",
+}
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """`responses=` documenting the error statuses a router's routes answer."""
+    return {s: {"model": ErrorResponse, "description": _MEANING[s]} for s in statuses}
 
 
 def error_body(message: str, error_type: str, param: str | None = None, code: Any = None) -> dict:

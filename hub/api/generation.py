@@ -18,11 +18,14 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from types import TracebackType
 
+from starlette.requests import Request
+
 from backends.llm.async_engine import RequestStream
 from backends.llm.backend import LLMBackend
 from backends.llm.engine import RequestOutput
 from backends.llm.sampling_params import SamplingParams
 from backends.llm.sequence import Logprob
+from hub.api.bodies import cancelled_if_client_leaves
 from hub.api.serving import LLM, Serving
 from hub.routing import Route
 from hub.traffic.replays import GenerationReplay
@@ -101,6 +104,13 @@ class Generation:
         async for index, out in self.deltas():
             choices[index].add(out)
         return choices
+
+    async def answer(self, request: Request) -> list[Choice]:
+        """Every choice in full, for a non-streamed answer; then the model is released. A
+        client that disconnects meanwhile raises ClientGone, and its engine requests are
+        aborted at once (freeing their KV blocks) rather than generated to the end."""
+        async with cancelled_if_client_leaves(request), self:
+            return await self.collect()
 
     async def close(
         self,

@@ -4,7 +4,6 @@ drift between MLflow and SQL."""
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
 from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, Query
@@ -19,6 +18,7 @@ from hub.api.deps import (
     ReconcilerDep,
     require_admin,
 )
+from hub.api.times import UTCDateTime
 from hub.errors import BadRequest
 from hub.validation import parse_eval_set
 from registry.aliases import STAGES
@@ -61,7 +61,7 @@ class VersionPublic(BaseModel):
     runtime_config: dict[str, Any]
     eval_set: dict[str, Any] | None
     files: int
-    created_at: dt.datetime
+    created_at: UTCDateTime
 
     @classmethod
     def of(cls, v: VersionView) -> VersionPublic:
@@ -93,7 +93,7 @@ class EventPublic(BaseModel):
     actor: str
     reason: str
     validation: dict[str, Any] | None
-    created_at: dt.datetime
+    created_at: UTCDateTime
 
     @classmethod
     def of(cls, e: EventView) -> EventPublic:

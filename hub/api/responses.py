@@ -18,7 +18,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Request, Response
 
 from backends.llm.backend import LLMBackend
 from backends.llm.sampling_params import SamplingParams
@@ -39,6 +39,7 @@ async def create_response(
     body: Annotated[ResponseCreate, UserBody(ResponseCreate)],
     router: RouterDep,
     serving: ServingDep,
+    request: Request,
     response: Response,
     route_key: RouteKey,
 ) -> Any:
@@ -70,8 +71,7 @@ async def create_response(
     shell = _Shell(body, gen)
     if body.stream:
         return _sse(gen, _events(gen, shell, plans[0]))
-    async with gen:
-        (choice,) = await gen.collect()
+    (choice,) = await gen.answer(request)
     response.headers[VERSION_HEADER] = route.label
     parsed = parse_output(plans[0], choice.text, body.parallel_tool_calls)
     output: list[dict[str, Any]] = []

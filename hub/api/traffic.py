@@ -8,7 +8,6 @@ canary owns the split is 409.
 
 from __future__ import annotations
 
-import datetime as dt
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends
@@ -23,6 +22,7 @@ from hub.api.deps import (
     TrafficDep,
     require_admin,
 )
+from hub.api.times import UTCDateTime
 from hub.api.traffic_models import CanaryPublic, ReadoutPublic
 from hub.control import Control
 from hub.errors import NotFound
@@ -91,7 +91,7 @@ class TrafficPublic(BaseModel):
     faults: list[FaultEntry]
     revision: int
     updated_by: str
-    updated_at: dt.datetime | None
+    updated_at: UTCDateTime | None
     canary: CanaryPublic | None
 
 
