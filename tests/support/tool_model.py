@@ -7,8 +7,15 @@ Qwen 2.5's template does, on the tiny tokenizer's role tokens.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
+
+import httpx
+
+from hub.settings import HubSettings
+from tests.support.live import live_hub
 
 TOOL_CHAT_TEMPLATE = """{{ bos_token }}
 {%- if tools %}<|system|>
@@ -41,3 +48,17 @@ def build_tool_llm(source: Path, out_dir: Path) -> Path:
         shutil.copytree(source, out_dir, dirs_exist_ok=True)
         (out_dir / "chat_template.jinja").write_text(TOOL_CHAT_TEMPLATE.replace("\\\n", ""))
     return out_dir
+
+
+@contextlib.contextmanager
+def serving_tool_llm(settings: HubSettings, model_dir: Path) -> Iterator[str]:
+    """A live hub (a real socket, for the SDKs) with the tool model registered as `tiny`;
+    yields its base URL."""
+    with live_hub(settings) as (url, _app):
+        r = httpx.post(
+            f"{url}/admin/registry/models",
+            json={"name": "tiny", "kind": "llm", "source": str(model_dir)},
+            timeout=120,
+        )
+        assert r.status_code == 201, r.text
+        yield url

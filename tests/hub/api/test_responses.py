@@ -9,14 +9,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import jsonschema
 import pytest
 
 from hub.settings import HubSettings
 from tests.hub.api.test_structured import PERSON, SCHEMAS, openai_client
-from tests.support.live import live_hub
-from tests.support.tool_model import build_tool_llm
+from tests.support.tool_model import build_tool_llm, serving_tool_llm
 
 WEATHER_TOOL = {
     "type": "function",
@@ -33,13 +31,7 @@ def tool_llm_dir(tiny_llm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
 
 @pytest.fixture
 def client(settings: HubSettings, tool_llm_dir: Path) -> Iterator[Any]:
-    with live_hub(settings) as (url, _app):
-        r = httpx.post(
-            f"{url}/admin/registry/models",
-            json={"name": "tiny", "kind": "llm", "source": str(tool_llm_dir)},
-            timeout=120,
-        )
-        assert r.status_code == 201, r.text
+    with serving_tool_llm(settings, tool_llm_dir) as url:
         yield openai_client(url)
 
 

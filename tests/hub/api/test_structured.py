@@ -16,8 +16,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from hub.settings import HubSettings
-from tests.support.live import live_hub
-from tests.support.tool_model import build_tool_llm
+from tests.support.tool_model import build_tool_llm, serving_tool_llm
 
 PERSON = {
     "type": "object",
@@ -85,13 +84,7 @@ def tool_llm_dir(tiny_llm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
 
 @pytest.fixture
 def base(settings: HubSettings, tool_llm_dir: Path) -> Iterator[str]:
-    with live_hub(settings) as (url, _app):
-        r = httpx.post(
-            f"{url}/admin/registry/models",
-            json={"name": "tiny", "kind": "llm", "source": str(tool_llm_dir)},
-            timeout=120,
-        )
-        assert r.status_code == 201, r.text
+    with serving_tool_llm(settings, tool_llm_dir) as url:
         yield url
 
 
