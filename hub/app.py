@@ -4,9 +4,11 @@ readiness flips only after all of that succeeded."""
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI
 
@@ -101,4 +103,34 @@ def create_app(settings: HubSettings, *, announce: bool = False) -> FastAPI:
     }
     for module, responses in documented.items():
         app.include_router(module.router, responses=responses)
+    _document_validation_as_400(app)
     return app
+
+
+def _document_validation_as_400(app: FastAPI) -> None:
+    """FastAPI documents a 422 on every route with parameters; the hub answers validation
+    errors with 400 in OpenAI's shape (hub.outcome), which the routers declare. Drop the
+    automatic 422 entries (a promotion's failed gate keeps its own declared 422) and the
+    schemas only they used, so the document says what the hub sends."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = build()
+        for path in schema.get("paths", {}).values():
+            for operation in path.values():
+                responses = operation.get("responses", {})
+                answer = responses.get("422", {})
+                ref = answer.get("content", {}).get("application/json", {}).get("schema", {})
+                if ref.get("$ref", "").endswith("/HTTPValidationError"):
+                    del responses["422"]
+        text = json.dumps(schema.get("paths", {}))
+        schemas = schema.get("components", {}).get("schemas", {})
+        for unused in ("HTTPValidationError", "ValidationError"):
+            if unused in schemas and f'/{unused}"' not in text:
+                del schemas[unused]
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

@@ -413,3 +413,24 @@ def test_openapi_documents_the_request_bodies(client: TestClient) -> None:
         assert fields <= set(schema["properties"]), path
         assert "$ref" not in str(schema["properties"]), path  # definitions are inlined
         assert "200" in post["responses"]
+
+
+def test_openapi_documents_validation_errors_as_the_400_the_hub_sends(
+    client: TestClient,
+) -> None:
+    doc = client.get("/openapi.json").json()
+    automatic_422 = [
+        f"{method.upper()} {path}"
+        for path, operations in doc["paths"].items()
+        for method, operation in operations.items()
+        if "HTTPValidationError" in str(operation.get("responses", {}).get("422", ""))
+    ]
+    assert automatic_422 == []
+    assert "HTTPValidationError" not in doc["components"]["schemas"]
+    embeddings = doc["paths"]["/v1/embeddings"]["post"]["responses"]
+    assert embeddings["400"]["content"]["application/json"]["schema"]["$ref"].endswith(
+        "/ErrorResponse"
+    )
+    # A bad body really is that 400, in the documented shape.
+    r = client.post("/v1/embeddings", json={"model": "x", "input": "y", "bogus": 1})
+    assert r.status_code == 400 and set(r.json()["error"]) >= {"message", "type", "param"}
