@@ -3,7 +3,6 @@ drift between MLflow and SQL."""
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, Query
@@ -13,7 +12,6 @@ from backends.runtime_config import RuntimeConfigError, parse_runtime_config
 from hub.api.deps import (
     AdminActor,
     ControlDep,
-    HubDep,
     PromoterDep,
     ReconcilerDep,
     require_admin,
@@ -137,12 +135,13 @@ class DriftPublic(BaseModel):
 
 
 @router.post("/models", response_model=VersionCreated, status_code=201)
-async def register_version(body: VersionCreate, hub: HubDep, actor: AdminActor) -> VersionCreated:
+async def register_version(
+    body: VersionCreate, control: ControlDep, reconciler: ReconcilerDep, actor: AdminActor
+) -> VersionCreated:
     check_runtime_config(body.kind, body.config)  # 400 naming the key, nothing fetched
     if body.eval_set is not None:
         parse_eval_set(body.kind, body.eval_set)  # 400 naming the bad case, nothing written
-    view = await asyncio.to_thread(
-        hub.registry.register,
+    view = await control.register(
         body.name,
         body.kind,
         body.source,
@@ -152,8 +151,7 @@ async def register_version(body: VersionCreate, hub: HubDep, actor: AdminActor) 
         eval_set=body.eval_set,
         actor=actor,
     )
-    hub.reconciler.kick()
-    await hub.catalog.refresh()
+    reconciler.kick()
     return VersionCreated(name=view.name, version=view.version)
 
 
