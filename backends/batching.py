@@ -45,76 +45,23 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic
 
 from backends.admission import QueueTimeAdmission
+from backends.batch_items import (
+    BatchStages,
+    I,
+    P,
+    PendingRequest,
+    PooledInput,
+    R,
+    pool_order,
+)
 from backends.batch_limits import BatchLimits
 from backends.batch_metrics import BatchMetrics
 from backends.errors import BackendClosedError, CapacityError, InputError
 
 log = logging.getLogger(__name__)
-
-P = TypeVar("P")  # a request's payload, as the backend's async method received it
-I = TypeVar("I", bound="Tokenized")  # noqa: E741 - one tokenized input
-R = TypeVar("R")  # the model's result for one input
-P_contra = TypeVar("P_contra", contravariant=True)
-R_co = TypeVar("R_co", covariant=True)
-
-
-class Tokenized(Protocol):
-    @property
-    def length(self) -> int:
-        """Tokens this input takes in a batch (before padding)."""
-        ...
-
-
-class BatchStages(Protocol[P_contra, I, R_co]):
-    """The model-specific half of batching; both methods run in the batcher's threads."""
-
-    def tokenize(self, payloads: Sequence[P_contra]) -> list[list[I] | BaseException]:
-        """For each payload its inputs, tokenized (exactly as many as it was submitted with),
-        or the error that refuses it (an `InputError` naming the input)."""
-        ...
-
-    def forward(self, items: Sequence[I]) -> Sequence[R_co]:
-        """Run one batch through the model: one result per item, in order."""
-        ...
-
-
-class _Request(Generic[P, R]):
-    """One submitted payload: where its results go, and how many are still missing."""
-
-    __slots__ = ("cancelled", "failed", "future", "loop", "missing", "payload", "results",
-                 "size", "started_at", "submitted_at")  # fmt: skip
-
-    def __init__(self, payload: P, size: int, loop: asyncio.AbstractEventLoop) -> None:
-        self.payload = payload
-        self.size = size
-        self.loop = loop
-        self.future: asyncio.Future[list[R]] = loop.create_future()
-        self.submitted_at = time.perf_counter()
-        self.started_at: float | None = None
-        self.results: list[R | None] = []
-        self.missing = 0
-        self.cancelled = False
-        self.failed = False
-
-
-class _Slot(Generic[I]):
-    """One tokenized input waiting in the pool."""
-
-    __slots__ = ("index", "item", "key", "request", "taken")
-
-    def __init__(self, request: _Request[Any, Any], index: int, item: I, seq: int) -> None:
-        self.request = request
-        self.index = index
-        self.item = item
-        self.key = (item.length, seq)  # pool order: by length, then arrival
-        self.taken = False
-
-
-def _slot_key(slot: _Slot[Any]) -> tuple[int, int]:
-    return slot.key
 
 
 class DynamicBatcher(Generic[P, I, R]):
@@ -141,9 +88,9 @@ class DynamicBatcher(Generic[P, I, R]):
         self._lock = threading.Lock()
         self._arrived = threading.Condition(self._lock)
         self._pooled = threading.Condition(self._lock)
-        self._incoming: deque[_Request[P, R]] = deque()  # submitted, not yet tokenized
-        self._pool: list[_Slot[I]] = []  # tokenized, sorted by (length, arrival)
-        self._fifo: deque[_Slot[I]] = deque()  # the same slots in arrival order
+        self._incoming: deque[PendingRequest[P, R]] = deque()  # submitted, not yet tokenized
+        self._pool: list[PooledInput[I]] = []  # tokenized, sorted by (length, arrival)
+        self._fifo: deque[PooledInput[I]] = deque()  # the same slots in arrival order
         self._queued = 0  # inputs submitted and not yet in a forward pass
         self._last_batch_size = 1
         self._seq = itertools.count()
@@ -181,7 +128,7 @@ class DynamicBatcher(Generic[P, I, R]):
                 f"{size} inputs in one request is more than {self.name} queues "
                 f"({self.limits.max_queue}, runtime config max_queue); split the request"
             )
-        request: _Request[P, R] = _Request(payload, size, asyncio.get_running_loop())
+        request: PendingRequest[P, R] = PendingRequest(payload, size, asyncio.get_running_loop())
         with self._lock:
             if self._closed:
                 raise BackendClosedError(f"{self.name} is shut down")
@@ -244,7 +191,7 @@ class DynamicBatcher(Generic[P, I, R]):
             if not requests:
                 continue
             tokenized = self._tokenize(requests)
-            refused: list[tuple[_Request[P, R], BaseException]] = []
+            refused: list[tuple[PendingRequest[P, R], BaseException]] = []
             with self._lock:
                 for request, items in zip(requests, tokenized, strict=True):
                     if request.cancelled or isinstance(items, BaseException):
@@ -256,13 +203,13 @@ class DynamicBatcher(Generic[P, I, R]):
                     request.results = [None] * len(items)
                     request.missing = len(items)
                     for index, item in enumerate(items):
-                        slot = _Slot(request, index, item, next(self._seq))
-                        bisect.insort(self._pool, slot, key=_slot_key)
+                        slot = PooledInput(request, index, item, next(self._seq))
+                        bisect.insort(self._pool, slot, key=pool_order)
                         self._fifo.append(slot)
                 self._pooled.notify_all()
             self._deliver(refused)
 
-    def _tokenize(self, requests: list[_Request[P, R]]) -> list[list[I] | BaseException]:
+    def _tokenize(self, requests: list[PendingRequest[P, R]]) -> list[list[I] | BaseException]:
         """The stages' tokenize over these requests at once. If that raises (rather than
         refusing a payload), each request is tokenized alone, so that only the one that breaks
         the tokenizer fails; the thread itself never dies of it."""
@@ -289,7 +236,7 @@ class DynamicBatcher(Generic[P, I, R]):
                     return
             self._run(batch)
 
-    def _next_batch(self) -> list[_Slot[I]] | None:
+    def _next_batch(self) -> list[PooledInput[I]] | None:
         """Wait for inputs (holding the condition's lock), then take one batch from the pool."""
         while True:
             while not self._fifo and not self._closed:
@@ -309,16 +256,16 @@ class DynamicBatcher(Generic[P, I, R]):
                 continue
             return self._take_batch(oldest)
 
-    def _oldest(self) -> _Slot[I] | None:
+    def _oldest(self) -> PooledInput[I] | None:
         while self._fifo and self._fifo[0].taken:
             self._fifo.popleft()
         return self._fifo[0] if self._fifo else None
 
-    def _take_batch(self, oldest: _Slot[I]) -> list[_Slot[I]]:
+    def _take_batch(self, oldest: PooledInput[I]) -> list[PooledInput[I]]:
         """Grow a batch around `oldest` in length order while its cost per real token falls,
         under the token and size budgets."""
         pool = self._pool
-        lo = bisect.bisect_left(pool, oldest.key, key=_slot_key)
+        lo = bisect.bisect_left(pool, oldest.key, key=pool_order)
         hi = lo + 1  # the batch is pool[lo:hi]
         longest = oldest.item.length
         real = max(1, longest)
@@ -361,7 +308,7 @@ class DynamicBatcher(Generic[P, I, R]):
         self._last_batch_size = len(batch)
         return batch
 
-    def _run(self, batch: list[_Slot[I]]) -> None:
+    def _run(self, batch: list[PooledInput[I]]) -> None:
         start = time.perf_counter()
         for slot in batch:
             if slot.request.started_at is None:
@@ -377,7 +324,7 @@ class DynamicBatcher(Generic[P, I, R]):
         end = time.perf_counter()
         with self._lock:
             self.admission.observe(len(batch), end - start)
-        done: list[tuple[_Request[P, R], list[R] | BaseException]] = []
+        done: list[tuple[PendingRequest[P, R], list[R] | BaseException]] = []
         for slot, result in zip(batch, results, strict=True):
             request = slot.request
             if request.failed or request.cancelled:
@@ -408,7 +355,7 @@ class DynamicBatcher(Generic[P, I, R]):
             self._drop_slots(lambda s: s.request.failed)
         self._deliver([(r, error) for r in failed])
 
-    def _cancel(self, request: _Request[P, R]) -> None:
+    def _cancel(self, request: PendingRequest[P, R]) -> None:
         with self._lock:
             if request.cancelled:
                 return
@@ -419,7 +366,7 @@ class DynamicBatcher(Generic[P, I, R]):
                 return
             self._drop_slots(lambda s: s.request is request)
 
-    def _drop_slots(self, dead: Callable[[_Slot[I]], bool]) -> None:
+    def _drop_slots(self, dead: Callable[[PooledInput[I]], bool]) -> None:
         """Remove pooled slots of requests that will never use their results (lock held)."""
         kept = []
         for slot in self._pool:
@@ -430,9 +377,9 @@ class DynamicBatcher(Generic[P, I, R]):
                 kept.append(slot)
         self._pool[:] = kept
 
-    def _deliver(self, outcomes: Sequence[tuple[_Request[P, R], Any]]) -> None:
+    def _deliver(self, outcomes: Sequence[tuple[PendingRequest[P, R], Any]]) -> None:
         """Resolve futures on their event loops: one thread-safe call per loop."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Request[P, R], Any]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[PendingRequest[P, R], Any]]] = {}
         for request, outcome in outcomes:
             by_loop.setdefault(request.loop, []).append((request, outcome))
         for loop, items in by_loop.items():
@@ -441,7 +388,7 @@ class DynamicBatcher(Generic[P, I, R]):
                 loop.call_soon_threadsafe(_resolve, items)
 
 
-def _resolve(outcomes: list[tuple[_Request[Any, Any], Any]]) -> None:
+def _resolve(outcomes: list[tuple[PendingRequest[Any, Any], Any]]) -> None:
     for request, outcome in outcomes:
         if request.future.done():
             continue

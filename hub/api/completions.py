@@ -91,7 +91,7 @@ async def create_completion(
         serving, route, "completions", build, priority=body.priority, keep_alive=body.keep_alive
     )
     if body.stream:
-        return _sse(gen, _completion_events(gen, body))
+        return sse_response(gen, _completion_events(gen, body))
     choices = await gen.answer(request)
     response.headers[VERSION_HEADER] = route.label
     return CompletionPublic(
@@ -217,7 +217,7 @@ async def create_chat_completion(
     )
     plan, parallel = plans[0], body.parallel_tool_calls
     if body.stream:
-        return _sse(
+        return sse_response(
             gen, _chat_events(gen, logprobs is not None, body.stream_options, plan, parallel)
         )
     choices = await gen.answer(request)
@@ -362,7 +362,7 @@ async def _generate(
         serving, route, "generate", build, priority=body.priority, keep_alive=body.keep_alive
     )
     if body.stream:
-        return _sse(gen, _generate_events(gen))
+        return sse_response(gen, _generate_events(gen))
     choices = await gen.answer(request)
     response.headers[VERSION_HEADER] = route.label
     return GeneratePublic(
@@ -417,7 +417,7 @@ def _event(data: dict[str, Any]) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-def _sse(gen: Generation, events: AsyncIterator[str]) -> StreamingResponse:
+def sse_response(gen: Generation, events: AsyncIterator[str]) -> StreamingResponse:
     """Stream `events`; on the way out (done, failed or the client gone) abort what is
     unfinished and release the model."""
 

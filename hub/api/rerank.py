@@ -23,13 +23,13 @@ from hub.traffic.replays import RerankReplay
 router = APIRouter(tags=["rerank"])
 
 
-def _check_query(value: Any) -> Any:
+def check_query(value: Any) -> Any:
     if isinstance(value, str) and not value.strip():
         raise ValueError("query must not be empty")
     return value
 
 
-def _check_documents(value: Any) -> Any:
+def check_documents(value: Any) -> Any:
     """Refuse malformed documents with a message naming the offending one."""
     if not isinstance(value, list):
         raise ValueError("documents must be a list of strings or {text} objects")
@@ -58,8 +58,8 @@ class RerankBody(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    query: Annotated[str, BeforeValidator(_check_query)]
-    documents: Annotated[list[str | RerankDocument], BeforeValidator(_check_documents)]
+    query: Annotated[str, BeforeValidator(check_query)]
+    documents: Annotated[list[str | RerankDocument], BeforeValidator(check_documents)]
     top_n: Annotated[int, Field(gt=0)] | None = None
     return_documents: bool = False
     # Extensions: refuse over-long pairs instead of truncating them; Ollama's keep_alive.

@@ -40,8 +40,8 @@ from hub.api.rerank import (
     RerankDocument,
     RerankResult,
     RerankResultDocument,
-    _check_documents,
-    _check_query,
+    check_documents,
+    check_query,
     create_rerank,
 )
 from hub.api.serving import RERANKER, VERSION_HEADER, KeepAlive, Serving
@@ -52,7 +52,7 @@ from hub.traffic.replays import RerankReplay
 
 router = APIRouter(tags=["rerank"])
 
-Query = Annotated[str, BeforeValidator(_check_query)]
+Query = Annotated[str, BeforeValidator(check_query)]
 PositiveInt = Annotated[int, Field(gt=0)]
 # Cohere bills one search unit per query with up to 100 documents.
 DOCUMENTS_PER_SEARCH_UNIT = 100
@@ -106,7 +106,7 @@ class CohereRerankCreate(BaseModel):
 
     model: str
     query: Query
-    documents: Annotated[list[str | RerankDocument], BeforeValidator(_check_documents)]
+    documents: Annotated[list[str | RerankDocument], BeforeValidator(check_documents)]
     top_n: PositiveInt | None = None
     max_tokens_per_doc: PositiveInt | None = None
     return_documents: bool = False

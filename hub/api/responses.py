@@ -23,7 +23,7 @@ from fastapi import APIRouter, Request, Response
 from backends.llm.backend import LLMBackend
 from backends.llm.sampling_params import SamplingParams
 from hub.api.bodies import RouteKey, UserBody, openapi_body
-from hub.api.completions import _sse
+from hub.api.completions import sse_response
 from hub.api.deps import RouterDep, ServingDep
 from hub.api.generation import Generation, start_generation
 from hub.api.responses_schemas import ResponseCreate
@@ -70,7 +70,7 @@ async def create_response(
     )
     shell = _Shell(body, gen)
     if body.stream:
-        return _sse(gen, _events(gen, shell, plans[0]))
+        return sse_response(gen, _events(gen, shell, plans[0]))
     (choice,) = await gen.answer(request)
     response.headers[VERSION_HEADER] = route.label
     parsed = parse_output(plans[0], choice.text, body.parallel_tool_calls)
