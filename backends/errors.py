@@ -1,7 +1,8 @@
 """Errors raised by backends, each carrying what the caller needs to act on it.
 
 The hub maps them onto HTTP: `InputError` is the caller's mistake (400), `CapacityError` means
-"try again later" (503 with `Retry-After`), `LoadError` means the model could not be brought up.
+"try again later" (503 with `Retry-After`), as does `TransientError` (a failure the backend
+recovered from), and `LoadError` means the model could not be brought up.
 """
 
 from __future__ import annotations
@@ -25,6 +26,16 @@ class InputError(BackendError):
 
 class CapacityError(BackendError):
     """The backend is saturated (queue full); the caller should retry after `retry_after` s."""
+
+    def __init__(self, message: str, *, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class TransientError(BackendError):
+    """This request failed for a reason that was not its own (the device or the model raised
+    in a shared step) and the backend recovered: the same request may succeed if sent again
+    after `retry_after` s."""
 
     def __init__(self, message: str, *, retry_after: float = 1.0) -> None:
         super().__init__(message)

@@ -17,7 +17,14 @@ from typing import NamedTuple
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from backends.errors import BackendClosedError, BackendError, CapacityError, InputError, LoadError
+from backends.errors import (
+    BackendClosedError,
+    BackendError,
+    CapacityError,
+    InputError,
+    LoadError,
+    TransientError,
+)
 from hub.errors import HubError
 from registry.errors import (
     ConflictError,
@@ -69,6 +76,8 @@ _TABLE: dict[type[BaseException], Outcome | Callable[[BaseException], Outcome]] 
     CapacityError: Outcome(503, _UNAVAILABLE),
     BackendClosedError: Outcome(503, _UNAVAILABLE),
     LoadError: Outcome(503, _UNAVAILABLE),
+    # A failed engine step nobody's input explains: the engine recovers, so retry later.
+    TransientError: Outcome(503, _UNAVAILABLE),
     BackendError: Outcome(500, "server_error"),
     # The registry
     NotFoundError: Outcome(404, _INVALID),

@@ -29,6 +29,7 @@ from backends.base import Backend, BackendContext, ModelKind, checked_config
 from backends.errors import BackendClosedError, InputError, LoadError
 from backends.llm.async_engine import AsyncLLMEngine, RequestStream
 from backends.llm.config import EngineConfig, kv_cache_reservation, llm_config
+from backends.llm.detokenizer import token_bytes
 from backends.llm.engine import LLMEngine, RequestOutput
 from backends.llm.metrics import EngineMetrics
 from backends.llm.model_runner import ModelRunner
@@ -176,6 +177,10 @@ class LLMBackend(Backend):
     def decode(self, token_ids: list[int]) -> str:
         text: str = self.tokenizer.decode(token_ids)
         return text
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes, part of a character for a byte token (logprobs `bytes`)."""
+        return token_bytes(self.tokenizer, token_id)
 
     async def compile_grammar(self, params: SamplingParams) -> None:
         """Compile the request's grammar, if any, in a worker thread (cached per constraint),

@@ -14,11 +14,40 @@ the text ends before the stop string (or after it with `include_stop_str_in_outp
 
 from __future__ import annotations
 
+import functools
+import re
 from typing import Any
 
 # Context tokens decoded before the new ones, so the first output token gets its spacing.
 _CONTEXT_TOKENS = 5
 _INCOMPLETE = "\ufffd"
+# SentencePiece's byte-fallback tokens.
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def token_bytes(tokenizer: Any, token_id: int) -> bytes:
+    """One token's own UTF-8 bytes, possibly part of a character: what OpenAI's logprobs
+    `bytes` carries so that a client can join a character's tokens back together (the token
+    decoded alone reads U+FFFD there)."""
+    text: str = tokenizer.decode([token_id])
+    if _INCOMPLETE not in text:
+        return text.encode()
+    token = tokenizer.convert_ids_to_tokens(token_id)
+    if isinstance(token, str) and token:
+        if match := _BYTE_TOKEN.fullmatch(token):
+            return bytes([int(match.group(1), 16)])
+        byte_of = _byte_level_alphabet()
+        if all(c in byte_of for c in token):
+            return bytes(byte_of[c] for c in token)
+    return text.encode()
+
+
+@functools.cache
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE (GPT-2, Llama 3, Qwen): the character that stands for each byte."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {char: byte for byte, char in bytes_to_unicode().items()}
 
 
 class IncrementalDetokenizer:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from backends.admission import QueueTimeAdmission
-from backends.errors import CapacityError, InputError
+from backends.errors import CapacityError, InputError, TransientError
 from backends.llm.config import EngineConfig
 from backends.llm.detokenizer import IncrementalDetokenizer
 from backends.llm.isolation import RequestFailedError, blame_is_attributable, find_culprits
@@ -37,10 +37,12 @@ from backends.llm.structured.metrics import GrammarMetrics
 log = logging.getLogger(__name__)
 
 
-class EngineStepError(RuntimeError):
+class EngineStepError(TransientError):
     """A step failed; the requests it ended are named. `errors` holds, per request that was
     to blame alone, its own error (the others of the step go on); when the cause could not be
-    attributed, every request of the engine ended and `errors` is empty."""
+    attributed, every request of the engine ended and `errors` is empty, and this error is
+    what they fail with: transient (503 with Retry-After), since the engine recovers and the
+    same request may well succeed when sent again."""
 
     def __init__(
         self,
@@ -48,7 +50,10 @@ class EngineStepError(RuntimeError):
         cause: BaseException,
         errors: dict[str, BaseException] | None = None,
     ) -> None:
-        super().__init__(f"the engine step failed: {type(cause).__name__}: {cause}")
+        super().__init__(
+            f"the engine step failed ({type(cause).__name__}: {cause}); the engine recovered, "
+            "send the request again"
+        )
         self.request_ids = request_ids
         self.errors = errors or {}
 

@@ -294,8 +294,9 @@ async def _chat_events(
 
 def _chat_logprobs(backend: LLMBackend, logprobs: list[Logprob]) -> ChoiceLogprobs:
     def top(token_id: int, value: float) -> TopLogprob:
+        # `bytes` are the token's own, so a character split over byte tokens joins back.
         text = backend.decode([token_id])
-        return TopLogprob(token=text, logprob=value, bytes=list(text.encode()))
+        return TopLogprob(token=text, logprob=value, bytes=list(backend.token_bytes(token_id)))
 
     return ChoiceLogprobs(
         content=[

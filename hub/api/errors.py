@@ -15,7 +15,14 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from backends.errors import BackendClosedError, BackendError, CapacityError, InputError, LoadError
+from backends.errors import (
+    BackendClosedError,
+    BackendError,
+    CapacityError,
+    InputError,
+    LoadError,
+    TransientError,
+)
 from hub.api.serving import VERSION_HEADER
 from hub.errors import HubError
 from hub.outcome import CLIENT_CLOSED, UNKNOWN, mapped_classes, status_of
@@ -85,7 +92,7 @@ def _details(e: Exception) -> tuple[str, str | None, dict[str, str]]:
     if isinstance(e, BackendError):
         if e.served_by is not None:
             headers[VERSION_HEADER] = e.served_by
-        if isinstance(e, CapacityError):
+        if isinstance(e, CapacityError | TransientError):
             headers["Retry-After"] = str(max(1, round(e.retry_after)))
         elif isinstance(e, BackendClosedError):
             headers["Retry-After"] = str(CLOSED_RETRY_AFTER)

@@ -7,19 +7,30 @@ the model's own format. `required` and a named function: output is constrained b
 so arguments always match the function's JSON schema: a named call generates the arguments
 object itself, `required` a JSON list of `{"name", "arguments"}` (one item unless
 `parallel_tool_calls`). A constrained output cut by max_tokens is not valid JSON; it comes
-back as content with finish_reason `length`.
+back as content with finish_reason `length` (streamed, what was generated of the call has
+gone out already, and the finish_reason says `length` as OpenAI's does).
+
+Every mode reads its output with a parser from `tool_parsers`, incrementally when streamed,
+so calls stream as OpenAI sends them: a header (id, name) first, then argument fragments.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from backends.llm.sampling_params import SamplingParams
 from backends.llm.structured import StructuredOutput
-from hub.api.tool_parsers import ParsedOutput, ParsedToolCall, ToolParser, parser_for
+from hub.api.tool_parsers import (
+    CallHeader,
+    CallStream,
+    ContentDelta,
+    ParsedOutput,
+    ToolParser,
+    parser_for,
+)
+from hub.api.tool_parsers.constrained import NamedCall, RequiredCalls
 from hub.api.tool_schemas import FunctionCall, NamedToolChoice, ToolCall, ToolChoice, ToolDef
 from hub.errors import BadRequest
 
@@ -34,8 +45,8 @@ class ToolPlan:
     # What `apply_chat_template(tools=...)` receives; None: no tools in the prompt.
     template_tools: list[dict[str, Any]] | None = None
     structured: StructuredOutput | None = None
+    # Reads the output: the model family's format (auto) or the constrained JSON.
     parser: ToolParser | None = None
-    named: str | None = None
 
     @property
     def active(self) -> bool:
@@ -67,7 +78,7 @@ def plan_tools(
                 param="tool_choice",
             )
         schema = StructuredOutput.json_schema(_parameters(tool))
-        return ToolPlan("named", template_tools, schema, named=tool.function.name)
+        return ToolPlan("named", template_tools, schema, NamedCall(tool.function.name))
     if choice == "required":
         calls: dict[str, Any] = {
             "type": "array",
@@ -76,7 +87,8 @@ def plan_tools(
         }
         if not parallel_tool_calls:
             calls["maxItems"] = 1
-        return ToolPlan("required", template_tools, StructuredOutput.json_schema(calls))
+        structured = StructuredOutput.json_schema(calls)
+        return ToolPlan("required", template_tools, structured, RequiredCalls())
     return ToolPlan("auto", template_tools, parser=parser_for(tool_parser, chat_template))
 
 
@@ -98,104 +110,79 @@ def _call_schema(tool: ToolDef) -> dict[str, Any]:
 
 def parse_output(plan: ToolPlan, text: str, parallel_tool_calls: bool = True) -> ParsedOutput:
     """Content and calls of a finished choice's text."""
-    if plan.mode == "named" and plan.named is not None:
-        try:
-            json.loads(text)
-        except ValueError:  # cut short: hand back what there is as content
-            return ParsedOutput(text, [])
-        return ParsedOutput(None, [ParsedToolCall(plan.named, text)])
-    if plan.mode == "required":
-        try:
-            items = json.loads(text)
-        except ValueError:
-            return ParsedOutput(text, [])
-        return ParsedOutput(
-            None,
-            [
-                ParsedToolCall(i["name"], json.dumps(i["arguments"], ensure_ascii=False))
-                for i in items
-            ],
-        )
-    if plan.mode == "auto" and plan.parser is not None:
-        parsed = plan.parser.parse(text)
-        if not parallel_tool_calls and len(parsed.tool_calls) > 1:
-            return ParsedOutput(parsed.content, parsed.tool_calls[:1])
-        return parsed
-    return ParsedOutput(text, [])
+    if not plan.active or plan.parser is None:
+        return ParsedOutput(text, [])
+    parsed = plan.parser.parse(text)
+    if not parallel_tool_calls and len(parsed.tool_calls) > 1:
+        return ParsedOutput(parsed.content, parsed.tool_calls[:1])
+    return parsed
 
 
 @dataclass
 class ToolStream:
-    """Turns one choice's text deltas into chat-chunk deltas: content as it comes, tool
-    calls as OpenAI streams them (id, type and name with empty arguments first, then the
-    arguments in fragments). A named call streams its arguments token by token; `required`
-    and `auto` calls are sent when the output that holds them is complete."""
+    """Turns one choice's text deltas into chat-chunk deltas as OpenAI streams them: content
+    as it comes; per call (one `index` each), a delta with its id, type and name and empty
+    arguments once the name is complete, then the arguments in fragments as they are
+    generated. The plan's parser decides incrementally (see hub.api.tool_parsers.cursor):
+    text that may start a call is held until decided, and a false start goes out as content."""
 
     plan: ToolPlan
     parallel_tool_calls: bool = True
-    _text: str = ""
-    _sent: int = 0  # characters of _text already sent as content (auto)
-    _held: bool = False  # a call has begun (auto): nothing more goes out as content
-    _named_id: str | None = None
-    calls: list[ParsedToolCall] = field(default_factory=list)
+    # Ids of the calls sent so far.
+    calls: list[str] = field(default_factory=list)
+    _stream: CallStream | None = None
+
+    def __post_init__(self) -> None:
+        if self.plan.active and self.plan.parser is not None:
+            self._stream = self.plan.parser.stream()
 
     def push(self, text: str, finished: bool) -> list[dict[str, Any]]:
         """Deltas for `text`; `finished` on the choice's last delta."""
-        self._text += text
-        mode = self.plan.mode
-        if mode == "named" and self.plan.named is not None:
-            out: list[dict[str, Any]] = []
-            if self._named_id is None:
-                call = ParsedToolCall(self.plan.named, "")
-                self._named_id = call.id
-                self.calls.append(call)
-                out.append(_call_header(0, call))
-            if text:
-                out.append(_call_arguments(0, text))
-            return out
-        if mode == "auto" and self.plan.parser is not None and not self._held:
-            start = self.plan.parser.start_index(self._text)
-            if start is None:
-                end = (
-                    len(self._text)
-                    if finished
-                    else len(self._text) - self.plan.parser.could_start(self._text)
-                )
-            else:
-                end, self._held = start, True
-            out = []
-            if end > self._sent:
-                out.append({"content": self._text[self._sent : end]})
-                self._sent = end
-            if not (self._held and finished):
-                return out
-            return out + self._calls_at_end()
-        if not finished:
-            return []
-        return self._calls_at_end()
-
-    def _calls_at_end(self) -> list[dict[str, Any]]:
-        rest = self._text[self._sent :]
-        parsed = parse_output(self.plan, rest, self.parallel_tool_calls)
-        self._sent = len(self._text)
+        if self._stream is None:
+            return [{"content": text}] if text else []
+        events = self._stream.feed(text) if text else []
+        if finished:
+            events += self._stream.finish()
         out: list[dict[str, Any]] = []
-        if parsed.content:
-            out.append({"content": parsed.content})
-        for i, call in enumerate(parsed.tool_calls):
-            self.calls.append(call)
-            out.append(_call_header(i, call))
-            out.append(_call_arguments(i, call.arguments))
+        for event in events:
+            if isinstance(event, ContentDelta):
+                delta = {"content": event.text}
+            elif event.index > 0 and not self.parallel_tool_calls:
+                continue  # one call asked for: the model's others are dropped
+            elif isinstance(event, CallHeader):
+                self.calls.append(event.id)
+                delta = _call_header(event)
+            elif event.text:
+                delta = _call_arguments(event.index, event.text)
+            else:
+                continue
+            _append_merged(out, delta)
         return out
 
 
-def _call_header(index: int, call: ParsedToolCall) -> dict[str, Any]:
+def _append_merged(out: list[dict[str, Any]], delta: dict[str, Any]) -> None:
+    """Append `delta`, or fold it into the last one when both are content or fragments of
+    the same call's arguments (fewer chunks, same concatenation)."""
+    last = out[-1] if out else None
+    if last is not None and "content" in last and "content" in delta:
+        last["content"] += delta["content"]
+        return
+    if last is not None and "tool_calls" in last and "tool_calls" in delta:
+        (a,), (b,) = last["tool_calls"], delta["tool_calls"]
+        if a["index"] == b["index"] and "id" not in a and "id" not in b:
+            a["function"]["arguments"] += b["function"]["arguments"]
+            return
+    out.append(delta)
+
+
+def _call_header(header: CallHeader) -> dict[str, Any]:
     return {
         "tool_calls": [
             {
-                "index": index,
-                "id": call.id,
+                "index": header.index,
+                "id": header.id,
                 "type": "function",
-                "function": {"name": call.name, "arguments": ""},
+                "function": {"name": header.name, "arguments": ""},
             }
         ]
     }

@@ -4,11 +4,15 @@ The runtime config key `tool_parser` picks one ("hermes", "llama3_json", "mistra
 without it the chat template decides: a template that writes `<tool_call>` is Hermes/Qwen,
 one with `[TOOL_CALLS]` Mistral, one with `<|python_tag|>` or an `ipython` role Llama 3.x;
 anything else falls back to Hermes, the most common format of open models.
+
+Each parser reads an output incrementally (`stream()`) or whole (`parse`), with the same
+code: see `base` and `cursor`.
 """
 
 from __future__ import annotations
 
-from hub.api.tool_parsers.base import ParsedOutput, ParsedToolCall, ToolParser
+from hub.api.tool_parsers.base import CallStream, ParsedOutput, ParsedToolCall, ToolParser
+from hub.api.tool_parsers.cursor import ArgumentsDelta, CallHeader, ContentDelta, Event
 from hub.api.tool_parsers.hermes import HermesParser
 from hub.api.tool_parsers.llama3 import Llama3JsonParser
 from hub.api.tool_parsers.mistral import MistralParser
@@ -20,7 +24,18 @@ PARSERS: dict[str, type[ToolParser]] = {
     "mistral": MistralParser,
 }
 
-__all__ = ["PARSERS", "ParsedOutput", "ParsedToolCall", "ToolParser", "parser_for"]
+__all__ = [
+    "PARSERS",
+    "ArgumentsDelta",
+    "CallHeader",
+    "CallStream",
+    "ContentDelta",
+    "Event",
+    "ParsedOutput",
+    "ParsedToolCall",
+    "ToolParser",
+    "parser_for",
+]
 
 
 def parser_for(name: str | None, chat_template: str | None) -> ToolParser:

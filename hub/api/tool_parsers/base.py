@@ -1,25 +1,33 @@
-"""What a tool-call parser is: model text in, content and calls out.
+"""What a tool-call parser is: model text in, content and calls out, whole or as it streams.
 
-A parser knows one model family's way of writing tool calls. `parse` splits a finished
-output into the text meant for the user and the calls; `start_marker` is the text that opens
-the first call, so a stream can send content up to it and hold the rest back.
+A parser knows one way of writing tool calls (a model family's, or the JSON a constrained
+`tool_choice` produces) as a `scan` over a `Cursor` (see `cursor`). `stream()` runs it on a
+choice's deltas and hands out events as they are decided; `parse(text)` runs the same scan on
+a finished output, so a streamed answer and a whole one are read by the same code.
 """
 
 from __future__ import annotations
 
 import json
-import uuid
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+
+from hub.api.tool_parsers.cursor import (
+    ArgumentsDelta,
+    CallHeader,
+    ContentDelta,
+    Cursor,
+    Event,
+    Scan,
+)
 
 
 @dataclass(frozen=True)
 class ParsedToolCall:
-    """One call: the function's name and its arguments as a JSON text."""
+    """One call: its id, the function's name and its arguments as a JSON text."""
 
     name: str
     arguments: str
-    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+    id: str
 
 
 @dataclass(frozen=True)
@@ -28,34 +36,75 @@ class ParsedOutput:
     tool_calls: list[ParsedToolCall]
 
 
-class ToolParser(Protocol):
-    name: str
+class CallStream:
+    """One choice's output read as it is generated: `feed` each delta, `finish` at the end;
+    each returns the events decided since (content, call headers, argument fragments)."""
 
-    def start_index(self, text: str) -> int | None:
-        """Where the first tool call begins in `text`, None if none has begun."""
-        ...
+    def __init__(self, parser: ToolParser) -> None:
+        self._cursor = Cursor()
+        self._scan: Scan[None] | None = parser.scan(self._cursor)
+        self._resume()  # a parser may have something to say before any text (a named call)
 
-    def could_start(self, text: str) -> int:
-        """How many trailing characters of `text` might be the beginning of a call marker
-        (held back while streaming)."""
-        ...
+    @property
+    def broken(self) -> bool:
+        """A call went out that did not end well (cut short, or its arguments malformed)."""
+        return self._cursor.broken
 
-    def parse(self, text: str) -> ParsedOutput: ...
+    def feed(self, text: str) -> list[Event]:
+        self._cursor.text += text
+        self._resume()
+        return self._cursor.take()
+
+    def finish(self) -> list[Event]:
+        self._cursor.eof = True
+        self._resume()
+        return self._cursor.take()
+
+    def _resume(self) -> None:
+        if self._scan is None:
+            return
+        try:
+            next(self._scan)
+        except StopIteration:
+            self._scan = None  # what comes after the parser's format is not read
 
 
-def call_from_json(item: Any, *, args_key: str = "arguments") -> ParsedToolCall | None:
-    """A call from `{"name": ..., "arguments"|"parameters": {...}}`; None if not one."""
-    if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-        return None
-    args = item.get(args_key, item.get("parameters", item.get("arguments", {})))
-    if isinstance(args, str):  # some models write the arguments as a JSON string
-        return ParsedToolCall(item["name"], args)
-    return ParsedToolCall(item["name"], json.dumps(args, ensure_ascii=False))
+class ToolParser:
+    """A way of writing tool calls. Subclasses implement `scan`."""
+
+    name: str = ""
+
+    def scan(self, cursor: Cursor) -> Scan[None]:
+        """Read the output from the cursor, emitting what it recognises."""
+        raise NotImplementedError
+        yield  # a generator
+
+    def stream(self) -> CallStream:
+        return CallStream(self)
+
+    def parse(self, text: str) -> ParsedOutput:
+        """Content and calls of a finished output. An output whose calls did not all end
+        well (cut by max_tokens, arguments that are not JSON) is content, no calls: the
+        caller gets the text rather than a call it cannot run."""
+        stream = self.stream()
+        events = stream.feed(text) + stream.finish()
+        content = "".join(e.text for e in events if isinstance(e, ContentDelta))
+        headers = [e for e in events if isinstance(e, CallHeader)]
+        if not headers:
+            return ParsedOutput(text, [])
+        arguments = {h.index: "" for h in headers}
+        for e in events:
+            if isinstance(e, ArgumentsDelta):
+                arguments[e.index] += e.text
+        if stream.broken or not all(_is_json(a) for a in arguments.values()):
+            return ParsedOutput(text, [])
+        calls = [ParsedToolCall(h.name, arguments[h.index], h.id) for h in headers]
+        return ParsedOutput(content.strip() or None, calls)
 
 
-def partial_marker(text: str, marker: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:n]):
-            return n
-    return 0
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True

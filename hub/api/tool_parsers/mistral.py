@@ -3,47 +3,44 @@ or `[TOOL_CALLS]name[ARGS]{...}` repeated (newer tokenizers)."""
 
 from __future__ import annotations
 
-import json
-
-from hub.api.tool_parsers.base import (
-    ParsedOutput,
-    ParsedToolCall,
-    call_from_json,
-    partial_marker,
-)
+from hub.api.tool_parsers.base import ToolParser
+from hub.api.tool_parsers.calls import call_list, call_object
+from hub.api.tool_parsers.cursor import Cursor, NotACall, Scan
 
 MARKER, ARGS = "[TOOL_CALLS]", "[ARGS]"
 
 
-class MistralParser:
+class MistralParser(ToolParser):
     name = "mistral"
 
-    def start_index(self, text: str) -> int | None:
-        i = text.find(MARKER)
-        return i if i >= 0 else None
-
-    def could_start(self, text: str) -> int:
-        return partial_marker(text, MARKER)
-
-    def parse(self, text: str) -> ParsedOutput:
-        start = self.start_index(text)
-        if start is None:
-            return ParsedOutput(text, [])
-        content = text[:start].strip() or None
-        parts = [p.strip() for p in text[start:].split(MARKER) if p.strip()]
-        calls: list[ParsedToolCall] = []
-        for part in parts:
-            if ARGS in part:
-                name, _, args = part.partition(ARGS)
-                calls.append(ParsedToolCall(name.strip(), args.strip()))
-                continue
+    def scan(self, cursor: Cursor) -> Scan[None]:
+        index = 0
+        while (yield from cursor.content_until(MARKER)):
+            mark = cursor.pos - len(MARKER)
             try:
-                items = json.JSONDecoder().raw_decode(part)[0]
-            except ValueError:
-                return ParsedOutput(text, [])
-            for item in items if isinstance(items, list) else [items]:
-                call = call_from_json(item)
-                if call is None:
-                    return ParsedOutput(text, [])
-                calls.append(call)
-        return ParsedOutput(content, calls)
+                c = yield from cursor.skip_ws()
+                if c == "[":
+                    index += yield from call_list(cursor, index)
+                    continue
+                if c == "{":
+                    yield from call_object(cursor, index)
+                else:
+                    yield from _name_then_arguments(cursor, index)
+                index += 1
+            except NotACall:
+                cursor.flush_from(mark)
+
+
+def _name_then_arguments(cursor: Cursor, index: int) -> Scan[None]:
+    """`name[ARGS]{...}`: the header once `[ARGS]` closes the name, then the arguments."""
+    start = cursor.pos
+    while not (yield from cursor.accept(ARGS)):
+        c = yield from cursor.peek()
+        if c is None or not (c.isalnum() or c in "_-."):
+            raise NotACall("a function name is followed by [ARGS]")
+        cursor.pos += 1
+    name = cursor.text[start : cursor.pos - len(ARGS)]
+    if not name:
+        raise NotACall("[ARGS] without a function name")
+    cursor.start_call(index, name)
+    yield from cursor.arguments(index)

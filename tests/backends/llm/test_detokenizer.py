@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from backends.llm.detokenizer import IncrementalDetokenizer
+from backends.llm.detokenizer import IncrementalDetokenizer, token_bytes
 from backends.tiny import build_tokenizer
 
 TEXT = "The harbour town 日本語 woke 🙂 slowly; héllo wörld! 👩‍👩‍👧 end"
@@ -76,3 +76,19 @@ def test_special_tokens_are_skipped_unless_asked(tokenizer: Any) -> None:
     assert "".join(stream(tokenizer, ids)[0]) == "hi"
     kept = "".join(stream(tokenizer, ids, skip_special_tokens=False)[0])
     assert kept == "hi" + tokenizer.eos_token
+
+
+def test_a_character_cut_by_the_end_is_held_until_the_flush(tokenizer: Any) -> None:
+    """Only an output that really ends inside a character (max_tokens mid-way) shows
+    U+FFFD, once, at the flush: exactly what decoding all its ids at once gives."""
+    ids = tokenizer.encode("ab 🙂")
+    assert len(ids) >= 4 + 2  # the emoji is four byte tokens
+    deltas, _ = stream(tokenizer, ids[:-2])
+    assert deltas[-1] == "\ufffd" and not any("\ufffd" in d for d in deltas[:-1])
+    assert "".join(deltas) == tokenizer.decode(ids[:-2]) == "ab \ufffd"
+
+
+def test_token_bytes_are_the_tokens_own_and_join_into_characters(tokenizer: Any) -> None:
+    ids = tokenizer.encode(TEXT)
+    assert b"".join(token_bytes(tokenizer, i) for i in ids) == TEXT.encode()
+    assert token_bytes(tokenizer, tokenizer.encode("é")[0]) == "é".encode()[:1]

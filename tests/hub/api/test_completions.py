@@ -223,6 +223,21 @@ def test_streaming_with_the_openai_client_and_a_disconnect_frees_the_blocks(
         assert streamed == chat.choices[0].message.content
         assert deltas[-1].usage is not None and deltas[-1].choices == []
 
+        # Characters of several bytes arrive one byte token at a time (the tiny tokenizer
+        # has no merges for them): no delta shows half a character as U+FFFD.
+        wide = "日本語héllo🙂"
+        forced = {"model": "tiny", "messages": MESSAGES, "max_tokens": 40, "temperature": 0,
+                  "extra_body": {"guided_regex": wide}}  # fmt: skip
+        deltas = list(client.chat.completions.create(**forced, stream=True, logprobs=True))
+        pieces = [d.choices[0].delta.content or "" for d in deltas if d.choices]
+        whole_wide = client.chat.completions.create(**forced).choices[0].message.content
+        assert "".join(pieces) == whole_wide
+        assert "".join(pieces) == wide and not any("\ufffd" in p for p in pieces)
+        # Each token's logprob carries its own bytes, which join back into the characters.
+        tokens = [t for d in deltas if d.choices and d.choices[0].logprobs
+                  for t in d.choices[0].logprobs.content or []]  # fmt: skip
+        assert bytes(b for t in tokens for b in t.bytes).decode() == wide
+
         body = {
             "model": "tiny",
             "prompt": PROMPT,

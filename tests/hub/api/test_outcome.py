@@ -23,6 +23,7 @@ import hub
 import registry
 from backends.embedder import EmbedderBackend
 from backends.errors import BackendError, CapacityError, LoadError
+from backends.llm.engine import EngineStepError
 from backends.llm.isolation import RequestFailedError
 from hub.api.limits import RequestTooLarge
 from hub.app import create_app
@@ -75,6 +76,8 @@ def make(cls: type[BaseException]) -> BaseException:
         return HTTPException(status_code=418, detail="short and stout")
     if cls is RequestFailedError:
         return RequestFailedError("req-1", ValueError("boom"))
+    if cls is EngineStepError:  # unattributable: every request of the step ended
+        return EngineStepError(["req-1", "req-2"], RuntimeError("device lost"))
     if cls is RequestTooLarge:
         return RequestTooLarge(1024, 4096)
     return cls("boom")
@@ -102,7 +105,7 @@ def test_every_error_class_is_covered(classes: list[type[BaseException]]) -> Non
     # The classes the issue names, so a broken discovery cannot pass silently.
     assert {"LoadError", "InputError", "CapacityError", "BackendClosedError", "BadRequest",
             "Unavailable", "InjectedFault", "ValidationFailed", "NotFoundError",
-            "IntegrityError", "ConflictError"} <= names  # fmt: skip
+            "IntegrityError", "ConflictError", "EngineStepError"} <= names  # fmt: skip
 
 
 def test_metrics_and_answers_agree_for_every_error_class(
@@ -124,6 +127,7 @@ def test_metrics_and_answers_agree_for_every_error_class(
         assert client.post("/v1/embeddings", json=request).status_code == 200
         monkeypatch.setattr(EmbedderBackend, "embed", failing_embed)
         seen: dict[str, int] = {}
+        retry_after: str | None = None
         for cls in classes:
             raised.append(make(cls))
             before = counts(client)
@@ -138,12 +142,16 @@ def test_metrics_and_answers_agree_for_every_error_class(
                 if r.status_code >= 400 and isinstance(raised[-1], HubError | BackendError):
                     assert r.headers["X-Hub-Model-Version"] == "1", cls
             seen[cls.__name__] = r.status_code
+            if cls is EngineStepError:
+                retry_after = r.headers.get("Retry-After")
     # What a user notices, spelled out for the classes the issue calls out.
     assert seen["LoadError"] == 503  # was counted 500 while answered 503
     assert seen["VanishedVersion"] == 404  # a registry subclass was a 500
     assert seen["QueueOverflow"] == 503
     assert seen["InputError"] == 400
     assert seen["RuntimeError"] == 500
+    # The engine recovers from a step nobody's input explains: retry, not a server bug.
+    assert seen["EngineStepError"] == 503 and retry_after is not None and int(retry_after) >= 1
     assert seen["ClientGone"] == CLIENT_CLOSED
 
 

@@ -82,19 +82,30 @@ def test_text_and_json_schema_create_and_stream(client: Any) -> None:
 
 
 def test_function_tools_create_stream_and_call_outputs_in_the_input(client: Any) -> None:
-    required = client.responses.create(
-        model="tiny",
-        input="Weather in Paris?",
-        tools=[WEATHER_TOOL],
-        tool_choice="required",
-        max_output_tokens=120,
-        temperature=0,
-    )
-    calls = [item for item in required.output if item.type == "function_call"]
-    if required.status == "completed":
-        assert calls and all(c.name == "get_weather" for c in calls)
-        for c in calls:
-            jsonschema.validate(json.loads(c.arguments), SCHEMAS["get_weather"])
+    ask = {
+        "model": "tiny",
+        "input": "Weather in Paris?",
+        "tools": [WEATHER_TOOL],
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "max_output_tokens": 120,
+        "temperature": 0,
+    }
+    required = client.responses.create(**ask)
+    (whole,) = [item for item in required.output if item.type == "function_call"]
+    assert required.status == "completed" and whole.name == "get_weather"
+    jsonschema.validate(json.loads(whole.arguments), SCHEMAS["get_weather"])
+    # Streamed, a required call's arguments arrive in fragments as they are generated,
+    # after the item that announces the call.
+    with client.responses.stream(**ask) as stream:
+        events = list(stream)
+    kinds = [e.type for e in events]
+    added = kinds.index("response.output_item.added")
+    assert events[added].item.type == "function_call"
+    assert events[added].item.name == "get_weather" and events[added].item.arguments == ""
+    fragments = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert len(fragments) > 1 and kinds.index("response.function_call_arguments.delta") > added
+    assert "".join(fragments) == whole.arguments
 
     named = {"type": "function", "name": "get_weather"}
     with client.responses.stream(

@@ -273,26 +273,60 @@ def test_required_and_named_tool_calls_match_their_schemas(base: str) -> None:
     assert "".join(fragments) == call.function.arguments
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
 
-    streamed_required = list(
-        client.chat.completions.create(
-            model="tiny",
-            messages=ASK,
-            tools=[WEATHER],
-            tool_choice="required",
-            max_tokens=120,
-            temperature=0,
-            stream=True,
-        )
-    )
-    calls = [
-        c.choices[0].delta.tool_calls
-        for c in streamed_required
-        if c.choices and c.choices[0].delta.tool_calls
-    ]
-    if [c.choices[0].finish_reason for c in streamed_required if c.choices][-1] == "tool_calls":
-        assert calls[0][0].function.name == "get_weather" and calls[0][0].id
-        arguments = "".join(c[0].function.arguments or "" for c in calls)
-        jsonschema.validate(json.loads(arguments), SCHEMAS["get_weather"])
+    # Required calls stream as named ones do: parallel calls each with their own index,
+    # the same calls and arguments as the same request unstreamed.
+    strict = [{**t, "function": {**t["function"], "strict": True}} for t in (WEATHER, TIME)]
+    ask = {"model": "tiny", "messages": ASK, "tools": strict, "tool_choice": "required"}
+    sample = {"max_tokens": 300, "n": 6, "temperature": 1.0, "seed": 1}
+    chunks = list(client.chat.completions.create(**ask, **sample, stream=True))
+    streamed = streamed_calls(chunks)
+    finished = {c.index: c.finish_reason for k in chunks for c in k.choices if c.finish_reason}
+    whole_required = client.chat.completions.create(**ask, **sample)
+    for choice in whole_required.choices:
+        assert finished[choice.index] == choice.finish_reason
+        if choice.finish_reason != "tool_calls":
+            continue
+        calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+        assert calls == [(n, "".join(f)) for _, n, f in streamed[choice.index]]
+        assert all(len(f) > 1 for _, _, f in streamed[choice.index])  # not sent whole
+        for name, arguments in calls:
+            jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+    assert max(len(calls) for calls in streamed.values()) > 1, "no parallel calls to check"
+
+    # The SDK's stream helper (ChatCompletionStreamState) accumulates the deltas.
+    with client.chat.completions.stream(
+        **ask, parallel_tool_calls=False, max_tokens=120, n=3, temperature=1.0, seed=1
+    ) as stream:
+        chunks = [event.chunk for event in stream if event.type == "chunk"]
+        final = stream.get_final_completion()
+    streamed = streamed_calls(chunks)
+    for choice in final.choices:
+        assert choice.finish_reason == "tool_calls"
+        (call,) = choice.message.tool_calls
+        ((call_id, name, fragments),) = streamed[choice.index]
+        assert (call.id, call.function.name) == (call_id, name)
+        assert call.function.arguments == "".join(fragments)
+        assert call.function.parsed_arguments == json.loads(call.function.arguments)
+        jsonschema.validate(call.function.parsed_arguments, SCHEMAS[name])
+
+
+def streamed_calls(chunks: list[Any]) -> dict[int, list[tuple[str, str, list[str]]]]:
+    """Per choice, its calls as OpenAI streams them: (id, name, argument fragments). Checks
+    the shape: a call's first delta has its id, type and name with empty arguments, the
+    later ones only argument fragments; calls are numbered 0, 1, ... in order."""
+    calls: dict[int, list[tuple[str, str, list[str]]]] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            for delta in choice.delta.tool_calls or []:
+                mine = calls.setdefault(choice.index, [])
+                if delta.id is not None:
+                    assert delta.index == len(mine) and delta.type == "function"
+                    assert delta.function.name and delta.function.arguments == ""
+                    mine.append((delta.id, delta.function.name, []))
+                else:
+                    assert delta.index == len(mine) - 1 and delta.function.name is None
+                    mine[-1][2].append(delta.function.arguments)
+    return calls
 
 
 def test_auto_tool_calls_are_parsed_and_history_with_tool_turns_renders(
@@ -320,30 +354,48 @@ def test_auto_tool_calls_are_parsed_and_history_with_tool_turns_renders(
     assert call.function.name == "get_weather"
     assert json.loads(call.function.arguments) == {"city": "Paris", "unit": "c"}
 
+    # Streamed, with two parallel calls: content first, then each call with its own index,
+    # its header once the name is complete and its arguments in fragments as generated.
+    two = {
+        "guided_regex": forced["guided_regex"]
+        + r'\n<tool_call>\{"name": "get_time", "arguments": \{"zone": -3\}\}</tool_call>'
+    }
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=ASK,
+            tools=[WEATHER, TIME],
+            max_tokens=300,
+            temperature=0,
+            extra_body=two,
+            stream=True,
+        )
+    )
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == "Sure."
+    (calls,) = streamed_calls(chunks).values()
+    assert [(name, json.loads("".join(f))) for _, name, f in calls] == [
+        ("get_weather", {"city": "Paris", "unit": "c"}),
+        ("get_time", {"zone": -3}),
+    ]
+    assert all(len(f) > 1 for _, _, f in calls)
+    # A false start (`<tool_call>` then no call) is content, streamed and not.
+    false_start = {"guided_regex": r"<tool_call>oops</tool_call>"}
     chunks = list(
         client.chat.completions.create(
             model="tiny",
             messages=ASK,
             tools=[WEATHER],
-            max_tokens=80,
+            max_tokens=40,
             temperature=0,
-            extra_body=forced,
+            extra_body=false_start,
             stream=True,
         )
     )
+    assert not streamed_calls(chunks)
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert content == "Sure."
-    calls = [
-        c.choices[0].delta.tool_calls[0]
-        for c in chunks
-        if c.choices and c.choices[0].delta.tool_calls
-    ]
-    assert calls[0].function.name == "get_weather" and calls[0].function.arguments == ""
-    assert json.loads("".join(c.function.arguments for c in calls)) == {
-        "city": "Paris",
-        "unit": "c",
-    }
-    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    assert content == "<tool_call>oops</tool_call>"
 
     # tool_choice none: plain text, no calls parsed even if the text looks like one.
     none = client.chat.completions.create(

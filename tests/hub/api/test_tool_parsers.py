@@ -1,5 +1,6 @@
 """Tool-call parsers per model family, their choice from the runtime config or the chat
-template, and the streaming of parsed calls in OpenAI's delta shape."""
+template, and the streaming of parsed calls in OpenAI's delta shape: decided as the text
+arrives, the same calls and content whatever the deltas' sizes."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import json
 
 import pytest
 
-from hub.api.tool_parsers import parser_for
+from hub.api.tool_parsers import ToolParser, parser_for
+from hub.api.tool_parsers.constrained import RequiredCalls
 from hub.api.tool_parsers.hermes import HermesParser
 from hub.api.tool_parsers.llama3 import Llama3JsonParser
 from hub.api.tool_parsers.mistral import MistralParser
@@ -70,3 +72,67 @@ def test_auto_stream_sends_content_then_the_call_header_then_arguments() -> None
     assert header["function"] == {"name": "f", "arguments": ""}
     assert json.loads(arguments["function"]["arguments"]) == {"a": 1}
     assert "id" not in arguments and len(stream.calls) == 1
+
+
+def streamed(parser: ToolParser, pieces: list[str], parallel: bool = True) -> list[dict]:
+    stream = ToolStream(ToolPlan("auto", [], parser=parser), parallel)
+    return [d for i, p in enumerate(pieces) for d in stream.push(p, i == len(pieces) - 1)]
+
+
+def assembled(deltas: list[dict]) -> tuple[str, list[tuple[str, object]]]:
+    """Content and (name, arguments) per call, as a client accumulates the deltas."""
+    content, calls = "", []
+    for d in deltas:
+        content += d.get("content", "")
+        for call in d.get("tool_calls", []):
+            if "id" in call:
+                assert call["index"] == len(calls) and call["function"]["arguments"] == ""
+                calls.append([call["function"]["name"], ""])
+            else:
+                assert call["index"] == len(calls) - 1
+                calls[-1][1] += call["function"]["arguments"]
+    return content, [(n, json.loads(a)) for n, a in calls]
+
+
+@pytest.mark.parametrize(
+    ("parser", "text"),
+    [
+        (HermesParser(), 'Hi <b>\n<tool_call>\n{"name": "f", "arguments": {"s": "}\\"{"}}\n'
+         '</tool_call>\n<tool_call>{"arguments": {"z": [1, 2]}, "name": "g"}</tool_call>'),
+        (Llama3JsonParser(), ' <|python_tag|>{"name": "f", "parameters": {"a": 1}}; '
+         '{"name": "g", "parameters": {"b": "x"}}'),
+        (MistralParser(), 'Ok [TOOL_CALLS] [{"name": "f", "arguments": {"a": 1}}, '
+         '{"name": "g", "arguments": {}}]'),
+        (MistralParser(), '[TOOL_CALLS]f[ARGS]{"a": 1}[TOOL_CALLS]g[ARGS]{"b": null}'),
+        (RequiredCalls(), '[{"name": "f", "arguments": {"a": -1.5}}, {"name": "g", '
+         '"arguments": {"t": true}}]'),
+    ],
+)  # fmt: skip
+def test_streaming_any_split_gives_the_parse_of_the_whole(parser: ToolParser, text: str) -> None:
+    whole = parser.parse(text)
+    assert [c.name for c in whole.tool_calls] == ["f", "g"]
+    expected = [(c.name, json.loads(c.arguments)) for c in whole.tool_calls]
+    for size in (1, 3, 7, len(text)):
+        deltas = streamed(parser, [text[i : i + size] for i in range(0, len(text), size)])
+        content, calls = assembled(deltas)
+        assert calls == expected, size
+        assert content.strip() == (whole.content or "")
+    # One character at a time, the arguments go out as they arrive, not once complete.
+    fragments = [d for d in streamed(parser, list(text)) if "tool_calls" in d]
+    assert len(fragments) > 2 * len(expected)
+    # One call asked for: the later ones are not sent.
+    assert assembled(streamed(parser, list(text), parallel=False))[1] == expected[:1]
+
+
+def test_false_starts_stream_as_content() -> None:
+    for parser, text in [
+        (HermesParser(), "a <tool_call>oops</tool_call> b"),
+        (HermesParser(), 'x <tool_call>{"city": "Paris"}</tool_call>'),
+        (HermesParser(), '<tool_call>{"name": "get_we'),  # cut before the name was whole
+        (Llama3JsonParser(), '  {"answer": 42}'),
+        (Llama3JsonParser(), "Hello {not json"),
+        (MistralParser(), "see [TOOL_CALLS] later"),
+    ]:
+        for pieces in (list(text), [text]):
+            assert assembled(streamed(parser, pieces)) == (text, []), (parser.name, text)
+        assert parser.parse(text).tool_calls == [] and parser.parse(text).content == text
