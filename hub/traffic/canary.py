@@ -293,6 +293,12 @@ class CanaryController:
             revisions=canary.step_index + 1,
             local_revision=policy.revision if policy is not None else 0,
         )
+        if not totals.shared:  # a decision on this replica's share alone would be wrong
+            return Analysis(
+                "wait",
+                "the database did not answer: the other replicas' traffic is unknown for now",
+                {"step_index": canary.step_index, "weight": canary.weight},
+            )
         ours = totals.arm(str(canary.canary_version))
         base = totals.arm(str(canary.baseline_version))
         scope = "step"
