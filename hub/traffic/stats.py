@@ -37,6 +37,9 @@ class ShadowSample:
 
 # (model, version label, policy revision)
 TallyKey = tuple[str, str, int]
+# Policy revisions per model whose tallies this process keeps: readouts read one, a canary
+# one per step (a canary of more steps would see only other replicas' share of its oldest).
+KEPT_REVISIONS = 32
 
 
 class TrafficStats:
@@ -77,8 +80,19 @@ class TrafficStats:
         tally = self._tallies.get(key)
         if tally is None:
             tally = self._tallies[key] = Tally()
+            self._forget_old_revisions(model, revision)
         tally.add(latency_s=latency_s, error=error, routed=routed, tokens=tokens)
         self._dirty.add(key)
+
+    def _forget_old_revisions(self, model: str, revision: int) -> None:
+        """Readouts read the current revision and canaries one per step: tallies older than
+        KEPT_REVISIONS are dropped once flushed (their rows stay in SQL), so a long-lived
+        process whose policies change often does not grow without bound."""
+        oldest = revision - KEPT_REVISIONS
+        stale = [k for k in self._tallies if k[0] == model and k[2] <= oldest]
+        for key in stale:
+            if key not in self._dirty:
+                del self._tallies[key]
 
     def record_shadow(
         self,

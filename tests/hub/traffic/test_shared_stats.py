@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 from hub.sql_worker import SqlWorker
 from hub.traffic.metrics import TrafficMetrics
 from hub.traffic.shared import SharedStats
-from hub.traffic.stats import TrafficStats
+from hub.traffic.stats import KEPT_REVISIONS, TrafficStats
 from registry.db import Database, upgrade
 from registry.replicas import membership_engine
 from registry.schema import RegisteredModel
@@ -76,3 +76,14 @@ async def test_an_outage_only_delays_flushes(tmp_path: Path) -> None:
     assert totals.arm("1").requests == 7 and totals.replicas == ["r1"] and totals.shared
     shared.sql.shutdown()
     engine.dispose()
+
+
+def test_old_revisions_are_forgotten_once_flushed() -> None:
+    stats = TrafficStats(100)
+    stats.record("emb", "1", revision=1, latency_s=0.01, error=False, routed=True, tokens=0)
+    stats.changed()  # flushed
+    stats.record("emb", "1", revision=2, latency_s=0.01, error=False, routed=True, tokens=0)
+    far = 2 + KEPT_REVISIONS
+    stats.record("emb", "1", revision=far, latency_s=0.01, error=False, routed=True, tokens=0)
+    # Revision 1 was flushed and is out of reach; revision 2 still waits for its flush.
+    assert set(stats.tallies("emb", range(0, far + 1))) == {("1", 2), ("1", far)}
