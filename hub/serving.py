@@ -17,7 +17,6 @@ status the error answer carries too.
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -107,7 +106,7 @@ class Serving:
             )
         labels = (route.name, str(route.version), endpoint)
         served = self.traffic.begin(route)
-        start = time.perf_counter()
+        start = self.traffic.timer.now()
         status = 200
         try:
             await self.traffic.inject_faults(route)
@@ -129,7 +128,7 @@ class Serving:
                 e.served_by = route.label
             raise
         finally:
-            elapsed = time.perf_counter() - start
+            elapsed = self.traffic.timer.now() - start
             self.metrics.requests.labels(*labels, str(status)).inc()
             self.metrics.request_seconds.labels(*labels).observe(elapsed)
             # A client that went away says nothing about the model: not recorded as a sample.

@@ -160,7 +160,7 @@ class RegistrySettings(_Section):
 
 
 class TrafficSettings(_Section):
-    """Versioned routing: shadow traffic, per-version statistics and canaries (per process)."""
+    """Versioned routing: shadow traffic, per-version statistics shared through SQL, canaries."""
 
     # Mirror jobs waiting for a shadow worker; when full, new mirrors are dropped (counted),
     # never waited for.
@@ -172,11 +172,22 @@ class TrafficSettings(_Section):
     # a mirror that found none within shadow_max_wait is dropped (counted).
     shadow_when_idle: bool = True
     shadow_max_wait: Seconds = Field(default=5.0, gt=0)
-    # Samples kept in memory per model version (latency, error, tokens) for readouts and
-    # canary analysis; the oldest are forgotten first.
+    # Shadow samples kept in memory per shadow version for the readout's shadow section;
+    # the oldest are forgotten first.
     sample_window: int = Field(default=10_000, ge=100)
     # How often the canary controller looks at running canaries.
     canary_tick: Seconds = Field(default=1.0, gt=0)
+    # How often this replica writes its per-version traffic counts and latency histograms
+    # to SQL, where readouts and canaries add up every replica's (issue 13).
+    stats_flush_interval: Seconds = Field(default=2.0, gt=0)
+    # Rows of traffic statistics not rewritten for this long are deleted.
+    stats_retention: Seconds = Field(default=7 * 24 * 3600.0, gt=0)
+    # The longest one flush, statistics read or lease call may wait for the database.
+    sql_timeout: Seconds = Field(default=3.0, gt=0)
+    # One replica at a time analyses a canary, holding a lease it renews each tick (and
+    # during a long validation gate); if it dies, another takes the canary over this long
+    # after its last renewal. Keep it a few times canary_tick.
+    canary_lease: Seconds = Field(default=15.0, gt=0)
     # Below this many requests per version a readout reports "insufficient data" instead of
     # a p-value.
     min_samples: int = Field(default=30, ge=2)

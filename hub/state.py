@@ -14,7 +14,7 @@ from hub.manager import Device, ModelManager, VersionLoader
 from hub.metrics import HubMetrics
 from hub.promotion import Promoter
 from hub.reconciler import Reconciler
-from hub.replicas import Membership
+from hub.replicas import Membership, replica_id
 from hub.routing import Router
 from hub.serving import Serving
 from hub.settings import HubSettings
@@ -98,6 +98,8 @@ class Hub:
             promoter,
             metrics.registry,
             require_staging=reg.require_staging,
+            database_url=settings.database_url,
+            replica=replica_id(settings),
         )
         return cls(
             settings=settings,

@@ -234,3 +234,49 @@ class Replica(Base):
     host_free_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     # Requests in flight plus requests waiting for a model to load.
     queue_depth: Mapped[int] = mapped_column(Integer, default=0)
+
+
+class TrafficStatsRow(Base):
+    """One hub process's traffic to one model version under one revision of the model's
+    traffic policy: cumulative counts and a latency histogram, rewritten by that process
+    every few seconds. Readouts and canaries add up the rows of every process (a replica
+    that died keeps its last flushed row; a restarted one writes new rows under a new
+    `incarnation`)."""
+
+    __tablename__ = "hub_traffic_stats"
+    __table_args__ = (
+        UniqueConstraint("incarnation", "model_id", "version_label", "policy_revision"),
+        Index("ix_hub_traffic_stats_model_revision", "model_id", "policy_revision"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    model_id: Mapped[int] = mapped_column(ForeignKey("hub_models.id", ondelete="CASCADE"))
+    # As the readout names versions: "3", or "other@3" for a version of another model.
+    version_label: Mapped[str] = mapped_column(String(200))
+    # The traffic policy's revision the process served under (0: no policy was ever set).
+    policy_revision: Mapped[int] = mapped_column(Integer)
+    replica: Mapped[str] = mapped_column(String(200))
+    # Unique per process start, so a restarted replica never overwrites its old counts.
+    incarnation: Mapped[str] = mapped_column(String(64))
+    requests: Mapped[int] = mapped_column(BigInteger, default=0)
+    routed: Mapped[int] = mapped_column(BigInteger, default=0)
+    errors: Mapped[int] = mapped_column(BigInteger, default=0)
+    tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    # Seconds spent on successful requests (tokens per second = tokens / busy_s).
+    busy_s: Mapped[float] = mapped_column(Float, default=0.0)
+    # {bucket index: count} of successful requests' latencies, see hub.traffic.histogram.
+    latency: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    updated_at: Mapped[dt.datetime] = mapped_column(default=utcnow, index=True)
+
+
+class Lease(Base):
+    """A named lease held by one replica until `expires_at` (renewed while it works): one
+    canary analyst at a time (`canary:<model>`). A replica that dies stops renewing and
+    another takes the lease over once it has expired."""
+
+    __tablename__ = "hub_leases"
+
+    name: Mapped[str] = mapped_column(String(200), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(200))
+    expires_at: Mapped[dt.datetime] = mapped_column()
+    acquired_at: Mapped[dt.datetime] = mapped_column()

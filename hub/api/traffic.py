@@ -223,13 +223,19 @@ async def readout(
     settings: SettingsDep,
 ) -> ReadoutPublic:
     """Per-version requests, errors, latency and tokens per second, a sample-ratio check and
-    comparisons with the baseline; from this hub process's samples."""
+    comparisons with the baseline; summed over every replica (`replicas` lists those that
+    contributed)."""
     view = catalog.model(name)
     canary = await traffic.canaries.status(name)
+    policy = traffic.policy(name)
+    totals = await traffic.shared.totals(
+        name, revisions=1, local_revision=policy.revision if policy is not None else 0
+    )
     doc = build_readout(
         view,
-        traffic.policy(name),
+        policy,
         routes.table(name),
+        totals,
         traffic.stats,
         traffic.shadow,
         min_samples=settings.traffic.min_samples,

@@ -95,6 +95,8 @@ class ReadoutPublic(BaseModel):
     model: str
     kind: str
     scope: str
+    # Replicas whose traffic the numbers add up.
+    replicas: list[str]
     window_truncated: bool
     policy_revision: int
     versions: list[ReadoutVersion]

@@ -22,7 +22,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from prometheus_client import CollectorRegistry
 
@@ -32,6 +32,7 @@ from hub.replicas.identity import advertise_url, replica_id
 from hub.replicas.metrics import ReplicaMetrics
 from hub.replicas.report import build_beat, queue_depth
 from hub.settings import HubSettings, ReplicaSettings
+from hub.sql_worker import consume, failure_reason
 from registry.replicas import ReplicaBeat, ReplicaBook, ReplicaView
 
 log = logging.getLogger(__name__)
@@ -141,7 +142,7 @@ class Membership:
         future = asyncio.get_running_loop().run_in_executor(
             self._executor, lambda: self.book.beat(beat, restarted=first, expire_after=expire_after)
         )
-        future.add_done_callback(_consume)
+        future.add_done_callback(consume)
         self._pending = future
         try:
             async with asyncio.timeout(self.settings.sql_timeout):
@@ -177,19 +178,10 @@ class Membership:
 
     async def _in_thread(self, call: Callable[[], T]) -> T:
         future = asyncio.get_running_loop().run_in_executor(self._executor, call)
-        future.add_done_callback(_consume)
+        future.add_done_callback(consume)
         async with asyncio.timeout(self.settings.sql_timeout):
             return await asyncio.shield(future)
 
 
-def _consume(future: asyncio.Future[Any]) -> None:
-    # An abandoned call's error is reported where it was awaited; keep asyncio from logging
-    # "exception was never retrieved" when it finally returns.
-    if not future.cancelled():
-        future.exception()
-
-
 def _reason(e: BaseException) -> str:
-    if isinstance(e, TimeoutError):
-        return "no answer within replica.sql_timeout"
-    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
+    return failure_reason(e, "replica.sql_timeout")

@@ -3,22 +3,25 @@ promote it to production after the last step.
 
 State lives in SQL (`registry.canaries`); this controller only decides. Every `tick(now)`
 (the loop calls it each `traffic.canary_tick` seconds; tests call it with their own clock)
-looks at each running canary. Once the step's interval has elapsed and the canary has at
-least `min_requests` in the step's window, `judge_step` (hub.traffic.canary_analysis)
-compares it with the baseline: its error rate, significantly worse than the baseline's and
-above `max_error_rate`, or its p95 latency ratio above `max_latency_ratio`, is a breach.
+looks at each running canary whose analyst lease this replica holds (hub.traffic.analyst:
+one replica at a time analyses a canary; another takes over, at the recorded step, when it
+dies). Once the step's interval has elapsed and the canary has at least `min_requests` in
+the step, `judge_step` (hub.traffic.canary_analysis) compares it with the baseline: its
+error rate, significantly worse than the baseline's and above `max_error_rate`, or its
+latency, significantly higher (Mann-Whitney U) with a median above `max_latency_ratio`
+times the baseline's, is a breach.
 
 A breach sets the split to 100% baseline and the state to `rolled_back` with the reason.
 Otherwise the canary advances to the next step; after the last one it is promoted through
 `Promoter.promote(..., to="production")` (validation gate and audit event included) and the
-split is cleared. Each transition is a compare-and-set on the step, so replicas sharing the
-database never apply one twice.
+split is cleared. Each transition is a compare-and-set on the step, so even two analysts
+(a lease that lapsed during a partition) never apply one twice.
 
-Windows are in memory (per process): the canary arm's window starts when this process saw
-the step begin; the baseline's is the step's too, or, when the baseline gets too little
-traffic in the step (at 100%), everything it served since this process started watching the
-canary. A restarted hub resumes running canaries at their stored step with fresh windows;
-with no baseline samples at all only the absolute error-rate threshold is checked.
+Windows are traffic-policy revisions, summed over every replica (hub.traffic.shared): each
+step writes the split once, so the step's window is the current revision; the baseline's
+is the step's too, or, when it gets too little traffic in the step (at 100%), every
+revision since the canary started. A restarted or new analyst sees what every replica
+flushed; with no baseline traffic at all only the absolute error-rate threshold is checked.
 """
 
 from __future__ import annotations
@@ -28,29 +31,20 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from hub.control import Control
 from hub.errors import BadRequest, Conflict, HubError, NotFound
 from hub.promotion import Promoter
+from hub.traffic.analyst import AnalystLease
 from hub.traffic.canary_analysis import Analysis, judge_step
 from hub.traffic.metrics import TrafficMetrics
-from hub.traffic.stats import TrafficStats
+from hub.traffic.shared import SharedStats
 from registry.canaries import CanarySpec
 from registry.errors import RegistryError
 from registry.views import CanaryView, SplitView
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Watch:
-    """What this process has observed of one canary: cursors into the sample windows."""
-
-    step_index: int
-    step_since: int
-    canary_since: int
 
 
 class CanaryController:
@@ -59,16 +53,18 @@ class CanaryController:
     Contract: `start`, `abort` and `status` are the commands (400/404/409 with the reason);
     `tick(now)` looks at each running canary once and returns what happened to it
     ("observing", "waiting", "advanced", "rolled_back", "promoted", "aborted", "raced",
-    "failed"). The decision itself is `judge_step` (pure); this class keeps the per-process
-    sample windows and applies transitions through `Control`, each a compare-and-set that
-    refreshes this hub's catalog when it happened.
+    "failed", or "standby" when another replica holds its lease). The decision itself is
+    `judge_step` (pure); this class reads the shared statistics, holds the lease and applies
+    transitions through `Control`, each a compare-and-set that refreshes this hub's catalog
+    when it happened.
     """
 
     def __init__(
         self,
         control: Control,
         promoter: Promoter,
-        stats: TrafficStats,
+        shared: SharedStats,
+        lease: AnalystLease,
         metrics: TrafficMetrics,
         *,
         require_staging: bool,
@@ -78,14 +74,16 @@ class CanaryController:
         self.control = control
         self.catalog = control.catalog
         self.promoter = promoter
-        self.stats = stats
+        self.shared = shared
+        self.lease = lease
         self.metrics = metrics
         self.require_staging = require_staging
         self.tick_interval = tick_interval
         self.clock = clock
         # Completed ticks; tests and probes use it as a logical clock.
         self.ticks = 0
-        self._watches: dict[int, _Watch] = {}
+        # Canaries this process has seen running (to set the weight gauge once).
+        self._seen: set[int] = set()
         self._analyses: dict[int, Analysis] = {}
         self._lock = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
@@ -117,8 +115,7 @@ class CanaryController:
         canary = await self.control.start_canary(
             name, version, baseline=baseline, spec=spec, actor=actor, now=self.clock()
         )
-        cursor = self.stats.cursor()
-        self._watches[canary.id] = _Watch(canary.step_index, cursor, cursor)
+        self._seen.add(canary.id)
         self.metrics.canary_weight.labels(name, str(version)).set(canary.weight)
         log.info(
             "canary of %s v%d against v%d started by %s: steps %s every %.0fs",
@@ -190,6 +187,7 @@ class CanaryController:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        await self.lease.release_all()  # a peer takes over at its next tick
 
     async def _loop(self) -> None:
         while True:
@@ -205,8 +203,12 @@ class CanaryController:
             now = self.clock() if now is None else now
             outcomes: dict[str, str] = {}
             for canary in await self.control.running_canaries():
+                if not await self.lease.hold(canary.model):
+                    outcomes[canary.model] = "standby"
+                    continue
                 try:
-                    outcomes[canary.model] = await self._tick_one(canary, now)
+                    async with self.lease.keep(canary.model):
+                        outcomes[canary.model] = await self._tick_one(canary, now)
                 except Exception:
                     log.exception("canary of %s: tick failed", canary.model)
                     outcomes[canary.model] = "failed"
@@ -214,7 +216,11 @@ class CanaryController:
             return outcomes
 
     async def _tick_one(self, canary: CanaryView, now: float) -> str:
-        watch = self._watch(canary)
+        if canary.id not in self._seen:  # first seen by this process (a restart, a takeover)
+            self._seen.add(canary.id)
+            self.metrics.canary_weight.labels(canary.model, str(canary.canary_version)).set(
+                canary.weight
+            )
         if canary.step_index >= len(canary.steps):
             return await self._promote(canary)  # a promotion interrupted (restart) resumes
         model = self.catalog.snapshot.models.get(canary.model)
@@ -241,7 +247,7 @@ class CanaryController:
             return "aborted" if done else "raced"
         if now - canary.step_started_at < canary.interval_s:
             return "observing"
-        analysis = self.analyse(canary, watch)
+        analysis = await self.analyse(canary)
         self._analyses[canary.id] = analysis
         check = {
             "at": now,
@@ -261,8 +267,6 @@ class CanaryController:
         )
         if advanced is None:
             return "raced"
-        cursor = self.stats.cursor()
-        self._watches[canary.id] = _Watch(advanced.step_index, cursor, watch.canary_since)
         self.metrics.canary_decisions.labels(canary.model, "advance").inc()
         if advanced.step_index >= len(advanced.steps):
             return await self._promote(advanced)
@@ -279,29 +283,29 @@ class CanaryController:
         )
         return "advanced"
 
-    def _watch(self, canary: CanaryView) -> _Watch:
-        watch = self._watches.get(canary.id)
-        cursor = self.stats.cursor()
-        if watch is None:  # first seen by this process (a restart, or another replica's)
-            watch = self._watches[canary.id] = _Watch(canary.step_index, cursor, cursor)
-            self.metrics.canary_weight.labels(canary.model, str(canary.canary_version)).set(
-                canary.weight
-            )
-        elif watch.step_index != canary.step_index:  # another replica advanced it
-            watch.step_index, watch.step_since = canary.step_index, cursor
-        return watch
-
     # ---- analysis -----------------------------------------------------------------------
-    def analyse(self, canary: CanaryView, watch: _Watch) -> Analysis:
-        """Compare canary and baseline over the current step's window."""
-        name, need = canary.model, canary.min_requests
-        ours = self.stats.since(name, str(canary.canary_version), watch.step_since).samples
-        base = self.stats.since(name, str(canary.baseline_version), watch.step_since).samples
+    async def analyse(self, canary: CanaryView) -> Analysis:
+        """Compare canary and baseline over the current step, every replica's traffic."""
+        policy = self.catalog.snapshot.traffic.get(canary.model)
+        totals = await self.shared.totals(
+            canary.model,
+            # Starting the canary wrote its first revision, each step one more.
+            revisions=canary.step_index + 1,
+            local_revision=policy.revision if policy is not None else 0,
+        )
+        if not totals.shared:  # a decision on this replica's share alone would be wrong
+            return Analysis(
+                "wait",
+                "the database did not answer: the other replicas' traffic is unknown for now",
+                {"step_index": canary.step_index, "weight": canary.weight},
+            )
+        ours = totals.arm(str(canary.canary_version))
+        base = totals.arm(str(canary.baseline_version))
         scope = "step"
-        if len(base) < need:
-            base = self.stats.since(name, str(canary.baseline_version), watch.canary_since).samples
-            scope = "canary" if len(base) >= need else "none"
-        return judge_step(canary, ours, base, baseline_window=scope)
+        if base.requests < canary.min_requests:
+            base = totals.arm(str(canary.baseline_version), current_only=False)
+            scope = "canary" if base.requests >= canary.min_requests else "none"
+        return judge_step(canary, ours, base, baseline_window=scope, replicas=totals.replicas)
 
     # ---- transitions --------------------------------------------------------------------
     @staticmethod
@@ -322,7 +326,8 @@ class CanaryController:
         )  # fmt: skip
         if done is None:
             return None
-        self._watches.pop(canary.id, None)
+        self._seen.discard(canary.id)
+        await self.lease.release(canary.model)
         self.metrics.canary_weight.labels(canary.model, str(canary.canary_version)).set(0)
         decision = {"promoted": "promote", "rolled_back": "rollback", "aborted": "abort"}[state]
         self.metrics.canary_decisions.labels(canary.model, decision).inc()

@@ -1,14 +1,18 @@
-"""One canary step judged: the canary's window against the baseline's, with the thresholds.
+"""One canary step judged: the canary's tally against the baseline's, with the thresholds.
 
-Pure: it takes the samples and returns a decision (`wait`, `pass` or `breach`), the reason in
-words and the figures it used (stored with the canary as its last check).
+Pure: it takes the two tallies (every replica's traffic, summed) and returns a decision
+(`wait`, `pass` or `breach`), the reason in words and the figures it used (stored with the
+canary as its last check).
 
 - errors: a breach when the canary's error rate is above `max_error_rate` *and* a one-sided
   two-proportion z-test says it fails more often than the baseline (p < 0.05), so a bad
-  moment shared by both versions does not blame the canary; with no baseline samples at all
-  (a restarted hub at a 100% step) the absolute threshold decides alone;
-- latency: a breach when the ratio of p95 latencies of successful requests (canary over
-  baseline) is above `max_latency_ratio`.
+  moment shared by both versions does not blame the canary; with no baseline traffic at all
+  only the absolute threshold decides;
+- latency: as Kayenta judges it, a breach when a Mann-Whitney U test on the latency
+  histograms says the canary is slower (one-sided p < 0.05) *and* the effect is large: its
+  median latency above `max_latency_ratio` times the baseline's. The test is the readout's
+  (`hub.traffic.significance.mann_whitney`). A busy CPU slows both versions alike and
+  stretches the tails, which is why neither a bare p95 ratio nor the test alone decides.
 """
 
 from __future__ import annotations
@@ -16,11 +20,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hub.traffic.significance import percentiles, two_proportions
-from hub.traffic.stats import Sample
+from hub.traffic.histogram import Tally
+from hub.traffic.significance import mann_whitney, two_proportions
 from registry.views import CanaryView
 
-# One-sided significance for "the canary fails more often than the baseline".
+# One-sided significance for "the canary fails more often / is slower than the baseline".
 CANARY_ALPHA = 0.05
 
 
@@ -31,47 +35,53 @@ class Analysis:
     check: dict[str, Any]
 
 
-def _arm(samples: list[Sample]) -> dict[str, Any]:
-    ok = [s.latency_s for s in samples if not s.error]
-    errors = len(samples) - len(ok)
-    p95 = percentiles(ok)["p95"]
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 3)
+
+
+def _arm(tally: Tally) -> dict[str, Any]:
     return {
-        "requests": len(samples),
-        "errors": errors,
-        "error_rate": round(errors / len(samples), 6) if samples else None,
-        "p95_ms": None if p95 is None else round(p95 * 1000, 3),
+        "requests": tally.requests,
+        "errors": tally.errors,
+        "error_rate": round(tally.errors / tally.requests, 6) if tally.requests else None,
+        "p50_ms": _ms(tally.latency.quantile(0.50)),
+        "p95_ms": _ms(tally.latency.quantile(0.95)),
     }
 
 
 def judge_step(
-    canary: CanaryView, ours: list[Sample], base: list[Sample], *, baseline_window: str
+    canary: CanaryView,
+    ours: Tally,
+    base: Tally,
+    *,
+    baseline_window: str,
+    replicas: list[str] | None = None,
 ) -> Analysis:
-    """`ours`: the canary's samples in this step; `base`: the baseline's, from the window
-    named by `baseline_window` ("step", "canary" or "none" when it has too few)."""
+    """`ours`: the canary's traffic in this step; `base`: the baseline's, from the window
+    named by `baseline_window` ("step", "canary", or "none" when it has too little);
+    `replicas`: the replicas whose traffic the tallies add up."""
     need, scope = canary.min_requests, baseline_window
     check: dict[str, Any] = {
         "step_index": canary.step_index,
         "weight": canary.weight,
+        "replicas": list(replicas or []),
         "canary": _arm(ours),
         "baseline": {**_arm(base), "window": scope},
     }
-    if len(ours) < need:
+    if ours.requests < need:
         return Analysis(
             "wait",
-            f"canary v{canary.canary_version} has {len(ours)} of "
+            f"canary v{canary.canary_version} has {ours.requests} of "
             f"{need} requests needed in this step",
             check,
         )
     breaches = []
-    errors = sum(1 for s in ours if s.error)
-    rate = errors / len(ours)
+    rate = ours.errors / ours.requests
     if scope == "none":
         worse = True  # nothing to compare with: the absolute threshold decides alone
         check["error_test"] = None
     else:
-        test = two_proportions(
-            errors, len(ours), sum(1 for s in base if s.error), len(base), min_n=need
-        )
+        test = two_proportions(ours.errors, ours.requests, base.errors, base.requests, min_n=need)
         check["error_test"] = test.as_dict()
         worse = (test.extra or {}).get("p_worse", 1.0) < CANARY_ALPHA
     if rate > canary.max_error_rate and worse:
@@ -79,20 +89,26 @@ def judge_step(
             f"error rate {rate:.1%} is above {canary.max_error_rate:.1%}"
             + ("" if scope == "none" else " and significantly above the baseline's")
         )
-    ours_p95, base_p95 = check["canary"]["p95_ms"], check["baseline"]["p95_ms"]
     ratio = None
-    if ours_p95 is not None and base_p95 is not None and scope != "none" and base_p95 > 0:
-        ratio = ours_p95 / base_p95
-        if ratio > canary.max_latency_ratio:
-            breaches.append(
-                f"p95 latency {ours_p95:.1f} ms is {ratio:.2f}x the baseline's "
-                f"{base_p95:.1f} ms (limit {canary.max_latency_ratio:g}x)"
-            )
-    check["latency_ratio_p95"] = None if ratio is None else round(ratio, 4)
+    check["latency_test"] = None
+    if scope != "none":
+        latency = mann_whitney(ours.latency, base.latency, min_n=need)
+        check["latency_test"] = latency.as_dict()
+        extra = latency.extra or {}
+        if latency.p_value is not None:
+            ratio = extra["median_ratio"]
+            if extra["p_slower"] < CANARY_ALPHA and ratio > canary.max_latency_ratio:
+                breaches.append(
+                    f"latency is significantly higher (Mann-Whitney U, one-sided p = "
+                    f"{extra['p_slower']:.2g}): median {check['canary']['p50_ms']:.1f} ms is "
+                    f"{ratio:.2f}x the baseline's {check['baseline']['p50_ms']:.1f} ms "
+                    f"(limit {canary.max_latency_ratio:g}x)"
+                )
+    check["latency_ratio_median"] = ratio
     at = f"at {canary.weight:g}% (step {canary.step_index + 1} of {len(canary.steps)})"
     if breaches:
         return Analysis(
             "breach", f"canary v{canary.canary_version} {at}: " + "; ".join(breaches), check
         )
-    latency = "" if ratio is None else f", p95 ratio {ratio:.2f}"
-    return Analysis("pass", f"{at}: error rate {rate:.1%}{latency}", check)
+    latency_note = "" if ratio is None else f", median latency ratio {ratio:.2f}"
+    return Analysis("pass", f"{at}: error rate {rate:.1%}{latency_note}", check)

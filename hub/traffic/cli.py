@@ -187,7 +187,7 @@ def canary_abort(
 
 
 def readout(name: str, url: UrlOpt = DEFAULT_URL, key: KeyOpt = None) -> None:
-    """Per-version requests, errors, latency, tokens/s and tests for NAME (this hub process)."""
+    """Per-version requests, errors, latency, tokens/s and tests for NAME (every replica's)."""
     _print(_call("GET", f"/admin/traffic/{name}/readout", url, key))
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 from hub.errors import Unavailable
 from hub.routing import Route
@@ -23,10 +24,25 @@ class InjectedFault(Unavailable):
     """The traffic policy told this version to fail this request."""
 
 
+class Timer:
+    """Where request latency is measured and injected delays wait: the real clock. Tests
+    swap in one whose `sleep` moves `now` forward instead of waiting
+    (`TrafficService.use_timer`), so a latency fault is deterministic and costs no time."""
+
+    def now(self) -> float:
+        return time.perf_counter()
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+
+
 class FaultInjector:
-    def __init__(self, metrics: TrafficMetrics, rng: random.Random | None = None) -> None:
+    def __init__(
+        self, metrics: TrafficMetrics, rng: random.Random | None = None, timer: Timer | None = None
+    ) -> None:
         self.metrics = metrics
         self.rng = rng or random.Random()
+        self.timer = timer or Timer()
 
     @staticmethod
     def fault_for(policy: TrafficPolicyView | None, route: Route) -> FaultView | None:
@@ -45,7 +61,7 @@ class FaultInjector:
         public = route.public_name
         if fault.delay_ms > 0:
             self.metrics.injected_faults.labels(public, route.label, "delay").inc()
-            await asyncio.sleep(fault.delay_ms / 1000)
+            await self.timer.sleep(fault.delay_ms / 1000)
         if fault.error_percent > 0 and self.rng.random() * 100 < fault.error_percent:
             self.metrics.injected_faults.labels(public, route.label, "error").inc()
             raise InjectedFault(

@@ -51,3 +51,23 @@ class TrafficMetrics:
             ["model", "decision"],
             registry=r,
         )
+        self.stats_flushes = Counter(
+            "hub_traffic_stats_flushes_total",
+            "Flushes of this replica's traffic statistics to SQL by outcome: ok, failed (the "
+            "database did not answer in time or refused; the numbers wait for the next flush), "
+            "skipped (the previous one still had not returned)",
+            ["outcome"],
+            registry=r,
+        )
+        self.stats_last_flush = Gauge(
+            "hub_traffic_stats_last_flush_timestamp_seconds",
+            "Unix time of this replica's last successful traffic statistics flush",
+            registry=r,
+        )
+        self.canary_leases = Counter(
+            "hub_canary_lease_total",
+            "Attempts of this replica to take or renew a canary's analyst lease by outcome: "
+            "held, standby (another replica analyses), failed (the database did not answer)",
+            ["model", "outcome"],
+            registry=r,
+        )

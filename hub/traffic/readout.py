@@ -3,73 +3,57 @@
 For each version: requests, errors, latency percentiles of successful requests, tokens per
 second; then a sample-ratio check of the routed counts against the split, and each version
 compared with the baseline (production when it takes part, else the heaviest arm): error
-rates by a two-proportion z-test, latency by Mann-Whitney U. The window is the samples this
-hub process has seen since it applied the model's current traffic policy (bounded by
-`traffic.sample_window` per version); other replicas keep their own.
+rates by a two-proportion z-test, latency by Mann-Whitney U on the latency histograms (the
+canary's test too). The window is the model's current traffic-policy revision, summed over
+every replica (hub.traffic.shared): `replicas` lists those that contributed. Shadow figures
+are this process's.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
 from typing import Any
 
 from hub.routing.assignment import Arm, AssignmentTable
+from hub.traffic.histogram import Tally
 from hub.traffic.shadow import ShadowMirror
+from hub.traffic.shared import Totals
 from hub.traffic.significance import (
     mann_whitney,
     percentiles,
     sample_ratio,
     two_proportions,
 )
-from hub.traffic.stats import Sample, ShadowSample, TrafficStats
+from hub.traffic.stats import ShadowSample, TrafficStats
 from registry.views import ModelView, TrafficPolicyView
 
 SCOPE = (
-    "this hub process, since it applied the model's current traffic policy "
-    "(replicas keep their own windows; a restart starts empty)"
+    "every replica, since the model's current traffic policy (its revision) was applied; "
+    "other replicas' numbers lag by at most one statistics flush"
+)
+LOCAL_SCOPE = (
+    "this replica only, since the model's current traffic policy: the database did not "
+    "answer, so other replicas' numbers are missing"
 )
 
 
-@dataclass(frozen=True)
-class ArmSummary:
-    label: str
-    requests: int
-    routed: int
-    errors: int
-    latencies: list[float]  # seconds, successful requests
-    tokens: int
-
-    @classmethod
-    def of(cls, label: str, samples: list[Sample]) -> ArmSummary:
-        ok = [s for s in samples if not s.error]
-        return cls(
-            label=label,
-            requests=len(samples),
-            routed=sum(1 for s in samples if s.routed),
-            errors=len(samples) - len(ok),
-            latencies=[s.latency_s for s in ok],
-            tokens=sum(s.tokens for s in ok),
-        )
-
-    def as_dict(self, weight: float, share: float | None) -> dict[str, Any]:
-        busy = sum(self.latencies)
-        ms = {
-            k: None if v is None else round(v * 1000, 3)
-            for k, v in percentiles(self.latencies).items()
-        }
-        return {
-            "version": self.label,
-            "weight": weight,
-            "bucket_share": None if share is None else round(share * 100, 2),
-            "requests": self.requests,
-            "routed": self.routed,
-            "errors": self.errors,
-            "error_rate": round(self.errors / self.requests, 6) if self.requests else None,
-            "latency_ms": ms,
-            "tokens": self.tokens,
-            "tokens_per_second": round(self.tokens / busy, 2) if busy > 0 else None,
-        }
+def arm_summary(label: str, tally: Tally, weight: float, share: float | None) -> dict[str, Any]:
+    """One version's row of the readout."""
+    ms = {
+        k: None if v is None else round(v * 1000, 3) for k, v in tally.latency.percentiles().items()
+    }
+    return {
+        "version": label,
+        "weight": weight,
+        "bucket_share": None if share is None else round(share * 100, 2),
+        "requests": tally.requests,
+        "routed": tally.routed,
+        "errors": tally.errors,
+        "error_rate": round(tally.errors / tally.requests, 6) if tally.requests else None,
+        "latency_ms": ms,
+        "tokens": tally.tokens,
+        "tokens_per_second": round(tally.tokens / tally.busy_s, 2) if tally.busy_s > 0 else None,
+    }
 
 
 def effective_splits(view: ModelView, policy: TrafficPolicyView | None) -> dict[str, float]:
@@ -80,7 +64,7 @@ def effective_splits(view: ModelView, policy: TrafficPolicyView | None) -> dict[
     return {str(default): 100.0} if default is not None else {}
 
 
-def _baseline(view: ModelView, weights: dict[str, float], arms: dict[str, ArmSummary]) -> str:
+def _baseline(view: ModelView, weights: dict[str, float], arms: dict[str, Tally]) -> str:
     production = view.aliases.get("production")
     if production is not None and str(production) in arms:
         return str(production)
@@ -149,33 +133,34 @@ def build_readout(
     view: ModelView,
     policy: TrafficPolicyView | None,
     table: AssignmentTable | None,
+    totals: Totals,
     stats: TrafficStats,
     mirror: ShadowMirror,
     *,
     min_samples: int,
     canary: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """The readout of `view` from `totals` (its current revision, every replica's)."""
     name = view.name
-    epoch = stats.epoch(name)
     weights = effective_splits(view, policy)
     shares = (
         {arm.label(name): share for arm, share in table.shares().items()}
         if table is not None
         else dict.fromkeys(weights, 1.0)
     )
-    arms: dict[str, ArmSummary] = {}
-    truncated = False
-    for label in sorted({*weights, *stats.labels(name)}, key=_label_order):
-        window = stats.since(name, label, epoch)
-        truncated |= window.truncated
-        arms[label] = ArmSummary.of(label, window.samples)
+    arms = {
+        label: totals.arm(label) for label in sorted({*weights, *totals.labels()}, key=_label_order)
+    }
     doc: dict[str, Any] = {
         "model": name,
         "kind": view.kind,
-        "scope": SCOPE,
-        "window_truncated": truncated,
-        "policy_revision": policy.revision if policy is not None else 0,
-        "versions": [a.as_dict(weights.get(lb, 0.0), shares.get(lb)) for lb, a in arms.items()],
+        "scope": SCOPE if totals.shared else LOCAL_SCOPE,
+        "replicas": totals.replicas,
+        "window_truncated": False,  # histograms keep every request of the window
+        "policy_revision": totals.revision,
+        "versions": [
+            arm_summary(lb, a, weights.get(lb, 0.0), shares.get(lb)) for lb, a in arms.items()
+        ],
     }
     routed = {label: a.routed for label, a in arms.items()}
     if table is not None:
@@ -193,18 +178,16 @@ def build_readout(
     if doc["baseline"] is not None:
         base = with_data[doc["baseline"]]
         for label, arm in with_data.items():
-            if label == base.label:
+            if label == doc["baseline"]:
                 continue
             doc["comparisons"].append(
                 {
                     "version": label,
-                    "baseline": base.label,
+                    "baseline": doc["baseline"],
                     "error_rate": two_proportions(
                         arm.errors, arm.requests, base.errors, base.requests, min_n=min_samples
                     ).as_dict(),
-                    "latency": mann_whitney(
-                        arm.latencies, base.latencies, min_n=min_samples
-                    ).as_dict(),
+                    "latency": mann_whitney(arm.latency, base.latency, min_n=min_samples).as_dict(),
                 }
             )
     doc["shadow"] = shadow_summary(name, stats, mirror, policy)

@@ -1,16 +1,15 @@
-"""Per-version request samples, kept in bounded in-memory windows.
+"""This process's traffic per version, and its shadow samples.
 
-Every request the hub serves leaves one `Sample` under (public model name, version label):
-its latency, whether it failed (a 5xx or an exception; a caller's 4xx is not the model's
-error), whether the split chose the version (the sample-ratio check counts only those) and
-the tokens it reported. Mirrored shadow requests leave a `ShadowSample`. Each window keeps
-the last `size` samples.
+Every request the hub serves is counted into the `Tally` of (public model name, version
+label, traffic-policy revision it was served under): requests, routed ones (the split chose
+the version; the sample-ratio check counts only those), errors (a 5xx or an exception; a
+caller's 4xx is not the model's error), tokens and a latency histogram of successful
+requests (hub.traffic.histogram). Tallies are cumulative since the process started and
+flushed to SQL by `hub.traffic.shared`, where readouts and canaries add up every replica's.
 
-Samples carry a sequence number from one counter, so a window can be cut at any moment
-without clocks: `cursor()` marks "from now on", `since(..., cursor)` reads what came after.
-Readouts read from the model's epoch (the moment this process applied its current traffic
-policy), canaries from the start of their step. All of it is per hub process: replicas keep
-their own windows and a restart starts empty.
+Mirrored shadow requests leave a `ShadowSample` in a bounded window (the last `size`), read
+from the model's epoch (the moment this process applied its current traffic policy); shadow
+figures stay per process.
 """
 
 from __future__ import annotations
@@ -18,18 +17,10 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-
-@dataclass(frozen=True, slots=True)
-class Sample:
-    seq: int
-    at: float  # epoch seconds
-    latency_s: float
-    error: bool
-    # True when the model's traffic split chose this version (not `name@v`, not a default).
-    routed: bool
-    tokens: int
+from hub.traffic.histogram import Tally
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,37 +35,24 @@ class ShadowSample:
     similarity: float | None
 
 
-@dataclass(frozen=True)
-class Window:
-    """What `since` returns: the samples, and whether older ones were already forgotten."""
-
-    samples: list[Sample]
-    truncated: bool
-
-
-class _Ring:
-    """The last `size` samples of one version, remembering how far it has forgotten."""
-
-    def __init__(self, size: int) -> None:
-        self.items: deque[Sample] = deque(maxlen=size)
-        # Sequence number of the newest sample pushed out; windows starting before it are
-        # incomplete.
-        self.forgotten_upto = 0
-
-    def append(self, sample: Sample) -> None:
-        if len(self.items) == self.items.maxlen:
-            self.forgotten_upto = self.items[0].seq
-        self.items.append(sample)
+# (model, version label, policy revision)
+TallyKey = tuple[str, str, int]
+# Policy revisions per model whose tallies this process keeps: readouts read one, a canary
+# one per step (a canary of more steps would see only other replicas' share of its oldest).
+KEPT_REVISIONS = 32
 
 
 class TrafficStats:
-    """Bounded sample windows per (model, version label); touched only on the event loop."""
+    """Tallies per (model, version label, policy revision) and bounded shadow windows;
+    touched only on the event loop."""
 
     def __init__(self, size: int) -> None:
         self.size = size
         self._seq = itertools.count(1)
         self._last = 0
-        self._samples: dict[tuple[str, str], _Ring] = {}
+        self._tallies: dict[TallyKey, Tally] = {}
+        # Keys counted into since the last `changed()`: what the next flush writes.
+        self._dirty: set[TallyKey] = set()
         self._shadow: dict[tuple[str, str], deque[ShadowSample]] = {}
         self._epochs: dict[str, int] = {}
 
@@ -88,12 +66,33 @@ class TrafficStats:
 
     # ---- writes -------------------------------------------------------------------------
     def record(
-        self, model: str, label: str, *, latency_s: float, error: bool, routed: bool, tokens: int
+        self,
+        model: str,
+        label: str,
+        *,
+        revision: int,
+        latency_s: float,
+        error: bool,
+        routed: bool,
+        tokens: int,
     ) -> None:
-        ring = self._samples.get((model, label))
-        if ring is None:
-            ring = self._samples[(model, label)] = _Ring(self.size)
-        ring.append(Sample(self._next(), time.time(), latency_s, error, routed, tokens))
+        key = (model, label, revision)
+        tally = self._tallies.get(key)
+        if tally is None:
+            tally = self._tallies[key] = Tally()
+            self._forget_old_revisions(model, revision)
+        tally.add(latency_s=latency_s, error=error, routed=routed, tokens=tokens)
+        self._dirty.add(key)
+
+    def _forget_old_revisions(self, model: str, revision: int) -> None:
+        """Readouts read the current revision and canaries one per step: tallies older than
+        KEPT_REVISIONS are dropped once flushed (their rows stay in SQL), so a long-lived
+        process whose policies change often does not grow without bound."""
+        oldest = revision - KEPT_REVISIONS
+        stale = [k for k in self._tallies if k[0] == model and k[2] <= oldest]
+        for key in stale:
+            if key not in self._dirty:
+                del self._tallies[key]
 
     def record_shadow(
         self,
@@ -120,18 +119,25 @@ class TrafficStats:
         return self._epochs.get(model, 0)
 
     # ---- reads --------------------------------------------------------------------------
-    def labels(self, model: str) -> list[str]:
-        """Version labels of `model` with samples in memory."""
-        return sorted({label for m, label in self._samples if m == model})
+    def tallies(self, model: str, revisions: range) -> dict[tuple[str, int], Tally]:
+        """{(label, revision): copy of the tally} of `model` for revisions in `revisions`."""
+        return {
+            (label, rev): tally.copy()
+            for (m, label, rev), tally in self._tallies.items()
+            if m == model and rev in revisions
+        }
+
+    def changed(self) -> dict[TallyKey, Tally]:
+        """Copies of the tallies counted into since the previous call (what a flush writes);
+        `unflushed` puts them back when the flush failed."""
+        dirty, self._dirty = self._dirty, set()
+        return {key: self._tallies[key].copy() for key in dirty}
+
+    def unflushed(self, keys: Iterable[TallyKey]) -> None:
+        self._dirty.update(keys)
 
     def shadow_labels(self, model: str) -> list[str]:
         return sorted({label for m, label in self._shadow if m == model})
-
-    def since(self, model: str, label: str, cursor: int) -> Window:
-        ring = self._samples.get((model, label))
-        if ring is None:
-            return Window([], truncated=False)
-        return Window([s for s in ring.items if s.seq > cursor], ring.forgotten_upto > cursor)
 
     def shadow_since(self, model: str, label: str, cursor: int) -> list[ShadowSample]:
         return [s for s in self._shadow.get((model, label), ()) if s.seq > cursor]

@@ -176,7 +176,11 @@ async def test_readout_per_version_with_injected_faults(two_versions: TrafficHub
     assert comparison["latency"]["status"] == "insufficient data"
     assert comparison["latency"]["p_value"] is None
     assert readout["sample_ratio"]["status"] in ("ok", "mismatch")
-    assert "this hub process" in readout["scope"]
+    assert "every replica" in readout["scope"]
+    assert readout["replicas"] == [t.hub.traffic.shared.replica]  # one hub, one contributor
+    assert await t.hub.traffic.shared.flush()  # written to SQL: the readout stays the same
+    assert versions(await t.readout()) == rows
     metrics = (await t.client.get("/metrics")).text
+    assert 'hub_traffic_stats_flushes_total{outcome="ok"}' in metrics
     assert 'hub_injected_faults_total{fault="error",model="emb",version="2"}' in metrics
     assert "/readout" in (await t.client.get("/")).text  # the dashboard's traffic panel

@@ -16,6 +16,7 @@ import pytest
 from tests.support.cluster import Cluster, running_cluster
 
 HEARTBEAT, EXPIRE = 0.5, 2.0
+CANARY_LEASE = 2.0
 
 
 def cluster_config(tiny_embedder_dir: Path, tiny_reranker_dir: Path) -> dict[str, Any]:
@@ -28,6 +29,10 @@ def cluster_config(tiny_embedder_dir: Path, tiny_reranker_dir: Path) -> dict[str
             {"name": "rerank", "kind": "reranker", "source": str(tiny_reranker_dir)},
         ],
         "replica": {"heartbeat_interval": HEARTBEAT, "expire_after": EXPIRE},
+        # test_shared_traffic.py: statistics flushed often, canaries looked at often, a dead
+        # canary analyst replaced within CANARY_LEASE.
+        "traffic": {"stats_flush_interval": "200ms", "canary_tick": "200ms",
+                    "canary_lease": f"{CANARY_LEASE}s"},
     }  # fmt: skip
 
 
