@@ -86,6 +86,15 @@ async def test_adapters_serve_on_one_base_each_with_its_own_output(
         assert tokens == await direct(app, None if key == "tiny" else key), key
     assert len({tuple(t) for t, _ in answers.values()}) == 4  # four different outputs
 
+    # The OpenAI surfaces serve an adapter by name too (the base's chat template applies).
+    chat = {"model": "support-bot@1", "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4, "temperature": 0}  # fmt: skip
+    r = await client.post("/v1/chat/completions", json=chat)
+    assert r.status_code == 200 and r.headers["X-Hub-Model-Version"] == "1", r.text
+    body = {"model": "sql-bot", "input": "hi", "max_output_tokens": 4, "temperature": 0}
+    r = await client.post("/v1/responses", json=body)
+    assert r.status_code == 200 and r.headers["X-Hub-Model-Version"] == "1", r.text
+
     rows = (await client.get("/admin/models")).json()
     bases = [r for r in rows if r["base"] is None and r["state"] == "loaded"]
     assert [(r["name"], r["version"]) for r in bases] == [("tiny", 1)]  # resident once
