@@ -16,8 +16,9 @@ LoRA adapters (backends.llm.lora): `load_adapter(key, folder)` checks a PEFT ada
 the loaded base and keeps its weights in host memory, ready for requests that name `key`
 (`submit(..., adapter=key)`); the base is neither reloaded nor copied, and one step mixes
 the base and any adapters. Adapters take turns in `max_loras` device slots (least recently
-used out); an offload drops the slots, which refill on demand. `unload_adapter` refuses
-(`AdapterInUseError`, a retry-later error) while requests of the adapter are in flight.
+used out); an offload drops the slots, which refill on demand. `unload_adapter` waits a few
+seconds for the adapter's requests in flight to end (an aborted one leaves at the next step),
+then refuses (`AdapterInUseError`, a retry-later error).
 These methods block; call them from a worker thread.
 """
 
@@ -234,10 +235,11 @@ class LLMBackend(Backend):
         log.info("%s: adapter %s loaded (%d bytes)", self.context.model, key, nbytes)
         return nbytes
 
-    def unload_adapter(self, key: str) -> None:
-        """Free `key`'s host copy and device slot. Refuses with AdapterInUseError (503,
-        retry later) while requests of it are in flight, rather than waiting for them."""
-        self._require_runner().lora.remove(key)
+    def unload_adapter(self, key: str, *, wait_s: float = 5.0) -> None:
+        """Free `key`'s host copy and device slot. Waits up to `wait_s` for its requests in
+        flight to end (aborted ones leave at the next step), then refuses with
+        AdapterInUseError (503, retry later)."""
+        self._require_runner().lora.remove(key, wait_s)
 
     def loaded_adapters(self) -> dict[str, int]:
         """Loaded adapter keys and their device bytes."""

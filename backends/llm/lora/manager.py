@@ -7,8 +7,9 @@ an accelerator), in the base's dtype with the scaling folded into `B`, and wraps
 target layers in `LoRALinear` (in place: the base's weights are neither reloaded nor
 copied). A step's adapters are copied into device slots on demand (`SlotTable`, least
 recently used out, at most `max_loras`); an adapter pushed out keeps its host copy.
-`remove` refuses (`AdapterInUseError`) while requests of the adapter are in flight: the hub
-never evicts an adapter that serves, so this is a guard, not a wait.
+`remove` waits up to `wait_s` for the adapter's requests in flight to end (an aborted request
+leaves at the engine's next step boundary), then refuses with `AdapterInUseError`: the hub
+never evicts an adapter that serves, so this is a guard, not a queue.
 
 Each load of a key gets its own prefix-cache root (`acquire` returns it), so KV blocks are
 never shared between adapters, between an adapter and the base, or across reloads of a key.
@@ -83,6 +84,7 @@ class LoRAManager:
         self.max_rank = max_rank
         self.context = LoRAContext()
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # notified when a request is released
         self._adapters: dict[str, _Adapter] = {}
         self._in_flight: Counter[str] = Counter()
         self._layers: dict[str, LoRALinear] = {}
@@ -128,11 +130,13 @@ class LoRAManager:
             self._adapters[key] = adapter
         return 2 * host.nbytes
 
-    def remove(self, key: str) -> None:
-        """Forget the adapter (host copy and slot); AdapterInUseError while it serves."""
+    def remove(self, key: str, wait_s: float = 5.0) -> None:
+        """Forget the adapter (host copy and slot). Waits up to `wait_s` for its requests in
+        flight to end, then raises AdapterInUseError."""
         with self._lock:
             if key not in self._adapters:
                 raise InputError(f"adapter {key} is not loaded", param="model")
+            self._idle.wait_for(lambda: not self._in_flight[key], timeout=wait_s)
             if self._in_flight[key]:
                 raise AdapterInUseError(
                     f"adapter {key} has {self._in_flight[key]} request(s) in flight; unload it "
@@ -168,6 +172,7 @@ class LoRAManager:
             self._in_flight[key] -= 1
             if self._in_flight[key] <= 0:
                 del self._in_flight[key]
+                self._idle.notify_all()
 
     def in_flight(self, key: str) -> int:
         with self._lock:

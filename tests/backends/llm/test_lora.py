@@ -1,7 +1,7 @@
 """LoRA adapters in the engine: greedy output of the base and of two adapters, requested at
 once so that steps mix all three, equals transformers + PEFT's for each, token for token (a
-divergence only at a numeric near-tie, the rule of test_correctness), with chunked prefill
-and prefix hits; the prefix cache never shares blocks between adapters; more adapters in
+divergence only at a numeric near-tie, the rule of test_correctness), with chunked prefill,
+prefix hits and preemption; the prefix cache never shares blocks between adapters; more adapters in
 use than device slots take turns and still answer correctly."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 from backends.llm.engine import LLMEngine
 from backends.llm.sampling_params import SamplingParams
 from tests.backends.llm.lora_support import ALL_LINEAR, ATTENTION, build_adapter, peft_greedy
-from tests.backends.llm.support import build_model, make_engine, random_prompts, run_all
+from tests.backends.llm.support import build_model, kv_bytes, make_engine, random_prompts, run_all
 from tests.backends.llm.test_correctness import compare
 
 MAX_TOKENS = 12
@@ -100,8 +100,70 @@ def test_base_and_two_adapters_in_one_batch_equal_peft(arch: str, root: Path) ->
     assert engine.kv_cache.prefix_hits > 0
     assert engine.runner.lora.in_flight("attn") == 0
 
+    # Preemption (a KV cache of 24 blocks, far less than the load needs), on the decode
+    # attention path of accelerators.
+    engine = make_engine(
+        base,
+        batched_decode=True,
+        block_size=BLOCK_SIZE,
+        max_num_seqs=16,
+        max_num_batched_tokens=64,
+        kv_cache_bytes=kv_bytes(base, 24, BLOCK_SIZE),
+    )
+    for key, folder in adapters.items():
+        engine.runner.lora.add(key, _spec(folder))
+    results = run_all(engine, requests, owners)
+    for i, key in enumerate(keys):
+        check(f"{arch} {key} preempted", refs[key], results[i * len(ps) : (i + 1) * len(ps)])
+    assert engine.scheduler.num_preemptions > 0
+
 
 def _spec(folder: Path) -> Any:
     from backends.llm.lora import read_adapter
 
     return read_adapter(folder)
+
+
+def test_the_same_prompt_on_two_adapters_shares_no_blocks(root: Path) -> None:
+    base, adapters = adapters_for(root, "llama")
+    engine = make_engine(base, block_size=BLOCK_SIZE, max_num_seqs=4, max_num_batched_tokens=64)
+    for key, folder in adapters.items():
+        engine.runner.lora.add(key, _spec(folder))
+    prompt = random_prompts(1, seed=300, lengths=(24, 24))[0]
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+
+    def cached(adapter: str | None) -> int:
+        return run_all(engine, [(prompt, params)], [adapter])[0][0].num_cached_tokens
+
+    assert cached("attn") == 0
+    assert cached("attn") == 20  # its own blocks again: every full block before the last token
+    assert cached("all") == 0
+    assert cached(None) == 0
+    assert cached("all") == 20
+    # A reload of a key is another adapter: its blocks start afresh.
+    engine.runner.lora.add("attn", _spec(adapters["all"]))
+    assert cached("attn") == 0
+
+
+def test_more_adapters_than_slots_take_turns_and_answer_correctly(root: Path) -> None:
+    base, adapters = adapters_for(root, "llama")
+    adapters["attn2"] = build_adapter(base, root / "llama-attn2", ATTENTION, r=2, seed=3)
+    ps = prompts()[:4]
+    keys: list[str | None] = [None, *adapters]
+    refs = {key: peft_greedy(base, adapters[key] if key else None, ps, MAX_TOKENS) for key in keys}
+    # Two slots for three adapters, each with requests in flight at once.
+    engine = make_engine(
+        base, block_size=BLOCK_SIZE, max_num_seqs=16, max_num_batched_tokens=64, max_loras=2
+    )
+    for key, folder in adapters.items():
+        engine.runner.lora.add(key, _spec(folder))
+    steps = record_steps(engine)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=5)
+    results = run_all(
+        engine, [(p, params) for _ in keys for p in ps], [key for key in keys for _ in ps]
+    )
+    for i, key in enumerate(keys):
+        check(f"2 slots, {key}", refs[key], results[i * len(ps) : (i + 1) * len(ps)])
+    assert max(len(s - {None}) for s in steps) == 2
+    assert engine.runner.lora.slot_loads >= 3
+    assert len(engine.runner.lora.resident()) <= 2
