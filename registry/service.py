@@ -113,7 +113,7 @@ class Registry:
         trust_remote_code: bool = False,
         max_model_bytes: int | None = None,
         folder_check: Callable[[Path, str], str | None] | None = None,
-        adapter_check: Callable[[Path, Path], str | None] | None = None,
+        adapter_check: Callable[[Path, Path, Mapping[str, Any]], str | None] | None = None,
     ) -> None:
         self.db = db
         self.check_config = check_config
@@ -126,8 +126,9 @@ class Registry:
         # The serving side's own refusal (an LLM architecture it cannot run): folder and kind
         # in, a reason out (None: servable). Injected, as the registry imports no backend.
         self.folder_check = folder_check
-        # The same for a LoRA adapter: adapter folder and its base's folder in, a reason out
-        # (unsupported PEFT features, shapes or target modules that do not fit the base).
+        # The same for a LoRA adapter: adapter folder, its base's folder and runtime config
+        # in, a reason out (unsupported PEFT features, shapes or target modules that do not
+        # fit the base, a rank above its max_lora_rank).
         self.adapter_check = adapter_check
         self.traffic = TrafficBook(db)
         self.aliases = AliasBook(db, mlflow, self.traffic)
@@ -199,8 +200,10 @@ class Registry:
             raise InvalidSourceError(f"a LoRA adapter is an llm, not a {kind}")
         inspected = inspect_adapter_folder(folder, link_root=self.fetcher.link_root(source, folder))
         if self.adapter_check is not None:
-            base_dir = self.materialise(self.get_version(base.name, base.version))
-            problem = self.adapter_check(folder, base_dir)
+            base_view = self.get_version(base.name, base.version)
+            problem = self.adapter_check(
+                folder, self.materialise(base_view), base_view.runtime_config
+            )
             if problem is not None:
                 raise InvalidSourceError(f"adapter {source} does not fit base {base}: {problem}")
         return inspected

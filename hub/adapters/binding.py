@@ -47,7 +47,10 @@ class AdapterBackend(LLMBackend):
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for attributes this view does not set: the base's state.
-        return getattr(self.__dict__["base"], name)
+        base = self.__dict__.get("base")
+        if base is None:
+            raise AttributeError(name)
+        return getattr(base, name)
 
     @classmethod
     def attach(

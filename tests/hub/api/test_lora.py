@@ -32,6 +32,7 @@ def adapters(tiny_llm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> di
         "attention": build_adapter(tiny_llm_dir, root / "attention", ATTENTION, seed=1),
         "all": build_adapter(tiny_llm_dir, root / "all", ALL_LINEAR, seed=2),
         "all-v2": build_adapter(tiny_llm_dir, root / "all-v2", ALL_LINEAR, r=8, seed=3),
+        "rank-16": build_adapter(tiny_llm_dir, root / "rank-16", ATTENTION, r=16, seed=5),
     }
 
 
@@ -126,7 +127,7 @@ async def test_registration_refusals_name_the_problem(
     app_client: tuple[FastAPI, httpx.AsyncClient],
 ) -> None:
     _, client = app_client
-    await register(client, "tiny", tiny_llm_dir)
+    await register(client, "tiny", tiny_llm_dir, config={"max_lora_rank": 8})
     await register(client, "emb", tiny_embedder_dir, kind="embedder")
     await register(client, "bot", adapters["attention"], base="tiny@1")
 
@@ -150,6 +151,7 @@ async def test_registration_refusals_name_the_problem(
         ({"source": str(pickled), "base": "tiny@1"}, "pickle"),
         ({"source": str(variant("dora", use_dora=True)), "base": "tiny@1"}, "use_dora"),
         ({"source": str(adapters["other-base"]), "base": "tiny@1"}, "does not fit base tiny@1"),
+        ({"source": str(adapters["rank-16"]), "base": "tiny@1"}, "max_lora_rank 8"),
     ]
     for body, reason in cases:
         r = await client.post("/admin/registry/models", json={"name": "x", "kind": "llm", **body})
