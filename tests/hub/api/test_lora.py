@@ -70,6 +70,8 @@ async def test_adapters_serve_on_one_base_each_with_its_own_output(
     await register(client, "sql-bot", adapters["all"], base="tiny@1")
     r = await client.get("/admin/registry/models/support-bot/versions")
     assert [v["base"] for v in r.json()] == ["tiny@1", "tiny@1"]  # the alias, resolved
+    cards = {m["id"]: m for m in (await client.get("/v1/models")).json()["data"]}
+    assert cards["support-bot"]["parent"] == "tiny@1" and cards["tiny"]["parent"] is None
 
     paths = {
         "tiny": "/models/tiny/generate",
