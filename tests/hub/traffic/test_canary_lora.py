@@ -1,6 +1,7 @@
-"""Canaries between LoRA adapter versions: the gate runs the candidate adapter on its base,
-a canary with an injected error rate is rolled back, a healthy one is promoted, and the
-readout counts each adapter version (clock and faults injected, no sleeping)."""
+"""Traffic between LoRA adapter versions: the gate runs the candidate adapter on its base,
+a canary with an injected error rate is rolled back, a healthy one is promoted, the readout
+counts each adapter version (clock and faults injected, no sleeping); shadow traffic between
+adapter versions and a split between an adapter and its base work as for any model."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import httpx
 import pytest
 
 from tests.backends.llm.lora_support import ALL_LINEAR, ATTENTION, build_adapter
+from tests.hub.traffic.test_shadow import shadow_row
 from tests.support.hubs import make_settings, running_app
 from tests.support.traffic_hub import register
 
@@ -33,7 +35,7 @@ async def traffic_until(client: httpx.AsyncClient, need: dict[str, int]) -> None
     """Routed requests for `bot` (distinct route keys) until each version in `need` has
     answered that many (errors included)."""
     got = dict.fromkeys(need, 0)
-    body = {"prompt_token_ids": [3, 14, 15, 92], "max_tokens": 2}
+    body = {"prompt_token_ids": [3, 14, 15, 92], "max_tokens": 2, "temperature": 0}
     for _ in range(400):
         if all(got[v] >= n for v, n in need.items()):
             return
@@ -92,3 +94,20 @@ async def test_adapter_canaries_roll_back_on_errors_and_promote_when_healthy(
         models = {m["id"]: m for m in (await client.get("/v1/models")).json()["data"]}
         assert models["bot"]["aliases"]["production"] == 2
         assert models["tiny"]["aliases"]["production"] == 1  # the base is untouched
+
+        # Shadow: v1 mirrors v2's greedy requests; two adapters' outputs differ.
+        policy = {
+            "splits": [{"version": 2, "weight": 100}],
+            "shadow": {"version": 1, "percent": 100},
+        }
+        assert (await client.put("/admin/traffic/bot", json=policy)).status_code == 200
+        await traffic_until(client, {"2": 3})
+        await app.state.hub.traffic.shadow.drain()
+        readout = (await client.get("/admin/traffic/bot/readout")).json()
+        mirrored = shadow_row(readout, "1")
+        assert mirrored["similarity"]["compared"] >= 3 and mirrored["similarity"]["mean"] < 1
+
+        # A split between the adapter and its base, under the adapter's name.
+        split = [{"model": "tiny", "version": 1, "weight": 50}, {"version": 2, "weight": 50}]
+        assert (await client.put("/admin/traffic/bot", json={"splits": split})).status_code == 200
+        await traffic_until(client, {"tiny@1": 3, "2": 3})
