@@ -70,8 +70,9 @@ class Evictions:
         return entry.evict_task
 
     def _adapters_leave(self, base: ModelKey, keep_warm: bool) -> list[asyncio.Task[None]]:
-        """Start moving the loaded adapters of `base` off it; returns the evictions (and
-        loads) under way of its adapters still on it."""
+        """Start moving the loaded adapters of `base` off it; returns the evictions under way
+        of its adapters. An adapter still loading is not waited for here: it either holds
+        the base (the base's eviction waits for it to drain) or waits for this eviction."""
         tasks = []
         for key in self._planner.adapters_on(base):
             adapter = self._entries[key]
@@ -79,8 +80,6 @@ class Evictions:
                 tasks.append(self.start(adapter, "base", keep_warm=keep_warm))
             elif adapter.state is ModelState.EVICTING and adapter.evict_task is not None:
                 tasks.append(adapter.evict_task)
-            elif adapter.state is ModelState.LOADING and adapter.load_task is not None:
-                tasks.append(adapter.load_task)  # type: ignore[arg-type]
         return tasks
 
     async def _evict(self, entry: Entry, reason: str, keep_warm: bool) -> None:

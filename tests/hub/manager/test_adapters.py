@@ -112,3 +112,19 @@ async def test_the_base_keep_alive_waits_for_its_adapters(make_manager: MakeMana
             break
         await asyncio.sleep(0.02)
     assert state(manager, "a1") is ModelState.WARM and state(manager, "base") is ModelState.WARM
+
+
+async def test_an_adapter_requested_while_its_base_is_unloaded_waits_then_serves(
+    make_manager: MakeManager,
+) -> None:
+    manager, loader = make_manager(MODELS, budget_mib=100, load_timeout=5)
+    async with manager.acquire("base", 1):
+        unloading = asyncio.create_task(manager.unload("base", 1))
+        await asyncio.sleep(0.01)
+        assert state(manager, "base") is ModelState.EVICTING  # draining the request
+        adapter = asyncio.create_task(output(manager, "a1"))
+        await asyncio.sleep(0.01)
+    await unloading
+    await adapter  # the adapter's load waited for the unload, then brought the base back
+    assert state(manager, "base") is ModelState.LOADED and state(manager, "a1") is ModelState.LOADED
+    assert loader.loads[BASE] == 2
