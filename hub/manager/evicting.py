@@ -157,6 +157,7 @@ class Evictions:
         """Take `entry`'s backend away (and its host-tier charge) at once; returns it with the
         device its memory is on (None: host memory) for `_dispose`."""
         backend, entry.backend = entry.backend, None
+        entry.attached_to = None
         parked = self._planner.host_tier.remove(entry.key) > 0
         entry.host_bytes = 0
         if entry.state is ModelState.WARM:

@@ -190,6 +190,12 @@ class Loads:
         """Room for an adapter on its (held, loaded) base's device, then attach it to the
         base's backend (`prepared`) or make its parked copy servable again (None)."""
         assert base.device is not None and base.backend is not None  # held while LOADED
+        if prepared is None and entry.attached_to is not base.backend:
+            # Its base was dropped and loaded anew while this restore waited for it: the
+            # parked copy went with the old engine, so it is attached afresh.
+            self._planner.host_tier.remove(entry.key)
+            entry.host_bytes = 0
+            prepared = await asyncio.to_thread(self._lifecycle.prepare, entry.key)
         if prepared is None:
             need = {base.device: max(entry.predicted_bytes, entry.measured_bytes)}
         else:
@@ -204,6 +210,7 @@ class Loads:
         backend, measured = await asyncio.to_thread(
             self._lifecycle.attach, prepared, base.backend, device
         )
+        entry.attached_to = base.backend
         return backend, measured, device, time.perf_counter() - start
 
     async def _restore(self, entry: Entry, device: str) -> Landed:

@@ -44,6 +44,8 @@ class Entry:
     # requests run on the base's engine, so the base stays resident while it is (see
     # `planning.dependents`). None for a full model.
     base: ModelKey | None = None
+    # The base's backend the adapter's backend was attached to (its parked copy lives there).
+    attached_to: Backend | None = None
     predicted_bytes: int = 0
     measured_bytes: int = 0
     # Bytes its parked weights take in the host tier while WARM.
