@@ -300,6 +300,7 @@ def list_versions(name: str, config: ConfigOpt = None) -> None:
         typer.echo(
             f"v{v:<4} {view.status:11} {view.dtype:9} {view.total_bytes:>12} B  "
             f"aliases [{', '.join(view.aliases)}]  {view.source_uri}"
+            + (f"  (adapter on {view.base})" if view.base is not None else "")
         )
 
 

@@ -152,3 +152,5 @@ def test_register_an_adapter_with_base(config: Path, tiny_llm_dir: Path, tmp_pat
     result = runner.invoke(app, [*bot, "--base", "tiny@production"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.output.strip().splitlines()[-1]) == {"name": "bot", "version": 1}
+    out = runner.invoke(app, ["versions", "bot", "--config", str(config)]).output
+    assert "(adapter on tiny@1)" in out
