@@ -113,3 +113,25 @@ async def _unload_while_serving(backend: LLMBackend) -> str:
         except AdapterInUseError:
             return "refused"
     return "unloaded"
+
+
+def test_an_int8_base_serves_adapters_beside_its_own_requests(folders: dict[str, Path]) -> None:
+    config = {"kv_cache_bytes": 2 * 2**20, "quantization": "int8"}
+    backend = LLMBackend(BackendContext("tiny-int8", "1", config))
+    backend.load(folders["base"], "cpu", torch.float32)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    try:
+        before = asyncio.run(collect(backend, greedy, None))
+        backend.load_adapter("all", folders["all"])
+
+        async def both() -> list[list[str]]:
+            return list(
+                await asyncio.gather(
+                    collect(backend, greedy, None), collect(backend, greedy, "all")
+                )
+            )
+
+        base, adapted = asyncio.run(both())
+        assert base == before and adapted != before
+    finally:
+        backend.unload()
