@@ -149,6 +149,10 @@ class LoRAManager:
         with self._lock:
             return {key: 2 * a.host.nbytes for key, a in self._adapters.items()}
 
+    @property
+    def slots_in_use(self) -> int:
+        return len(self._slots.resident)
+
     def resident(self) -> list[str]:
         """Adapters in device slots now, least recently used first."""
         with self._lock:

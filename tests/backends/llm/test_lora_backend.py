@@ -1,7 +1,8 @@
 """LoRA adapters through `LLMBackend`, as the hub drives it: an adapter loads on the resident
 base without reloading or copying it, serves requests that name it (streaming, n > 1 with a
-seed, a structured output), survives an offload, refuses to unload while it serves, and an
-adapter that does not fit or is not loaded is the caller's error."""
+seed, a structured output) and shows in the slot metrics, survives an offload, refuses to
+unload while it serves, and an adapter that does not fit or is not loaded is the caller's
+error. An int8 base serves adapters too."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 
 from backends.base import BackendContext
 from backends.errors import InputError
@@ -47,9 +49,9 @@ async def collect(backend: LLMBackend, params: SamplingParams, adapter: str | No
 
 
 def test_adapters_load_on_the_resident_base_and_serve(folders: dict[str, Path]) -> None:
-    backend = LLMBackend(
-        BackendContext("tiny", "1", {"kv_cache_bytes": 2 * 2**20, "max_lora_rank": 8})
-    )
+    registry = CollectorRegistry()
+    config = {"kv_cache_bytes": 2 * 2**20, "max_lora_rank": 8}
+    backend = LLMBackend(BackendContext("tiny", "1", config, metrics_registry=registry))
     backend.load(folders["base"], "cpu", torch.float32)
     model = backend.engine.runner.model
     weights = {name: p.data_ptr() for name, p in model.named_parameters()}
@@ -72,6 +74,9 @@ def test_adapters_load_on_the_resident_base_and_serve(folders: dict[str, Path]) 
         one = asyncio.run(collect(backend, greedy, "support-bot@1"))
         two = asyncio.run(collect(backend, greedy, "support-bot@2"))
         assert one != before and two != before and one != two
+        labels = {"model": "tiny", "version": "1"}
+        assert registry.get_sample_value("hub_llm_lora_slots_in_use", labels) == 2
+        assert registry.get_sample_value("hub_llm_lora_slot_loads_total", labels) == 2
 
         # n > 1 with a seed: the same samples again; each sample its own.
         seeded = SamplingParams(temperature=1.0, n=2, seed=7, max_tokens=8)
