@@ -229,7 +229,7 @@ class LLMBackend(Backend):
         (slot plus batched copy, in the base's dtype). AdapterError (400) names what does
         not fit; AdapterInUseError while a replaced key still serves."""
         runner = self._require_runner()
-        spec = read_adapter(adapter_dir, max_rank=runner.lora.max_rank)
+        spec = read_adapter(adapter_dir)  # the rank is checked against max_lora_rank below
         check_adapter_fits(spec, self._artifact_dir)
         nbytes = runner.lora.add(key, spec)
         log.info("%s: adapter %s loaded (%d bytes)", self.context.model, key, nbytes)

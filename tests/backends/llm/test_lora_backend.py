@@ -98,7 +98,7 @@ def test_adapters_load_on_the_resident_base_and_serve(folders: dict[str, Path]) 
         assert e.value.param == "model"
         with pytest.raises(AdapterError, match="another architecture"):
             backend.load_adapter("phi3", folders["phi3"])
-        with pytest.raises(AdapterError, match="exceeds the largest supported rank 8"):
+        with pytest.raises(AdapterError, match="rank 16, above this model's max_lora_rank=8"):
             backend.load_adapter("big", folders["rank16"])
         assert asyncio.run(_unload_while_serving(backend)) == "refused"
         backend.unload_adapter("support-bot@1")  # once the aborted request has left
