@@ -290,6 +290,8 @@ class LLMEngine:
         self._apply_incoming()
         scheduler = self.scheduler
         queries, hits = self.kv_cache.prefix_queries, self.kv_cache.prefix_hits
+        lora = self.runner.lora
+        slot_loads = lora.slot_loads
         started, waited = time.monotonic(), len(scheduler.waiting)
         output = scheduler.schedule()
         scheduled_at = time.monotonic()
@@ -322,6 +324,8 @@ class LLMEngine:
             prefix_hits=self.kv_cache.prefix_hits - hits,
             generated=len(updated),
             preempted=output.num_preempted,
+            lora_slots=lora.slots_in_use,
+            lora_slot_loads=lora.slot_loads - slot_loads,
         )
         return outputs
 

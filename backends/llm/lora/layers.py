@@ -6,15 +6,17 @@ batch and the low-rank delta is added per token. What the delta needs comes from
 `LoRABatch`, which the runner sets on the shared `LoRAContext` around the forward; with no
 batch set (a step of the base alone) the wrapper is the base layer plus one attribute read.
 
-How the delta is computed (S-LoRA's idea in plain torch, with no per-token gather): the
-step's adapters that target a module are stacked along the rank, `A` as `(R, in)` and the
-scaled `B` as `(R, out)` with `R` the sum of their ranks, so every token's rank-space
-activations for every adapter come out of one matmul `(T, in) x (in, R)`. A 0/1 mask
-`(T, R)` keeps each token's own adapter's columns (a base token keeps none, so its output
-is the base's exactly), and one more matmul `(T, R) x (R, out)` adds the delta. Two small
-dense matmuls beat a Python loop over adapters or per-token gathers of `A` and `B` at the
-sizes this serves (R = adapters x rank, far below the layer's width); the stacks are built
-once per set of adapters and reused while the set stays.
+How the delta is computed (S-LoRA's batched gather-matmul, in plain torch): the step's
+tokens are grouped by adapter into a padded `(k, L)` index (k adapters that target the
+module, L the most tokens any of them has; padding points at token 0), gathered in one
+`index_select`, multiplied by the stacked `A` `(k, in, r)` and `B` `(k, r, out)` in two
+`bmm`s, and added back onto the base output in one `index_add_`. Padding rows are zeroed
+before the second `bmm`, so they add exactly nothing; base tokens are never gathered, so
+their output is the base's exactly. Each token costs its own adapter's rank only: a dense
+alternative (every token times every adapter's columns, masked) measured 0.6x of the base's
+throughput with 8 adapters on the CPU, against ~0.8x for this. The stacks are built once per
+set of adapters and reused while the set stays; the gather index once per step and pattern
+of adapters.
 """
 
 from __future__ import annotations
@@ -26,37 +28,58 @@ import torch
 
 @dataclass(frozen=True)
 class StackedLoRA:
-    """One module's adapters of a step, stacked: token rows select their columns."""
+    """One module's adapters of a step, stacked (ranks padded with zeros to the largest)."""
 
-    a: torch.Tensor  # (R, in)
-    b: torch.Tensor  # (R, out), scaling folded in
-    # Modules whose columns belong to the same adapters share a pattern number (and mask).
-    pattern: int
-    # (R,) long: which of the step's adapters owns each rank column.
-    owners: torch.Tensor
+    a: torch.Tensor  # (k, in, r)
+    b: torch.Tensor  # (k, r, out), scaling folded in
+    # Which of the step's adapters (indices into its adapter list) these are, in stack order.
+    members: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Gather:
+    """The step's tokens of some adapters, grouped: row i of the `(k, L)` layout holds the
+    packed indices of adapter `members[i]`'s tokens, padded with index 0."""
+
+    index: torch.Tensor  # (k * L,) long
+    # (k, L, 1) in the model's dtype, 0 at padding; None when nothing is padded.
+    keep: torch.Tensor | None
+    width: int  # L
 
 
 @dataclass
 class LoRABatch:
-    """What one step's LoRA layers read: the adapter of every packed token and, per module
+    """What one step's LoRA layers read: the runs of packed tokens per adapter and, per module
     name, the stacked weights of the step's adapters that target it."""
 
-    # (T,) long: index into the step's adapter list, -1 for a base token.
-    token_adapter: torch.Tensor
+    # Runs of packed tokens in order: (index into the step's adapters or -1 for the base, count).
+    segments: list[tuple[int, int]]
     stacks: dict[str, StackedLoRA]
     dtype: torch.dtype
-    # Column masks per owners pattern, built on first use and shared by the modules that
-    # have the same adapters (all q_proj and v_proj of every layer, say).
-    _masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    device: torch.device
+    # Built on first use per set of members, shared by the modules with the same adapters.
+    _gathers: dict[tuple[int, ...], Gather] = field(default_factory=dict)
 
-    def mask(self, stacked: StackedLoRA) -> torch.Tensor:
-        """(T, R) in the model's dtype: 1 where column r belongs to token t's adapter."""
-        mask = self._masks.get(stacked.pattern)
-        if mask is None:
-            owners = stacked.owners
-            mask = (self.token_adapter[:, None] == owners[None, :]).to(self.dtype)
-            self._masks[stacked.pattern] = mask
-        return mask
+    def gather(self, members: tuple[int, ...]) -> Gather:
+        found = self._gathers.get(members)
+        if found is None:
+            found = self._gathers[members] = self._build(members)
+        return found
+
+    def _build(self, members: tuple[int, ...]) -> Gather:
+        rows: dict[int, list[int]] = {m: [] for m in members}
+        start = 0
+        for owner, count in self.segments:
+            if owner in rows:
+                rows[owner].extend(range(start, start + count))
+            start += count
+        width = max(len(r) for r in rows.values())
+        index = [i for m in members for i in rows[m] + [0] * (width - len(rows[m]))]
+        keep = None
+        if any(len(r) < width for r in rows.values()):
+            flags = [[[float(j < len(rows[m]))] for j in range(width)] for m in members]
+            keep = torch.tensor(flags, dtype=self.dtype, device=self.device)
+        return Gather(torch.tensor(index, device=self.device), keep, width)
 
 
 class LoRAContext:
@@ -86,11 +109,19 @@ class LoRALinear(torch.nn.Module):
         stacked = batch.stacks.get(self.name)
         if stacked is None:  # no adapter of this step targets this layer
             return out
+        gather = batch.gather(stacked.members)
+        k = len(stacked.members)
         rows = x.reshape(-1, self.in_features)  # (T, in)
-        low_rank = torch.matmul(rows, stacked.a.t())  # (T, R)
-        low_rank *= batch.mask(stacked)
-        delta = torch.addmm(out.reshape(-1, self.out_features), low_rank, stacked.b)
-        return delta.view(out.shape)
+        grouped = rows.index_select(0, gather.index).view(k, gather.width, self.in_features)
+        low_rank = torch.bmm(grouped, stacked.a)  # (k, L, r)
+        if gather.keep is not None:
+            low_rank *= gather.keep
+        delta = torch.bmm(low_rank, stacked.b)  # (k, L, out)
+        out = out.contiguous()
+        out.view(-1, self.out_features).index_add_(
+            0, gather.index, delta.view(-1, self.out_features)
+        )
+        return out
 
     def extra_repr(self) -> str:
         return f"name={self.name}"

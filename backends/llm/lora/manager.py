@@ -149,6 +149,10 @@ class LoRAManager:
         with self._lock:
             return {key: 2 * a.host.nbytes for key, a in self._adapters.items()}
 
+    @property
+    def slots_in_use(self) -> int:
+        return len(self._slots.resident)
+
     def resident(self) -> list[str]:
         """Adapters in device slots now, least recently used first."""
         with self._lock:
@@ -182,7 +186,8 @@ class LoRAManager:
     def begin_step(self, segments: Sequence[tuple[str | None, int]]) -> None:
         """Set the step's batch: `segments` are runs of packed tokens, `(adapter or None,
         count)` in packing order. A step of the base alone sets none."""
-        keys = list(dict.fromkeys(k for k, _ in segments if k is not None))
+        # Sorted, so that the stacks of a set of adapters are reused whatever the order.
+        keys = sorted({k for k, _ in segments if k is not None})
         if not keys:
             self.context.batch = None
             return
@@ -193,10 +198,8 @@ class LoRAManager:
                 self._stacks_for = tuple(keys)
             stacks = self._stacks
         index = {k: i for i, k in enumerate(keys)}
-        owners = [-1 if k is None else index[k] for k, _ in segments]
-        counts = [n for _, n in segments]
-        token_adapter = torch.repeat_interleave(torch.tensor(owners), torch.tensor(counts))
-        self.context.batch = LoRABatch(token_adapter.to(self.device), stacks, self.dtype)
+        runs = [(-1 if k is None else index[k], n) for k, n in segments]
+        self.context.batch = LoRABatch(runs, stacks, self.dtype, self.device)
 
     def end_step(self) -> None:
         self.context.batch = None
@@ -229,18 +232,19 @@ class LoRAManager:
         return adapter
 
     def _read(self, spec: AdapterSpec) -> _Weights:
-        from safetensors import safe_open
+        from safetensors.torch import load_file
 
-        pin = self.device.type == "cuda"
-        modules = {}
         try:
-            with safe_open(str(spec.folder / WEIGHTS_FILE), framework="pt") as f:
-                for m in spec.modules:
-                    a = f.get_tensor(m.a_key).to(self.dtype).contiguous()
-                    b = (f.get_tensor(m.b_key).float() * m.scaling).t().to(self.dtype).contiguous()
-                    modules[m.module] = (a.pin_memory(), b.pin_memory()) if pin else (a, b)
+            tensors = load_file(spec.folder / WEIGHTS_FILE)  # one call: faster than per tensor
         except Exception as e:
             raise AdapterError(f"cannot read the adapter's tensors in {spec.folder}: {e}") from e
+        pin = self.device.type == "cuda"
+        modules = {}
+        for m in spec.modules:
+            a = tensors[m.a_key].to(self.dtype).contiguous()
+            # Scaled in float32, then transposed to (r, out): the stacked layout of a step.
+            b = (tensors[m.b_key].float() * m.scaling).t().to(self.dtype).contiguous()
+            modules[m.module] = (a.pin_memory(), b.pin_memory()) if pin else (a, b)
         return _Weights(modules)
 
     def _place(self, keys: list[str]) -> None:
@@ -264,15 +268,15 @@ class LoRAManager:
             for name, (a, b) in self._resident[key].modules.items():
                 per_module.setdefault(name, []).append((i, a, b))
         stacks = {}
-        patterns: dict[tuple[int, ...], tuple[int, torch.Tensor]] = {}
         for name, parts in per_module.items():
-            owners = tuple(i for i, a, _ in parts for _ in range(a.shape[0]))
-            if owners not in patterns:
-                patterns[owners] = (len(patterns), torch.tensor(owners, device=self.device))
-            pattern, columns = patterns[owners]
-            a_cat = torch.cat([a for _, a, _ in parts])
-            b_cat = torch.cat([b for _, _, b in parts])
-            stacks[name] = StackedLoRA(a_cat, b_cat, pattern, columns)
+            rank = max(a.shape[0] for _, a, _ in parts)
+            _, a0, b0 = parts[0]
+            a_stack = a0.new_zeros(len(parts), a0.shape[1], rank)  # (k, in, r)
+            b_stack = b0.new_zeros(len(parts), rank, b0.shape[1])  # (k, r, out)
+            for j, (_, a, b) in enumerate(parts):
+                a_stack[j, :, : a.shape[0]] = a.t()
+                b_stack[j, : b.shape[0]] = b
+            stacks[name] = StackedLoRA(a_stack, b_stack, tuple(i for i, _, _ in parts))
         return stacks
 
     def _forget_device(self, key: str) -> None:

@@ -1,7 +1,8 @@
 """LoRA adapters through `LLMBackend`, as the hub drives it: an adapter loads on the resident
 base without reloading or copying it, serves requests that name it (streaming, n > 1 with a
-seed, a structured output), survives an offload, refuses to unload while it serves, and an
-adapter that does not fit or is not loaded is the caller's error."""
+seed, a structured output) and shows in the slot metrics, survives an offload, refuses to
+unload while it serves, and an adapter that does not fit or is not loaded is the caller's
+error. An int8 base serves adapters too."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 
 from backends.base import BackendContext
 from backends.errors import InputError
@@ -47,9 +49,9 @@ async def collect(backend: LLMBackend, params: SamplingParams, adapter: str | No
 
 
 def test_adapters_load_on_the_resident_base_and_serve(folders: dict[str, Path]) -> None:
-    backend = LLMBackend(
-        BackendContext("tiny", "1", {"kv_cache_bytes": 2 * 2**20, "max_lora_rank": 8})
-    )
+    registry = CollectorRegistry()
+    config = {"kv_cache_bytes": 2 * 2**20, "max_lora_rank": 8}
+    backend = LLMBackend(BackendContext("tiny", "1", config, metrics_registry=registry))
     backend.load(folders["base"], "cpu", torch.float32)
     model = backend.engine.runner.model
     weights = {name: p.data_ptr() for name, p in model.named_parameters()}
@@ -72,6 +74,9 @@ def test_adapters_load_on_the_resident_base_and_serve(folders: dict[str, Path]) 
         one = asyncio.run(collect(backend, greedy, "support-bot@1"))
         two = asyncio.run(collect(backend, greedy, "support-bot@2"))
         assert one != before and two != before and one != two
+        labels = {"model": "tiny", "version": "1"}
+        assert registry.get_sample_value("hub_llm_lora_slots_in_use", labels) == 2
+        assert registry.get_sample_value("hub_llm_lora_slot_loads_total", labels) == 2
 
         # n > 1 with a seed: the same samples again; each sample its own.
         seeded = SamplingParams(temperature=1.0, n=2, seed=7, max_tokens=8)
@@ -83,7 +88,13 @@ def test_adapters_load_on_the_resident_base_and_serve(folders: dict[str, Path]) 
         asyncio.run(backend.compile_grammar(choice))
         assert asyncio.run(collect(backend, choice, "support-bot@1"))[0] in ("yes", "no")
 
-        # An offload drops the device slots; after a restore the adapter serves the same.
+        # Out of its device slot and back (host copy kept): it serves the same.
+        backend.offload_adapter("support-bot@1")
+        assert backend.engine.runner.lora.resident() == ["support-bot@2"]
+        backend.restore_adapter("support-bot@1")
+        assert backend.engine.runner.lora.resident() == ["support-bot@2", "support-bot@1"]
+        assert asyncio.run(collect(backend, greedy, "support-bot@1")) == one
+        # An offload of the base drops the device slots; after a restore the same again.
         backend.offload()
         backend.restore("cpu")
         assert asyncio.run(collect(backend, greedy, "support-bot@1")) == one
@@ -93,7 +104,7 @@ def test_adapters_load_on_the_resident_base_and_serve(folders: dict[str, Path]) 
         assert e.value.param == "model"
         with pytest.raises(AdapterError, match="another architecture"):
             backend.load_adapter("phi3", folders["phi3"])
-        with pytest.raises(AdapterError, match="exceeds the largest supported rank 8"):
+        with pytest.raises(AdapterError, match="rank 16, above this model's max_lora_rank=8"):
             backend.load_adapter("big", folders["rank16"])
         assert asyncio.run(_unload_while_serving(backend)) == "refused"
         backend.unload_adapter("support-bot@1")  # once the aborted request has left
@@ -113,3 +124,25 @@ async def _unload_while_serving(backend: LLMBackend) -> str:
         except AdapterInUseError:
             return "refused"
     return "unloaded"
+
+
+def test_an_int8_base_serves_adapters_beside_its_own_requests(folders: dict[str, Path]) -> None:
+    config = {"kv_cache_bytes": 2 * 2**20, "quantization": "int8"}
+    backend = LLMBackend(BackendContext("tiny-int8", "1", config))
+    backend.load(folders["base"], "cpu", torch.float32)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    try:
+        before = asyncio.run(collect(backend, greedy, None))
+        backend.load_adapter("all", folders["all"])
+
+        async def both() -> list[list[str]]:
+            return list(
+                await asyncio.gather(
+                    collect(backend, greedy, None), collect(backend, greedy, "all")
+                )
+            )
+
+        base, adapted = asyncio.run(both())
+        assert base == before and adapted != before
+    finally:
+        backend.unload()
