@@ -6,11 +6,10 @@ named on every generation, while everything else a route reads (tokenizer, chat 
 config, engine) is the base's. Its lifecycle is the adapter's alone and never touches the
 base's weights: `attach` registers the adapter with the base's engine (the engine reads its
 tensors into host memory and copies them into a device slot on demand), `unload` removes it
-from the engine. `offload` keeps the engine's host copy (the engine's slot LRU reclaims the
-device slot as soon as another adapter needs it) and `restore` makes it servable again,
-registering it anew only if the engine no longer has it: the adapter's warm tier is that
-host copy. The base's own `offload`/`unload` are the manager's business, done on the base's
-entry after its adapters' entries have left (`hub.manager`).
+from the engine. `offload` frees its device slot and keeps the engine's host copy (the
+adapter's warm tier), `restore` copies that back into a slot, registering the adapter anew
+only if the engine no longer has it. The base's own `offload`/`unload` are the manager's
+business, done on the base's entry after its adapters' entries have left (`hub.manager`).
 """
 
 from __future__ import annotations
@@ -114,11 +113,14 @@ class AdapterBackend(LLMBackend):
         return self.nbytes
 
     def offload(self) -> None:
-        # The engine keeps the host copy; nothing to copy. No new request reaches it now.
         self._servable = False
+        if self.key in self.base.loaded_adapters():
+            self.base.offload_adapter(self.key)  # the slot goes; the host copy stays
 
     def restore(self, device: str) -> None:
-        if self.key not in self.base.loaded_adapters():
+        if self.key in self.base.loaded_adapters():
+            self.base.restore_adapter(self.key)
+        else:
             self.nbytes = self.base.load_adapter(self.key, self.adapter_dir)
         self._servable = True
 
