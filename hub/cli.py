@@ -137,10 +137,18 @@ def register(
     eval_set: Annotated[
         Path | None, typer.Option(help="JSON file: the version's evaluation set")
     ] = None,
+    base: Annotated[
+        str | None,
+        typer.Option(
+            help="For a LoRA adapter folder: the registered llm it runs on, name@version or "
+            "name@alias"
+        ),
+    ] = None,
     config: ConfigOpt = None,
 ) -> None:
     """Register a new version of a model from SOURCE (a folder, hf://org/name[@rev],
-    models:/name/3, models:/name@alias or runs:/<run id>/<path>)."""
+    models:/name/3, models:/name@alias or runs:/<run id>/<path>); a PEFT LoRA adapter
+    folder takes --base."""
     from backends.runtime_config import RuntimeConfigError, parse_runtime_config
     from hub.demo import is_builtin, materialise_builtin
     from registry.errors import RegistryError
@@ -173,8 +181,7 @@ def register(
     try:
         view = _registry(settings).register(
             name, kind, source, aliases=alias or [], config=extra, description=description,
-            eval_set=evals,
-            actor=_actor(),
+            eval_set=evals, actor=_actor(), base=base,
         )  # fmt: skip
     except RegistryError as e:
         raise _fail(str(e)) from None
@@ -293,6 +300,7 @@ def list_versions(name: str, config: ConfigOpt = None) -> None:
         typer.echo(
             f"v{v:<4} {view.status:11} {view.dtype:9} {view.total_bytes:>12} B  "
             f"aliases [{', '.join(view.aliases)}]  {view.source_uri}"
+            + (f"  (adapter on {view.base})" if view.base is not None else "")
         )
 
 

@@ -48,6 +48,7 @@ def build_registry(settings: HubSettings) -> Registry:
     cache); does no I/O and runs no migration."""
     from backends.llm.architectures import folder_problem
     from backends.runtime_config import parse_runtime_config
+    from hub.adapters.checks import adapter_problem
     from hub.manager.devices import Device
     from registry.cache import ArtifactCache
     from registry.db import Database
@@ -62,6 +63,7 @@ def build_registry(settings: HubSettings) -> Registry:
         hf_cache_dir=settings.registry.hf_cache_dir,
         check_config=parse_runtime_config,
         folder_check=folder_problem,
+        adapter_check=adapter_problem,
         trust_remote_code=settings.trust_remote_code,
         # A model whose config alone says it cannot fit the largest device is refused.
         max_model_bytes=max(
@@ -146,11 +148,13 @@ class Control:
         description: str = "",
         eval_set: Mapping[str, Any] | None = None,
         actor: str,
+        base: str | None = None,
     ) -> VersionView:
-        """Register a new version of `name` from `source`; refreshes."""
+        """Register a new version of `name` from `source` (a LoRA adapter with `base`);
+        refreshes."""
         view = await asyncio.to_thread(
             self.registry.register, name, kind, source, aliases=aliases, config=config,
-            description=description, eval_set=eval_set, actor=actor,
+            description=description, eval_set=eval_set, actor=actor, base=base,
         )  # fmt: skip
         await self.catalog.refresh()
         return view

@@ -7,6 +7,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+# Adapter loads take milliseconds (a few MB, no base reload).
+ADAPTER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5)
 
 
 class HubMetrics:
@@ -38,6 +40,26 @@ class HubMetrics:
             "Time to bring a model onto its device",
             ["source"],
             buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.adapter_loads = Counter(
+            "hub_adapter_loads_total",
+            "LoRA adapters brought onto their base's engine, by source (cold: read from disk, "
+            "warm: its host-memory copy made servable again)",
+            ["base", "model", "version", "source"],
+            registry=r,
+        )
+        self.adapter_load_seconds = Histogram(
+            "hub_adapter_load_seconds",
+            "Time to bring a LoRA adapter onto its (resident) base, by source",
+            ["source"],
+            buckets=ADAPTER_BUCKETS,
+            registry=r,
+        )
+        self.adapter_requests = Counter(
+            "hub_adapter_requests_total",
+            "Requests served by a LoRA adapter on its base's engine",
+            ["base", "model", "version"],
             registry=r,
         )
         self.evictions = Counter(

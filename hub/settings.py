@@ -92,6 +92,9 @@ class ModelSpec(_Section):
     kind: Literal["llm", "embedder", "reranker"]
     # A folder, hf://org/name[@rev], an MLflow URI, or builtin:<demo model>.
     source: str
+    # For a PEFT LoRA adapter source: the llm it runs on, `name@version-or-alias` (list
+    # the base before its adapters).
+    base: str | None = None
     aliases: list[str] = Field(default_factory=list)
     config: dict[str, Any] = Field(default_factory=dict)
     description: str = ""

@@ -173,6 +173,7 @@ class Hub:
                 config=spec.config,
                 description=spec.description,
                 actor="config",
+                base=spec.base,
             )
 
     async def _register_webhook(self) -> None:

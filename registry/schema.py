@@ -88,6 +88,11 @@ class ModelVersion(Base):
     validation: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
     # The version's own evaluation set, run by the validation gate (see hub.validation).
     eval_set: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+    # A LoRA adapter's base: the registered LLM version it was trained against (an alias
+    # given at registration is resolved then: an adapter fits one base's weights). Both
+    # null for a full model.
+    base_model: Mapped[str | None] = mapped_column(String(200), default=None)
+    base_version: Mapped[int | None] = mapped_column(Integer, default=None)
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
 
     model: Mapped[RegisteredModel] = relationship(back_populates="versions")

@@ -15,6 +15,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session, selectinload
 
+from registry.adapters import inspect_adapter_folder, is_adapter_folder, resolve_base
 from registry.aliases import AliasBook, event_view
 from registry.cache import ArtifactCache
 from registry.canaries import CanaryBook
@@ -23,9 +24,9 @@ from registry.errors import ConflictError, InvalidConfigError, InvalidSourceErro
 from registry.fetch import SourceFetcher
 from registry.mlflow_store import MlflowStore
 from registry.schema import AliasEvent, ModelVersion, RegisteredModel
-from registry.sources import inspect_folder
+from registry.sources import InspectedSource, inspect_folder
 from registry.traffic import TrafficBook
-from registry.views import EventView, ModelView, RegistrySnapshot, VersionView
+from registry.views import BaseRef, EventView, ModelView, RegistrySnapshot, VersionView
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 ALIAS_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,63}$")
@@ -75,6 +76,11 @@ def _version_view(
         eval_set=row.eval_set,
         created_at=row.created_at,
         aliases=tuple(sorted(a for a, v in aliases.items() if v == row.version)),
+        base=(
+            BaseRef(row.base_model, row.base_version)
+            if row.base_model is not None and row.base_version is not None
+            else None
+        ),
     )
 
 
@@ -107,6 +113,7 @@ class Registry:
         trust_remote_code: bool = False,
         max_model_bytes: int | None = None,
         folder_check: Callable[[Path, str], str | None] | None = None,
+        adapter_check: Callable[[Path, Path, Mapping[str, Any]], str | None] | None = None,
     ) -> None:
         self.db = db
         self.check_config = check_config
@@ -119,6 +126,10 @@ class Registry:
         # The serving side's own refusal (an LLM architecture it cannot run): folder and kind
         # in, a reason out (None: servable). Injected, as the registry imports no backend.
         self.folder_check = folder_check
+        # The same for a LoRA adapter: adapter folder, its base's folder and runtime config
+        # in, a reason out (unsupported PEFT features, shapes or target modules that do not
+        # fit the base, a rank above its max_lora_rank).
+        self.adapter_check = adapter_check
         self.traffic = TrafficBook(db)
         self.aliases = AliasBook(db, mlflow, self.traffic)
         self.canaries = CanaryBook(db, self.traffic)
@@ -142,19 +153,60 @@ class Registry:
         description: str = "",
         eval_set: Mapping[str, Any] | None = None,
         actor: str = "system",
+        base: str | None = None,
     ) -> VersionView:
         """Register the files at `source` (a folder, `hf://org/name[@rev]`, or an MLflow model
-        URI) as a new version of `name` and return it. Nothing is written to MLflow or SQL
-        unless the source passes inspection."""
+        URI) as a new version of `name` and return it. A LoRA adapter folder needs `base`
+        (`name@version-or-alias` of a registered LLM; the alias is resolved now and the
+        version recorded). Nothing is written to MLflow or SQL unless the source passes
+        inspection."""
         check_name(name)
         aliases = list(aliases)
         for alias in aliases:
             check_alias(alias)
         self._check_config(kind, config or {})
+        base_ref = resolve_base(base, self.get_model) if base is not None else None
         with self.fetcher.fetch(source) as folder:
             return self._register_folder(
-                name, kind, source, folder, aliases, config, description, eval_set, actor
+                name, kind, source, folder, aliases, config, description, eval_set, actor,
+                base_ref,
+            )  # fmt: skip
+
+    def _inspect(
+        self, folder: Path, kind: str, source: str, base: BaseRef | None
+    ) -> InspectedSource:
+        """Inspect `folder` as a full model or, with `base`, as a LoRA adapter of it."""
+        adapter = is_adapter_folder(folder)
+        if adapter and base is None:
+            raise InvalidSourceError(
+                f"source {source} is a LoRA adapter (adapter_config.json); register it with "
+                '"base": "name@version-or-alias" naming the registered llm it was trained on'
             )
+        if base is None:
+            return inspect_folder(
+                folder,
+                kind,
+                allow_pickle=self.allow_pickle,
+                trust_remote_code=self.trust_remote_code,
+                link_root=self.fetcher.link_root(source, folder),
+                max_model_bytes=self.max_model_bytes,
+            )
+        if not adapter:
+            raise InvalidSourceError(
+                f"base is only for a LoRA adapter, and source {source} is none (no "
+                "adapter_config.json); leave base out to register a full model"
+            )
+        if kind != "llm":
+            raise InvalidSourceError(f"a LoRA adapter is an llm, not a {kind}")
+        inspected = inspect_adapter_folder(folder, link_root=self.fetcher.link_root(source, folder))
+        if self.adapter_check is not None:
+            base_view = self.get_version(base.name, base.version)
+            problem = self.adapter_check(
+                folder, self.materialise(base_view), base_view.runtime_config
+            )
+            if problem is not None:
+                raise InvalidSourceError(f"adapter {source} does not fit base {base}: {problem}")
+        return inspected
 
     def _register_folder(
         self,
@@ -167,19 +219,15 @@ class Registry:
         description: str,
         eval_set: Mapping[str, Any] | None,
         actor: str,
+        base: BaseRef | None,
     ) -> VersionView:
-        inspected = inspect_folder(
-            folder,
-            kind,
-            allow_pickle=self.allow_pickle,
-            trust_remote_code=self.trust_remote_code,
-            link_root=self.fetcher.link_root(source, folder),
-            max_model_bytes=self.max_model_bytes,
-        )
+        inspected = self._inspect(folder, kind, source, base)
         # What is stored: the defaults read from the model's files, then the caller's keys.
         runtime_config = {**inspected.runtime_defaults, **(config or {})}
         self._check_config(kind, runtime_config)
-        problem = self.folder_check(folder, kind) if self.folder_check is not None else None
+        problem = None
+        if self.folder_check is not None and base is None:
+            problem = self.folder_check(folder, kind)
         if problem is not None:
             raise InvalidSourceError(f"source {source} cannot be served: {problem}")
         with self.db.session() as s:
@@ -189,8 +237,11 @@ class Registry:
                     f"model {name!r} is registered as a {existing.kind}; cannot add a {kind} "
                     "version to it"
                 )
+        tags = {"hub.kind": kind, "hub.source": source}
+        if base is not None:
+            tags["hub.base"] = str(base)
         version, artifact_uri = self.mlflow.log_version(
-            name, folder, description=description, tags={"hub.kind": kind, "hub.source": source}
+            name, folder, description=description, tags=tags
         )
         try:
             with self.db.session() as s:
@@ -213,6 +264,8 @@ class Registry:
                         runtime_config=runtime_config,
                         status="registered",
                         eval_set=dict(eval_set) if eval_set else None,
+                        base_model=base.name if base is not None else None,
+                        base_version=base.version if base is not None else None,
                     )
                 )
         except Exception:
@@ -221,8 +274,9 @@ class Registry:
             raise
         for alias in aliases:
             self.set_alias(name, alias, version, actor=actor, reason="set at registration")
-        log.info("registered %s v%d (%s, %d bytes) from %s", name, version, kind,
-                 inspected.total_bytes, source)  # fmt: skip
+        log.info("registered %s v%d (%s%s, %d bytes) from %s", name, version, kind,
+                 f", adapter on {base}" if base else "", inspected.total_bytes,
+                 source)  # fmt: skip
         return self.get_version(name, version)
 
     def _check_config(self, kind: str, config: Mapping[str, Any]) -> None:

@@ -73,7 +73,7 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _dominant_dtype(weights: list[Path]) -> str:
+def dominant_dtype(weights: list[Path]) -> str:
     bytes_by_dtype: Counter[str] = Counter()
     for path in weights:
         try:
@@ -184,7 +184,7 @@ def inspect_folder(
         kind=kind,
         manifest=manifest,
         total_bytes=sum(p.stat().st_size for p in files),
-        dtype=_dominant_dtype(weights) if weights else "unknown",
+        dtype=dominant_dtype(weights) if weights else "unknown",
         runtime_defaults=_checked_runtime_defaults(folder, kind),
     )
 

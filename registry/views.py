@@ -24,6 +24,23 @@ class VersionView:
     eval_set: dict[str, Any] | None
     created_at: dt.datetime
     aliases: tuple[str, ...] = ()
+    # A LoRA adapter's base version (`name@version`); None for a full model.
+    base: BaseRef | None = None
+
+    @property
+    def is_adapter(self) -> bool:
+        return self.base is not None
+
+
+@dataclass(frozen=True, order=True)
+class BaseRef:
+    """The registered LLM version an adapter runs on."""
+
+    name: str
+    version: int
+
+    def __str__(self) -> str:
+        return f"{self.name}@{self.version}"
 
 
 @dataclass(frozen=True)

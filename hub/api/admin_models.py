@@ -33,10 +33,17 @@ class ModelStatusPublic(BaseModel):
     last_device: str | None = None
     cold_load_s: float | None = None
     warm_load_s: float | None = None
+    base: str | None = Field(
+        None, description="a LoRA adapter's base version (name@version), whose engine serves it"
+    )
+    adapters: list[str] = Field(
+        default_factory=list,
+        description="on a base: its LoRA adapters on the device now (name@version)",
+    )
 
     @classmethod
     def of(cls, s: ModelStatus) -> ModelStatusPublic:
-        return cls(**s.__dict__)
+        return cls(**{**s.__dict__, "adapters": list(s.adapters)})
 
 
 class DevicePublic(BaseModel):

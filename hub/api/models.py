@@ -25,6 +25,8 @@ class ModelCard(BaseModel):
     default_version: int | None
     versions: list[int]
     aliases: dict[str, int]
+    # A LoRA adapter's base (`name@version`) for its default version, as vLLM names it.
+    parent: str | None = None
 
 
 class ModelList(BaseModel):
@@ -33,13 +35,16 @@ class ModelList(BaseModel):
 
 
 def _card(m: ModelView, model_id: str | None = None) -> ModelCard:
+    default = m.default_version()
+    base = m.versions[default].base if default is not None else None
     return ModelCard(
         id=model_id or m.name,
         created=int(m.created_at.timestamp()),
         kind=m.kind,
-        default_version=m.default_version(),
+        default_version=default,
         versions=sorted(m.versions),
         aliases=m.aliases,
+        parent=str(base) if base is not None else None,
     )
 
 

@@ -38,6 +38,13 @@ class VersionCreate(BaseModel):
     description: str = ""
     # The version's own evaluation set, run by the validation gate (see README).
     eval_set: dict[str, Any] | None = None
+    base: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=300,
+        description="for a LoRA adapter folder: the registered llm it runs on, as "
+        "name@version or name@alias (the alias is resolved now and the version recorded)",
+    )
 
 
 class VersionCreated(BaseModel):
@@ -60,6 +67,9 @@ class VersionPublic(BaseModel):
     eval_set: dict[str, Any] | None
     files: int
     created_at: UTCDateTime
+    base: str | None = Field(
+        default=None, description="a LoRA adapter's base version (name@version)"
+    )
 
     @classmethod
     def of(cls, v: VersionView) -> VersionPublic:
@@ -78,6 +88,7 @@ class VersionPublic(BaseModel):
             eval_set=v.eval_set,
             files=len(v.manifest),
             created_at=v.created_at,
+            base=str(v.base) if v.base is not None else None,
         )
 
 
@@ -150,6 +161,7 @@ async def register_version(
         description=body.description,
         eval_set=body.eval_set,
         actor=actor,
+        base=body.base,
     )
     reconciler.kick()
     return VersionCreated(name=view.name, version=view.version)

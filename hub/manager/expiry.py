@@ -39,7 +39,8 @@ class KeepAliveClock:
         """Start the idle clock of a loaded, idle model (keep-alive 0: evict now)."""
         keep_alive = entry.keep_alive_s(self._default)
         entry.expires_at = None
-        if entry.pinned or keep_alive == FOREVER:
+        # A base with adapters on it stays; its clock starts when the last one leaves.
+        if entry.pinned or keep_alive == FOREVER or self._planner.adapters_on(entry.key):
             return
         if keep_alive == 0:
             self._evictions.start(entry, "keep_alive")
@@ -55,6 +56,9 @@ class KeepAliveClock:
         next_at: float | None = None
         for entry in list(self._entries.values()):
             if entry.expires_at is None or entry.pinned or not idle_loaded(entry):
+                continue
+            if self._planner.adapters_on(entry.key):
+                entry.expires_at = None  # re-armed when its last adapter leaves
                 continue
             if entry.expires_at <= now:
                 self._evictions.start(entry, "keep_alive")

@@ -44,7 +44,10 @@ class Footprint:
 
     def predict(self, prepared: PreparedVersion, budgets: Mapping[str, int]) -> dict[str, int]:
         """Predicted bytes on each device of `budgets` (device -> budget), overhead included;
-        one prediction serves every device unless the backend sizes itself by the budget."""
+        one prediction serves every device unless the backend sizes itself by the budget.
+        An adapter's slot is exact: no load overhead."""
+        if prepared.base is not None:
+            return dict.fromkeys(budgets, prepared.predict_memory())
         if not takes_device_budget(prepared.backend_cls):
             one = prepared.predict_memory() + self.overhead_bytes
             return dict.fromkeys(budgets, one)
@@ -56,6 +59,14 @@ class Footprint:
         """Load onto `device`; returns the backend and its measured footprint."""
         with self._allocator_delta(device) as delta:
             backend = loader.load(prepared, device, budget)
+        return backend, self._measured(backend, delta)
+
+    def attach(
+        self, loader: VersionLoader, prepared: PreparedVersion, base: Backend, device: str
+    ) -> tuple[Backend, int]:
+        """Attach a LoRA adapter to `base` on `device`; returns it and its measured bytes."""
+        with self._allocator_delta(device) as delta:
+            backend = loader.attach(prepared, base)
         return backend, self._measured(backend, delta)
 
     def restore(self, backend: Backend, device: str) -> int:

@@ -2,7 +2,8 @@
 
 The manager decides on the event loop and does the slow parts through a `Lifecycle`, each
 call in a worker thread: `prepare` (look up and materialise a version), `predict` (its
-footprint per device), `load` and `restore` (each returning the measured footprint), `park`
+footprint per device), `load`, `attach` (a LoRA adapter onto its loaded base) and `restore`
+(each returning the measured footprint), `park`
 (offload to host memory) and `unload` (free it for good). `BackendLifecycle` is the real one:
 a `VersionLoader` for the versions and `Footprint` for the measurements around each
 `Backend` call. Tests pass a fake lifecycle to drive the manager without torch or a registry.
@@ -40,6 +41,10 @@ class Lifecycle(Protocol):
     def load(self, prepared: PreparedVersion, device: str, budget: int) -> tuple[Backend, int]:
         """Load onto `device`; returns the backend and its measured bytes."""
 
+    def attach(self, prepared: PreparedVersion, base: Backend, device: str) -> tuple[Backend, int]:
+        """Attach a LoRA adapter to its loaded `base` on `device`; returns the adapter's
+        backend and its measured bytes."""
+
     def restore(self, backend: Backend, device: str) -> int:
         """Bring parked weights back onto `device`; returns the measured bytes."""
 
@@ -66,6 +71,9 @@ class BackendLifecycle:
 
     def load(self, prepared: PreparedVersion, device: str, budget: int) -> tuple[Backend, int]:
         return self.footprint.load(self.loader, prepared, device, budget)
+
+    def attach(self, prepared: PreparedVersion, base: Backend, device: str) -> tuple[Backend, int]:
+        return self.footprint.attach(self.loader, prepared, base, device)
 
     def restore(self, backend: Backend, device: str) -> int:
         return self.footprint.restore(backend, device)

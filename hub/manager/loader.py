@@ -28,6 +28,8 @@ class PreparedVersion:
     backend_cls: type[Backend]
     # The version's runtime config, checked and typed for its kind.
     config: RuntimeConfig
+    # A LoRA adapter's base version: it is attached to that model's backend, not loaded.
+    base: ModelKey | None = None
 
     def predict_memory(self, device_budget_bytes: int | None = None) -> int:
         """The backend's prediction; `device_budget_bytes` reaches backends whose footprint
@@ -75,13 +77,37 @@ class VersionLoader:
             config_type(view.kind), view.runtime_config, f"{view.name} v{view.version}"
         )
         artifact_dir = self.registry.materialise(view)
+        if view.base is not None:
+            from hub.adapters.binding import AdapterBackend
+
+            base = ModelKey(view.base.name, view.base.version)
+            return PreparedVersion(view, artifact_dir, AdapterBackend, config, base)
         return PreparedVersion(view, artifact_dir, backend_class(view.kind), config)
+
+    def attach(self, prepared: PreparedVersion, base: Backend) -> Backend:
+        """Attach a LoRA adapter version to its loaded base's backend (milliseconds: the
+        base is neither reloaded nor copied)."""
+        from backends.llm.backend import LLMBackend
+        from hub.adapters.binding import AdapterBackend
+
+        if not isinstance(base, LLMBackend):
+            raise TypeError(f"{prepared.base} is a {base.kind}, not an llm: no adapter runs on it")
+        return AdapterBackend.attach(
+            base, _adapter_key(prepared.view), prepared.artifact_dir, self._context(prepared)
+        )
 
     def load(
         self, prepared: PreparedVersion, device: str, device_budget: int | None = None
     ) -> Backend:
+        backend = prepared.backend_cls(self._context(prepared, device_budget))
+        backend.load(prepared.artifact_dir, device, parse_dtype(prepared.config.dtype))
+        return backend
+
+    def _context(
+        self, prepared: PreparedVersion, device_budget: int | None = None
+    ) -> BackendContext:
         view = prepared.view
-        context = BackendContext(
+        return BackendContext(
             model=view.name,
             version=str(view.version),
             runtime_config=prepared.config,
@@ -91,6 +117,8 @@ class VersionLoader:
             device_budget_bytes=device_budget,
             kernels=self.kernels,
         )
-        backend = prepared.backend_cls(context)
-        backend.load(prepared.artifact_dir, device, parse_dtype(prepared.config.dtype))
-        return backend
+
+
+def _adapter_key(view: VersionView) -> str:
+    """The adapter's name in its base's engine: unique per version (`name@version`)."""
+    return f"{view.name}@{view.version}"

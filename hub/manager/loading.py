@@ -13,9 +13,10 @@ otherwise. One load per model: every waiter awaits the same task.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from hub.errors import Unavailable
@@ -31,11 +32,16 @@ from hub.metrics import HubMetrics
 from hub.settings import ManagerSettings, ModelSpec
 
 if TYPE_CHECKING:
+    from backends.base import Backend
     from hub.manager.loader import PreparedVersion
 
 log = logging.getLogger(__name__)
 
 FAILURE_BACKOFF_S = (1.0, 5.0, 30.0, 120.0)
+
+# A load's outcome: the backend, its measured bytes, its device, the seconds the load took.
+Landed = tuple["Backend", int, str, float]
+HoldBase = Callable[[ModelKey], contextlib.AbstractAsyncContextManager[Entry]]
 
 
 class Loads:
@@ -51,8 +57,12 @@ class Loads:
         metrics: HubMetrics,
         reports: StatusReports,
         model_specs: Mapping[str, ModelSpec],
+        hold_base: HoldBase,
     ) -> None:
         self._settings = settings
+        # Brings an adapter's base up and holds it (a reference, as a request holds one)
+        # while the adapter is placed and attached.
+        self._hold_base = hold_base
         self._planner = planner
         self._lifecycle = lifecycle
         self._evictions = evictions
@@ -103,44 +113,35 @@ class Loads:
         source = "warm" if warm else "cold"
         prepared: PreparedVersion | None = None
         try:
+            prep_s = 0.0
             if warm:
                 tier.hold(entry.key)
-                # Restored as it was (KV cache included): the same bytes on any device.
-                size = max(entry.predicted_bytes, entry.measured_bytes)
-                need = dict.fromkeys(self._devices_for(entry), size)
-                prep_s = 0.0
             else:
                 start = time.perf_counter()
                 prepared = await asyncio.to_thread(self._lifecycle.prepare, entry.key)
                 entry.kind = prepared.view.kind
+                entry.base = prepared.base
                 entry.deployment = Deployment.resolve(
                     prepared.config,
                     self._specs.get(entry.key.name),
                     self._planner.budgets,
                 )
-                budgets = {d: self._planner.budgets[d] for d in self._devices_for(entry)}
-                need = await asyncio.to_thread(self._lifecycle.predict, prepared, budgets)
-                entry.predicted_bytes = max(need.values())
                 prep_s = time.perf_counter() - start
-            self._planner.check_feasible(entry.key, need)  # NoRoom when waiting cannot help
-            prefer = entry.last_device if entry.key in tier else None
-            device = entry.device = await self.wait_for_room(entry, need, prefer)
-            if not warm:
-                entry.predicted_bytes = need[device]
-            start = time.perf_counter()
-            if prepared is not None:
-                backend, measured = await asyncio.to_thread(
-                    self._lifecycle.load, prepared, device, self._planner.budgets[device]
-                )
+            if entry.base is not None:
+                # An adapter: its base is brought up (and held) first, then it is attached.
+                async with self._hold_base(entry.base) as base:
+                    backend, measured, device, work_s = await self._attach(entry, base, prepared)
             else:
-                assert entry.backend is not None
-                backend = entry.backend
-                measured = await asyncio.to_thread(self._lifecycle.restore, backend, device)
-                tier.remove(entry.key)
-                entry.host_bytes = 0
-            load_s = time.perf_counter() - start + prep_s
+                backend, measured, device, work_s = await self._place_and_load(entry, prepared)
+            # The reload cost the eviction policy weighs: preparing plus the load itself.
+            load_s = prep_s + work_s
         except NoRoom as e:
             return self._refused(entry, e, warm)
+        except Unavailable as e:  # the base could not be brought up: not the adapter's fault
+            code = e.code or "base_unavailable"
+            return self._refused(
+                entry, NoRoom(f"base of {entry.key}: {e.message}", code=code), warm
+            )
         except asyncio.CancelledError:
             self._planner.ledger.release(entry.key)
             tier.unhold(entry.key)
@@ -162,6 +163,65 @@ class Loads:
             return self._refused(entry, e, warm=False)
         self._loaded(entry, device, source, load_s)
         return None
+
+    async def _place_and_load(self, entry: Entry, prepared: PreparedVersion | None) -> Landed:
+        """Room on a device, then a cold load of `prepared` (None: a warm restore)."""
+        if prepared is None:
+            # Restored as it was (KV cache included): the same bytes on any device.
+            size = max(entry.predicted_bytes, entry.measured_bytes)
+            need = dict.fromkeys(self._devices_for(entry), size)
+        else:
+            budgets = {d: self._planner.budgets[d] for d in self._devices_for(entry)}
+            need = await asyncio.to_thread(self._lifecycle.predict, prepared, budgets)
+            entry.predicted_bytes = max(need.values())
+        self._planner.check_feasible(entry.key, need)  # NoRoom when waiting cannot help
+        prefer = entry.last_device if entry.key in self._planner.host_tier else None
+        device = entry.device = await self.wait_for_room(entry, need, prefer)
+        if prepared is None:
+            return await self._restore(entry, device)
+        entry.predicted_bytes = need[device]
+        start = time.perf_counter()
+        backend, measured = await asyncio.to_thread(
+            self._lifecycle.load, prepared, device, self._planner.budgets[device]
+        )
+        return backend, measured, device, time.perf_counter() - start
+
+    async def _attach(self, entry: Entry, base: Entry, prepared: PreparedVersion | None) -> Landed:
+        """Room for an adapter on its (held, loaded) base's device, then attach it to the
+        base's backend (`prepared`) or make its parked copy servable again (None)."""
+        assert base.device is not None and base.backend is not None  # held while LOADED
+        if prepared is None and entry.attached_to is not base.backend:
+            # Its base was dropped and loaded anew while this restore waited for it: the
+            # parked copy went with the old engine, so it is attached afresh.
+            self._planner.host_tier.remove(entry.key)
+            entry.host_bytes = 0
+            prepared = await asyncio.to_thread(self._lifecycle.prepare, entry.key)
+        if prepared is None:
+            need = {base.device: max(entry.predicted_bytes, entry.measured_bytes)}
+        else:
+            budgets = {base.device: self._planner.budgets[base.device]}
+            need = await asyncio.to_thread(self._lifecycle.predict, prepared, budgets)
+            entry.predicted_bytes = need[base.device]
+        self._planner.check_feasible(entry.key, need)
+        device = entry.device = await self.wait_for_room(entry, need)
+        if prepared is None:
+            return await self._restore(entry, device)
+        start = time.perf_counter()
+        backend, measured = await asyncio.to_thread(
+            self._lifecycle.attach, prepared, base.backend, device
+        )
+        entry.attached_to = base.backend
+        return backend, measured, device, time.perf_counter() - start
+
+    async def _restore(self, entry: Entry, device: str) -> Landed:
+        """Bring `entry`'s parked weights back onto `device` (room granted)."""
+        assert entry.backend is not None
+        start = time.perf_counter()
+        measured = await asyncio.to_thread(self._lifecycle.restore, entry.backend, device)
+        seconds = time.perf_counter() - start
+        self._planner.host_tier.remove(entry.key)
+        entry.host_bytes = 0
+        return entry.backend, measured, device, seconds
 
     def _devices_for(self, entry: Entry) -> list[str]:
         """The devices `entry` may go to: the one its deployment names, else all."""
@@ -198,8 +258,12 @@ class Loads:
         self._planner.record_use(entry.key)
         self._metrics.loads.labels(*labels(entry), "ok", source).inc()
         self._metrics.load_seconds.labels(source).observe(load_s)
-        log.info("%s %s onto %s in %.2fs (%d bytes)", entry.key,
-                 "restored" if source == "warm" else "loaded", device, load_s,
+        verb = "restored" if source == "warm" else "loaded"
+        if entry.base is not None:
+            self._metrics.adapter_loads.labels(str(entry.base), *labels(entry), source).inc()
+            self._metrics.adapter_load_seconds.labels(source).observe(load_s)
+            verb = f"{verb} (adapter on {entry.base})"
+        log.info("%s %s onto %s in %.4fs (%d bytes)", entry.key, verb, device, load_s,
                  self._planner.ledger.charge_of(entry.key))  # fmt: skip
         self._reports.update_gauges()
         if entry.waiting == 0 and entry.in_flight == 0:

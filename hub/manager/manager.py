@@ -15,7 +15,9 @@ Everything here runs on the event loop; blocking work (prepare, load, park, rest
 runs through the `Lifecycle` in worker threads, and no bookkeeping is left half done across
 an await. `ModelManager` is a facade over composed parts, no base classes:
 
-- `state.Entry` per model, whose state moves only as `residency` allows;
+- `state.Entry` per model, whose state moves only as `residency` allows; a LoRA adapter's
+  entry names its base's (`Entry.base`): its requests hold the base too, its load brings the
+  base up first, and the base leaves only after its adapters (`planning.dependents`);
 - `planning.Planner` (pure): ledger, host tier, placement, eviction policy, room, "why not";
 - `lifecycle.Lifecycle`: the blocking work; `BackendLifecycle` for real backends;
 - `loading.Loads` (cold loads, warm restores), `evicting.Evictions` (evictions, drops,
@@ -99,7 +101,8 @@ class ModelManager:
         )
         self._loads = Loads(settings, self.planner, lifecycle, self._evictions,
                             self._keep_alive, metrics, self._reports,
-                            dict(model_specs or {}))  # fmt: skip
+                            dict(model_specs or {}), self._holding)  # fmt: skip
+        self._evictions.on_adapter_left = self._base_freed
 
     @property
     def ledger(self) -> MemoryLedger:
@@ -123,19 +126,53 @@ class ModelManager:
         model then stays resident, with Ollama's meaning. Raises Unavailable (503 with
         Retry-After) when the model cannot be brought up, naming what holds the memory."""
         entry = self._entry(ModelKey(name, version), kind)
-        await self._ensure_loaded(entry)
+        while True:
+            await self._ensure_loaded(entry)
+            # A LoRA adapter's request runs on its base's engine, so it holds the base too.
+            base = self._entries[entry.base] if entry.base is not None else None
+            if base is None or base.state is ModelState.LOADED:
+                break
+            # Attached while an admin unloaded its base: it leaves with it, then comes back.
+            await asyncio.shield(self._evictions.start(entry, "base"))
         backend = entry.backend
         assert backend is not None  # LOADED has one, and nothing was awaited since the check
+        self._hold(entry, keep_alive)
+        if base is not None:
+            self._hold(base, base.keep_alive)
+            self.metrics.adapter_requests.labels(str(base.key), name, str(version)).inc()
+        try:
+            yield backend
+        finally:
+            self._release(entry)
+            if base is not None:
+                self._release(base)
+
+    @contextlib.asynccontextmanager
+    async def _holding(self, key: ModelKey) -> AsyncIterator[Entry]:
+        """Bring `key` up and hold it like a request would (an adapter's load holds its base
+        while the adapter is placed and attached)."""
+        entry = self._entry(key, "llm")
+        await self._ensure_loaded(entry)
+        self._hold(entry, entry.keep_alive)
+        try:
+            yield entry
+        finally:
+            self._release(entry)
+
+    def _hold(self, entry: Entry, keep_alive: float | None) -> None:
+        assert entry.state is ModelState.LOADED
         entry.in_flight += 1
         entry.hits += 1
         entry.keep_alive = keep_alive
         entry.expires_at = None
         entry.idle.clear()
         self.planner.record_use(entry.key)
-        try:
-            yield backend
-        finally:
-            self._release(entry)
+
+    def _base_freed(self, base: ModelKey) -> None:
+        """An adapter left base `base`: its keep-alive may run now."""
+        entry = self._entries.get(base)
+        if entry is not None and entry.state is ModelState.LOADED and entry.in_flight == 0:
+            self._keep_alive.arm(entry)
 
     def _release(self, entry: Entry) -> None:
         entry.in_flight -= 1
@@ -274,7 +311,8 @@ class ModelManager:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        for entry in list(self._entries.values()):
+        # Adapters first: their unload talks to their base's engine.
+        for entry in sorted(self._entries.values(), key=lambda e: e.base is None):
             if entry.backend is not None:
                 await self._evictions.drop(entry, "shutdown")
             self.planner.ledger.release(entry.key)

@@ -55,6 +55,8 @@ class StatusReports:
             last_device=e.last_device,
             cold_load_s=e.cold_load_s,
             warm_load_s=e.warm_load_s,
+            base=str(e.base) if e.base is not None else None,
+            adapters=tuple(map(str, self._planner.adapters_on(e.key))),
         )
 
     def devices(self) -> list[DeviceStatus]:

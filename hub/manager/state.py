@@ -40,6 +40,12 @@ class Entry:
     last_device: str | None = None
     # Placement, keep-alive and pin from the settings and the version's runtime config.
     deployment: Deployment | None = None
+    # A LoRA adapter's base model version, known once the version was prepared: its
+    # requests run on the base's engine, so the base stays resident while it is (see
+    # `planning.dependents`). None for a full model.
+    base: ModelKey | None = None
+    # The base's backend the adapter's backend was attached to (its parked copy lives there).
+    attached_to: Backend | None = None
     predicted_bytes: int = 0
     measured_bytes: int = 0
     # Bytes its parked weights take in the host tier while WARM.
@@ -109,6 +115,9 @@ class ModelStatus:
     last_device: str | None = None
     cold_load_s: float | None = None
     warm_load_s: float | None = None
+    # A LoRA adapter's base (`name@version`); on a base, its adapters on the device now.
+    base: str | None = None
+    adapters: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

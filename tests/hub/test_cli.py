@@ -127,3 +127,30 @@ def test_register_hf_source_uses_the_configured_hf_cache(
     assert json.loads(result.output.strip().splitlines()[-1]) == {"name": "emb", "version": 1}
     out = runner.invoke(app, ["versions", "emb", "--config", str(config)]).output
     assert "hf://acme/tiny-embedder" in out
+
+
+def test_register_an_adapter_with_base(config: Path, tiny_llm_dir: Path, tmp_path: Path) -> None:
+    from tests.backends.llm.lora_support import ATTENTION, build_adapter
+
+    adapter = str(build_adapter(tiny_llm_dir, tmp_path / "adapter", ATTENTION))
+    base = ["register", "--name", "tiny", "--kind", "llm", "--source", str(tiny_llm_dir)]
+    result = runner.invoke(app, [*base, "--alias", "production", "--config", str(config)])
+    assert result.exit_code == 0, result.output
+    bot = [
+        "register",
+        "--name",
+        "bot",
+        "--kind",
+        "llm",
+        "--source",
+        adapter,
+        "--config",
+        str(config),
+    ]
+    result = runner.invoke(app, bot)
+    assert result.exit_code == 1 and '"base"' in result.output  # an adapter needs its base
+    result = runner.invoke(app, [*bot, "--base", "tiny@production"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output.strip().splitlines()[-1]) == {"name": "bot", "version": 1}
+    out = runner.invoke(app, ["versions", "bot", "--config", str(config)]).output
+    assert "(adapter on tiny@1)" in out

@@ -3,7 +3,8 @@ policies without a registry: each "model" is a tensor of a given size whose valu
 its name, so placement, eviction, the host tier and restores act on real allocations.
 
 Runtime config keys of a fake model: `bytes` (its footprint), `predict` (what it claims
-before loading; default `bytes`), `fail` (its load raises), `load_seconds` (a slow load),
+before loading; default `bytes`), `base` (the name of the model it is a LoRA adapter of:
+version 1 of it), `fail` (its load raises), `load_seconds` (a slow load),
 `offload_seconds` (a slow offload),
 `cache_fraction` (a cache sized as that share of the device budget, like an LLM's KV cache),
 plus the manager's own `keep_alive`, `pin`, `device`.
@@ -95,13 +96,56 @@ class FakeBackend(Backend):
         return float(self.module.weight.double().sum())
 
 
+class FakeAdapter(Backend):
+    """A LoRA adapter on a `FakeBackend`: its output is its base's plus its own offset, and
+    it needs its base resident to give one."""
+
+    kind = ModelKind.LLM
+
+    def __init__(self, context: BackendContext, base: FakeBackend) -> None:
+        super().__init__(context)
+        self.base = base
+        self.nbytes = int(context.runtime_config["bytes"])
+        self.offset = sum(map(ord, context.model)) + int(context.version)
+
+    @classmethod
+    def predict_memory(cls, artifact_dir: Path, runtime_config: Mapping[str, Any]) -> int:
+        return int(runtime_config["bytes"])
+
+    def load(self, artifact_dir: Path, device: str, dtype: torch.dtype | None = None) -> None:
+        self._device = device
+
+    def memory_bytes(self) -> int:
+        return self.nbytes if self._device is not None else 0
+
+    def offload_bytes(self) -> int:
+        return self.nbytes
+
+    def offload(self) -> None:
+        self._device = None
+
+    def restore(self, device: str) -> None:
+        self._device = device
+
+    def unload(self) -> None:
+        self._device = None
+
+    def run(self) -> float:
+        if self._device is None:
+            raise BackendClosedError(f"adapter {self.context.model} is not attached")
+        return self.base.run() + self.offset
+
+
 @dataclass
 class FakePrepared:
     view: Any
     config: dict[str, Any]
-    backend_cls: type[FakeBackend] = FakeBackend
+    backend_cls: type[Backend] = FakeBackend
+    base: ModelKey | None = None
 
     def predict_memory(self, device_budget_bytes: int | None = None) -> int:
+        if self.base is not None:
+            return FakeAdapter.predict_memory(Path("."), self.config)
         return FakeBackend.predict_memory(
             Path("."), self.config, device_budget_bytes=device_budget_bytes
         )
@@ -113,6 +157,7 @@ class FakeLoader:
 
     models: dict[str, dict[str, Any]] = field(default_factory=dict)
     loads: dict[ModelKey, int] = field(default_factory=dict)
+    attaches: dict[ModelKey, int] = field(default_factory=dict)
     backends: list[FakeBackend] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -121,7 +166,20 @@ class FakeLoader:
         view = SimpleNamespace(
             name=key.name, version=key.version, kind="embedder", runtime_config=config
         )
+        if "base" in config:
+            return FakePrepared(view, config, FakeAdapter, ModelKey(config["base"], 1))
         return FakePrepared(view, config)
+
+    def attach(self, prepared: FakePrepared, base: Backend) -> Backend:
+        assert isinstance(base, FakeBackend) and base.device is not None
+        view = prepared.view
+        context = BackendContext(view.name, str(view.version), prepared.config)
+        adapter = FakeAdapter(context, base)
+        with self._lock:
+            key = ModelKey(view.name, view.version)
+            self.attaches[key] = self.attaches.get(key, 0) + 1
+        adapter.load(Path("."), base.device)
+        return adapter
 
     def load(
         self, prepared: FakePrepared, device: str, device_budget: int | None = None

@@ -40,6 +40,8 @@ class Candidate:
     reload_s: float
     # Requests served since it was loaded.
     hits: int
+    # A LoRA adapter's base: the base is offered after its adapters (`dependents`).
+    base: ModelKey | None = None
 
 
 class EvictionPolicy(Protocol):

@@ -40,6 +40,9 @@ class Occupant(Protocol):
     def cold_load_s(self) -> float | None: ...
     @property
     def warm_load_s(self) -> float | None: ...
+    # A LoRA adapter's base model version (see `dependents`); None for a full model.
+    @property
+    def base(self) -> ModelKey | None: ...
 
 
 def idle_loaded(o: Occupant) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from hub.manager.planning.dependents import riders_first
 from hub.manager.planning.eviction import Candidate, EvictionPolicy, choose_victims
 
 
@@ -45,7 +46,8 @@ def place(
             rank: tuple[object, ...] = (0, device != prefer, 0.0, available - n)
             option = Placement(device)
         else:
-            victims = choose_victims(policy.order(candidates(device)), n - available)
+            ordered = riders_first(policy.order(candidates(device)))
+            victims = choose_victims(ordered, n - available)
             if victims is None:
                 continue
             freed = sum(v.nbytes for v in victims)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 
+from hub.manager.planning.dependents import riding
 from hub.manager.planning.eviction import Candidate, EvictionPolicy, make_policy
 from hub.manager.planning.host_tier import HostTier
 from hub.manager.planning.keys import ModelKey
@@ -58,6 +59,7 @@ class Planner:
             last_used=o.last_used,
             reload_s=warm or o.cold_load_s or 1.0,
             hits=o.hits,
+            base=o.base,
         )
 
     def candidates(self, device: str) -> list[Candidate]:
@@ -66,9 +68,24 @@ class Planner:
         out = []
         for key in self.ledger.charges(device):
             o = self._occupants.get(key)
-            if o is not None and evictable(o, now, self.min_residency):
+            if (
+                o is not None
+                and evictable(o, now, self.min_residency)
+                and self._free_of_riders(key, now)
+            ):
                 out.append(self.candidate(o))
         return out
+
+    def _free_of_riders(self, key: ModelKey, now: float) -> bool:
+        """A base may go only with its adapters: when every adapter on it may go too."""
+        return all(
+            evictable(self._occupants[k], now, self.min_residency)
+            for k in riding(key, self._occupants)
+        )
+
+    def adapters_on(self, key: ModelKey) -> list[ModelKey]:
+        """The adapters of base `key` on its device now (they keep it resident)."""
+        return riding(key, self._occupants)
 
     def record_use(self, key: ModelKey) -> None:
         """A request used `key` (or it was just loaded): tell the policy."""

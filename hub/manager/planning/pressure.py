@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from hub.manager.planning.dependents import held_by_adapters
 from hub.manager.planning.keys import ModelKey
 from hub.manager.planning.ledger import MemoryLedger
 from hub.manager.planning.occupants import Occupant, why_held
@@ -110,5 +111,6 @@ def holders(
         other = occupants.get(other_key)
         if other_key == key or other is None or (pinned_only and not other.pinned):
             continue
-        held.append(f"{other_key} ({format_bytes(nbytes)}, {why_held(other, now, min_residency)})")
+        why = held_by_adapters(other_key, occupants) or why_held(other, now, min_residency)
+        held.append(f"{other_key} ({format_bytes(nbytes)}, {why})")
     return "held by " + (", ".join(held) if held else "nothing")

@@ -49,7 +49,7 @@ class FakeLifecycle:
 
     def prepare(self, key: ModelKey) -> Any:
         view = SimpleNamespace(kind="embedder", runtime_config={}, name=key.name)
-        return SimpleNamespace(view=view, key=key, config={})
+        return SimpleNamespace(view=view, key=key, config={}, base=None)
 
     def predict(self, prepared: Any, budgets: Mapping[str, int]) -> dict[str, int]:
         return dict.fromkeys(budgets, self.sizes[prepared.key.name])

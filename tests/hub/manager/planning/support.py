@@ -24,6 +24,7 @@ class Model:
     hits: int = 1
     cold_load_s: float | None = 1.0
     warm_load_s: float | None = None
+    base: ModelKey | None = None
 
 
 class Clock:
