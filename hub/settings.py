@@ -290,6 +290,11 @@ class HubSettings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     # Largest request body accepted; a larger one is answered 413 before it is read.
     max_request_body_bytes: Annotated[ByteSize, Field(gt=0)] = 8 * 2**20
+    # Overload at the HTTP edge (hub/api/edge.py): a new request gets 503 + Retry-After
+    # before it is read when this many are in progress in the process (streams until they
+    # end), or when the event loop has been busy without a break for longer; 0: no bound.
+    max_requests_in_progress: int = Field(default=256, ge=0)
+    max_event_loop_lag: Seconds = Field(default=1.0, ge=0)
     # Safe loading: refuse pickle checkpoints and remote code unless explicitly allowed.
     allow_pickle: bool = False
     trust_remote_code: bool = False
