@@ -108,6 +108,9 @@ class Control:
         await asyncio.to_thread(self.registry.mlflow.ensure_webhook, name, url, secret, events)
 
     # ---- reads (from the registry itself, not the catalog) ------------------------------
+    async def models(self) -> list[ModelView]:
+        return await asyncio.to_thread(self.registry.list_models)
+
     async def model(self, name: str) -> ModelView:
         return await asyncio.to_thread(self.registry.get_model, name)
 
