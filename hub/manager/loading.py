@@ -6,18 +6,23 @@ the planner for that many bytes and waits until they are charged to it on a devi
 waiters' own timeouts bound the wait), loads or restores in a worker thread while measuring,
 and settles the ledger to the larger of prediction and measurement, waiting for more room if
 the model came out larger than predicted. Outcomes: LOADED; back to WARM/UNLOADED with the
-reason when no room could be made (no backoff: not the model's fault); FAILED with a backoff
-otherwise. One load per model: every waiter awaits the same task.
+reason when no room could be made (no backoff: not the model's fault); back to UNLOADED when
+a cold load runs past `load_timeout` from its start (cancelled: the worker thread stops at
+its next check between tensors, what it built is freed and its room released before the
+outcome, no backoff: a retry may be luckier); FAILED with a backoff otherwise. One load per
+model: every waiter awaits the same task.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from backends.load_cancel import LoadCancelled, cancellable
 from hub.errors import Unavailable
 from hub.manager.deployment import Deployment
 from hub.manager.evicting import Evictions
@@ -102,6 +107,7 @@ class Loads:
         warm = entry.backend is not None and entry.key in tier
         source = "warm" if warm else "cold"
         prepared: PreparedVersion | None = None
+        deadline = time.monotonic() + self._settings.load_timeout
         try:
             if warm:
                 tier.hold(entry.key)
@@ -129,9 +135,7 @@ class Loads:
                 entry.predicted_bytes = need[device]
             start = time.perf_counter()
             if prepared is not None:
-                backend, measured = await asyncio.to_thread(
-                    self._lifecycle.load, prepared, device, self._planner.budgets[device]
-                )
+                backend, measured = await self._load_until(entry, prepared, device, deadline)
             else:
                 assert entry.backend is not None
                 backend = entry.backend
@@ -141,6 +145,8 @@ class Loads:
             load_s = time.perf_counter() - start + prep_s
         except NoRoom as e:
             return self._refused(entry, e, warm)
+        except LoadCancelled as e:
+            return self._timed_out(entry, e)
         except asyncio.CancelledError:
             self._planner.ledger.release(entry.key)
             tier.unhold(entry.key)
@@ -162,6 +168,54 @@ class Loads:
             return self._refused(entry, e, warm=False)
         self._loaded(entry, device, source, load_s)
         return None
+
+    async def _load_until(
+        self, entry: Entry, prepared: PreparedVersion, device: str, deadline: float
+    ) -> tuple[Any, int]:
+        """The cold load in a worker thread, cancelled at `deadline` (monotonic): then the
+        thread is waited for (it stops at its next check) and a backend it finished anyway is
+        unloaded, so its memory is back before LoadCancelled is raised."""
+        flag = threading.Event()
+        budget = self._planner.budgets[device]
+
+        def load() -> tuple[Any, int]:
+            with cancellable(flag):
+                return self._lifecycle.load(prepared, device, budget)
+
+        work = asyncio.ensure_future(asyncio.to_thread(load))
+        try:
+            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                return await asyncio.shield(work)
+        except TimeoutError:
+            pass
+        except asyncio.CancelledError:
+            flag.set()  # shutting down: stop allocating; nobody waits for the outcome
+            raise
+        flag.set()
+        log.warning("%s: cancelling its load, still running after load_timeout (%gs)",
+                    entry.key, self._settings.load_timeout)  # fmt: skip
+        try:
+            backend, measured = await work
+        except LoadCancelled as e:
+            raise LoadCancelled(f"{entry.key}: {e}") from e
+        # Finished before it saw the flag: too late for its waiters; give it back.
+        await asyncio.to_thread(self._lifecycle.unload, backend, device, measured)
+        raise LoadCancelled(f"{entry.key}: loaded only after load_timeout; unloaded again")
+
+    def _timed_out(self, entry: Entry, e: LoadCancelled) -> Unavailable:
+        """Cancelled past its time: room released, retryable at once (no backoff)."""
+        self._planner.ledger.release(entry.key)
+        entry.device = None
+        entry.move(ModelState.UNLOADED)
+        entry.error = str(e)
+        self._metrics.loads.labels(*labels(entry), "timeout", "cold").inc()
+        self._reports.update_gauges()
+        self._evictions.pump()  # the room it held may serve another load now
+        return Unavailable(
+            f"{e}; retry, or raise manager.load_timeout if this model needs longer to load",
+            retry_after=self._settings.retry_after,
+            code="load_timeout",
+        )
 
     def _devices_for(self, entry: Entry) -> list[str]:
         """The devices `entry` may go to: the one its deployment names, else all."""
