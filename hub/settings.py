@@ -157,6 +157,10 @@ class RegistrySettings(_Section):
     webhook_url: str | None = None
     # Hugging Face cache for hf:// sources (default: the huggingface_hub default).
     hf_cache_dir: Path | None = None
+    # What an interrupted registration left in MLflow (a run without a version, an empty
+    # model) is removed at start and in the version check once this old: a registration
+    # still in progress, here or in another replica, is younger (registry/leftovers.py).
+    leftover_grace: Seconds = Field(default=3600.0, ge=0)
 
 
 class TrafficSettings(_Section):
