@@ -105,7 +105,7 @@ def request(
     answer = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
     if r.status_code >= 400:
         error = answer.get("error", {}) if isinstance(answer, dict) else {}
-        raise fail(error.get("message") or f"HTTP {r.status_code}: {r.text[:500]}")
+        raise fail(f"{r.status_code}: {error.get('message') or r.text[:500]}")
     return answer
 
 
