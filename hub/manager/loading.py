@@ -189,7 +189,10 @@ class Loads:
         except TimeoutError:
             pass
         except asyncio.CancelledError:
-            flag.set()  # shutting down: stop allocating; nobody waits for the outcome
+            # Shutting down: stop allocating; nobody waits for the outcome (retrieved here so
+            # that its LoadCancelled is not reported as never retrieved).
+            flag.set()
+            work.add_done_callback(lambda f: f.cancelled() or f.exception())
             raise
         flag.set()
         log.warning("%s: cancelling its load, still running after load_timeout (%gs)",
