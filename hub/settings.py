@@ -297,8 +297,10 @@ class HubSettings(BaseSettings):
     # Overload at the HTTP edge (hub/api/edge.py): a new request gets 503 + Retry-After
     # before it is read when this many are in progress in the process (streams until they
     # end), or when the event loop has been busy without a break for longer; 0: no bound.
+    # The lag bound is off by default: a one-off stall (a slow first import, a huge body
+    # parsed) would refuse the requests behind it; hubs that take bursts set 250ms-1s.
     max_requests_in_progress: int = Field(default=256, ge=0)
-    max_event_loop_lag: Seconds = Field(default=1.0, ge=0)
+    max_event_loop_lag: Seconds = Field(default=0.0, ge=0)
     # Safe loading: refuse pickle checkpoints and remote code unless explicitly allowed.
     allow_pickle: bool = False
     trust_remote_code: bool = False
