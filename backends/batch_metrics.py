@@ -51,8 +51,9 @@ class _Collectors:
         self.shed = Counter(
             "hub_requests_shed_total",
             "Requests refused with 503 before queueing: queue_full (max_queue inputs or "
-            "max_waiting sequences wait) or queue_time (the estimated wait exceeds "
-            "max_queue_time_ms)",
+            "max_waiting sequences wait), queue_time (the estimated wait exceeds "
+            "max_queue_time_ms) or in_progress (max_requests_in_progress HTTP requests were "
+            "in progress in the process; model and version empty)",
             [*labels, "reason"], registry=registry,
         )  # fmt: skip
         self.queued_inputs = Gauge(
@@ -61,7 +62,8 @@ class _Collectors:
         )  # fmt: skip
 
 
-# Why a request was shed: the queue was full, or its estimated wait was too long.
+# Why a model's queue shed a request: it was full, or its estimated wait was too long. (The
+# HTTP edge sheds for its own reason, with no model: hub/api/edge.py.)
 SHED_REASONS = ("queue_full", "queue_time")
 
 _by_registry: weakref.WeakKeyDictionary[CollectorRegistry, _Collectors] = (
@@ -115,12 +117,19 @@ def _collectors(registry: CollectorRegistry) -> _Collectors:
 
 
 class ShedMetrics:
-    """`hub_requests_shed_total` of one model version, for any kind (the LLM engine too)."""
+    """`hub_requests_shed_total` of one model version, for any kind (the LLM engine too), for
+    each of `reasons` (shown at 0 from the start)."""
 
-    def __init__(self, registry: CollectorRegistry, model: str, version: str) -> None:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        model: str,
+        version: str,
+        reasons: Sequence[str] = SHED_REASONS,
+    ) -> None:
         shed = _collectors(registry).shed
-        self._by_reason = {reason: shed.labels(model, version, reason) for reason in SHED_REASONS}
+        self._by_reason = {reason: shed.labels(model, version, reason) for reason in reasons}
 
     def observe(self, reason: str) -> None:
-        """A request was refused before queueing, for `reason` (one of SHED_REASONS)."""
+        """A request was refused before queueing, for `reason` (one of its reasons)."""
         self._by_reason[reason].inc()

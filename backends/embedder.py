@@ -205,7 +205,14 @@ class EmbedderBackend(BatchedEncoderBackend[_EmbedRequest, _Row, EmbedderConfig]
         if not inputs:
             raise InputError("input must not be empty", param="input")
         require_encodable(inputs, "input")
-        self._require()
+        tokenizer = self._require().tokenizer
+        # A text too long to fit is cut (or refused) before its tokenizing costs anything.
+        inputs = [
+            tokenizer.bounded(x, truncate=truncate, param="input", what=f"input[{i}]")
+            if isinstance(x, str)
+            else x
+            for i, x in enumerate(inputs)
+        ]
         if dimensions not in (None, self._dimension, *self._matryoshka):
             allowed = ", ".join(str(d) for d in self._matryoshka) or "none"
             raise InputError(

@@ -20,6 +20,7 @@ from safetensors import safe_open
 from torch.overrides import TorchFunctionMode
 
 from backends.errors import LoadError
+from backends.load_cancel import check_cancelled
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +143,7 @@ class _SkipParameterInit(TorchFunctionMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
+        check_cancelled()  # building a module tree of a huge config takes a while too
         kwargs = kwargs or {}
         # torch.nn.init functions pass their tensor by keyword when dispatching here.
         target = args[0] if args else kwargs.get("tensor")
@@ -246,8 +248,6 @@ def _load_assigned(
     dtype: torch.dtype | None,
     options: dict[str, Any],
 ) -> Any:
-    from safetensors.torch import load_file
-
     # Built on the CPU whatever the target: its uninitialised parameters are never touched,
     # so they cost no memory there, and the checkpoint's tensors land on `device` directly.
     with skip_parameter_init():
@@ -256,7 +256,7 @@ def _load_assigned(
     prefix = getattr(model, "base_model_prefix", "")
     state: dict[str, torch.Tensor] = {}
     for path in files:
-        for key, tensor in load_file(str(path), device=device).items():
+        for key, tensor in _read_tensors(path, device):
             name = _model_key(key, expected, prefix)
             if name is None:
                 continue  # not part of this architecture (e.g. a stale rotary buffer)
@@ -275,6 +275,15 @@ def _load_assigned(
     if torch.device(device).type != "cpu":
         model.to(device)
     return model
+
+
+def _read_tensors(path: Path, device: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of one safetensors file, read onto `device` one at a time (as
+    `load_file` does), the load's cancellation checked before each."""
+    with safe_open(str(path), framework="pt", device=device) as f:
+        for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+            check_cancelled()
+            yield key, f.get_tensor(key)
 
 
 def _tensor(model: torch.nn.Module, name: str) -> torch.Tensor:

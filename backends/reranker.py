@@ -196,7 +196,15 @@ class RerankerBackend(BatchedEncoderBackend[_RerankRequest, _Scored, RerankerCon
                 f"one request ({self.max_documents}, runtime config max_documents); split them",
                 param="documents",
             )
-        self._require()
+        tokenizer = self._require().tokenizer
+        # Texts too long to fit are cut (or refused) before their tokenizing costs anything;
+        # a document is cut whenever it will be cut to max_tokens_per_doc anyway.
+        query = tokenizer.bounded(query, truncate=truncate, param="query", what="query")
+        cut_documents = truncate or max_tokens_per_doc is not None
+        documents = [
+            tokenizer.bounded(d, truncate=cut_documents, param="documents", what=f"documents[{i}]")
+            for i, d in enumerate(documents)
+        ]
         request = _RerankRequest(query, documents, truncate, max_tokens_per_doc)
         scored = await self._submit(request, len(documents))
         return Scores(scores=[s for s, _ in scored], token_counts=[n for _, n in scored])

@@ -28,6 +28,7 @@ import torch
 from tokenizers import Encoding, Tokenizer
 
 from backends.errors import LoadError
+from backends.text_bounds import CharBound
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,8 +69,23 @@ class EncoderTokenizer:
         self._cut.no_padding()
         self._cut.enable_truncation(max_length, strategy="longest_first", direction=side)
         self._prefix, self._suffix = self._single_template()
+        self.char_bound = CharBound.for_vocab(
+            max_length, self._full.get_vocab(with_added_tokens=True)
+        )
 
     # ---- encoding --------------------------------------------------------------------------
+    def bounded(self, text: str, *, truncate: bool, param: str, what: str) -> str:
+        """`text` as it may go to `encode`: whole when its length alone does not prove it
+        over `max_length` tokens; else cut (keeping what truncation would keep) when
+        `truncate`, refused (InputError naming `param`) when not. Costs no tokenizing."""
+        bound = self.char_bound
+        if bound.fits(text):
+            return text
+        if truncate:
+            return bound.cut(text, keep_end=self._truncate_left)
+        bound.require(text, param, what)
+        return text  # not reached: require raised
+
     def encode(self, inputs: Sequence[str | tuple[str, str]]) -> list[Encoded]:
         """Texts, or (query, document) pairs as cross-encoders take them, with special tokens
         and without truncation: an input may come back longer than `max_length`."""

@@ -1,15 +1,19 @@
 """Overload: a burst of concurrent mixed requests against one hub, shed or absorbed.
 
 A real `hub serve` process holds all-MiniLM-L6-v2 (embeddings) and a small cross-encoder
-(rerank, built on the spot) twice each: once with `max_queue_time_ms` (admission control,
-backends/admission.py) and once without (the queue only bounded by `max_queue`). From this
-process an asyncio HTTP client
+(rerank, built on the spot), first with shedding on: `max_queue_time_ms` on both models
+(admission control, backends/admission.py) and `--max-in-progress` requests in progress at
+the HTTP edge (hub/api/edge.py); then a second process with both off (queues only bounded
+by `max_queue`). From this process an asyncio HTTP client
 
   1. measures the unloaded latency: mixed requests one at a time;
-  2. sends a burst of `--burst` mixed requests at once to the models that shed;
-  3. sends the same burst to the models that do not;
-  4. sends it once more naming models that do not exist (404s): the floor HTTP, JSON and
-     the event loop set under the burst, whatever admission does behind them.
+  2. sends a burst of `--burst` mixed requests at once to the hub that sheds;
+  3. sends it once more naming models that do not exist (404s): the floor HTTP, JSON and
+     the event loop set under the burst, whatever admission does behind them;
+  4. sends the same burst to the hub that does not shed.
+
+The client is a bare HTTP/1.1 one (benchmarks/raw_http.py) by default: on two shared cores
+httpx's own CPU per request dominates what a burst measures (`--client httpx` to see it).
 
 It reports, for each burst, how many were admitted (200) and shed (503), whether every shed
 answer carried `Retry-After`, how many got no answer at all (a connection error), and the
@@ -26,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
 import random
 import sys
@@ -33,6 +38,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,25 +47,37 @@ if str(REPO) not in sys.path:  # run as `python benchmarks/<name>.py` from anywh
     sys.path.insert(0, str(REPO))
 
 from benchmarks.embed_throughput import make_sentences  # noqa: E402
+from benchmarks.raw_http import post_json  # noqa: E402
 from tests.support.process import hub_process, read_log  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
-# Served twice: "<name>" sheds beyond max_queue_time_ms, "<name>-open" absorbs.
 EMBEDDER, RERANKER = "emb", "rr"
+
+
+@dataclass(frozen=True)
+class Shedding:
+    """The bounds of the hub that sheds: a model's queue time, and the HTTP edge's."""
+
+    max_queue_time_ms: float
+    max_in_progress: int
+    max_event_loop_lag: float  # seconds
+
+
 DOCUMENTS = 8  # per rerank request
 
 
-def _hub_config(root: Path, reranker: Path, max_queue_time_ms: float) -> Path:
-    shed = {"max_queue_time_ms": max_queue_time_ms}
-    models = []
-    for suffix, config in (("", shed), ("-open", {})):
-        models += [
-            {"name": EMBEDDER + suffix, "kind": "embedder", "source": "builtin:minilm",
-             "preload": True, "config": config},
-            {"name": RERANKER + suffix, "kind": "reranker", "source": str(reranker),
-             "preload": True, "config": config},
-        ]  # fmt: skip
-    config = {
+def _hub_config(root: Path, reranker: Path, shedding: Shedding | None) -> Path:
+    """`shedding` None: every bound off."""
+    off = Shedding(max_queue_time_ms=0, max_in_progress=0, max_event_loop_lag=0)
+    shedding = shedding or off
+    config = {"max_queue_time_ms": shedding.max_queue_time_ms} if shedding.max_queue_time_ms else {}
+    models = [
+        {"name": EMBEDDER, "kind": "embedder", "source": "builtin:minilm", "preload": True,
+         "config": config},
+        {"name": RERANKER, "kind": "reranker", "source": str(reranker), "preload": True,
+         "config": config},
+    ]  # fmt: skip
+    hub = {
         "database_url": f"sqlite:///{root / 'hub.db'}",
         "mlflow_tracking_uri": f"sqlite:///{root / 'mlflow.db'}",
         "cache_dir": str(root / "cache"),
@@ -67,25 +85,25 @@ def _hub_config(root: Path, reranker: Path, max_queue_time_ms: float) -> Path:
         "devices": [{"name": "cpu", "memory_budget": "4GiB"}],
         "host_cache_budget": "1GiB",
         "log_level": "warning",
+        "max_requests_in_progress": shedding.max_in_progress,
+        "max_event_loop_lag": shedding.max_event_loop_lag,
         "models": models,
     }
     path = root / "hub.yaml"
-    path.write_text(json.dumps(config))  # JSON is YAML
+    path.write_text(json.dumps(hub))  # JSON is YAML
     return path
 
 
 @contextmanager
-def hub_server(root: Path, max_queue_time_ms: float) -> Iterator[str]:
-    """`hub serve` with the four models loaded and answering; yields its base URL."""
+def hub_server(root: Path, reranker: Path, shedding: Shedding | None) -> Iterator[str]:
+    """`hub serve` in `root` with both models loaded and answering; yields its base URL."""
     import httpx
 
-    from backends.tiny import build_tiny_reranker
-
-    reranker = build_tiny_reranker(root / "reranker", hidden_size=256, num_layers=4)
-    config = _hub_config(root, reranker, max_queue_time_ms)
+    root.mkdir(parents=True, exist_ok=True)
+    config = _hub_config(root, reranker, shedding)
     with hub_process(config, cwd=root, timeout=300) as (base, _proc):
         deadline = time.monotonic() + 300
-        pending = [f"{EMBEDDER}", f"{EMBEDDER}-open", f"{RERANKER}", f"{RERANKER}-open"]
+        pending = [EMBEDDER, RERANKER]
         while pending:
             path, body = _request(pending[0], "warm up", ["a document"])
             try:
@@ -119,14 +137,19 @@ def _mix(n: int, suffix: str, seed: int) -> list[tuple[str, dict[str, Any]]]:
 
 
 async def _send(client: Any, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """One request, by httpx (`client` an AsyncClient) or the bare client (`client` the URL)."""
     start = time.perf_counter()
     try:
-        r = await client.post(path, json=body)
+        if isinstance(client, str):
+            async with asyncio.timeout(300):
+                r: Any = await post_json(client, path, body)
+        else:
+            r = await client.post(path, json=body)
     except Exception as e:  # a request with no answer is what we count
         return {"status": None, "error": type(e).__name__, "s": time.perf_counter() - start}
     return {
         "status": r.status_code,
-        "retry_after": r.headers.get("Retry-After"),
+        "retry_after": r.headers.get("retry-after"),
         "kind": "rerank" if "rerank" in path else "embed",
         "message": r.json().get("error", {}).get("message") if r.status_code != 200 else None,
         "s": time.perf_counter() - start,
@@ -171,23 +194,22 @@ def _ms(s: float | None) -> float | None:
     return None if s is None else round(s * 1000, 1)
 
 
-async def _one_at_a_time(base: str, requests: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+async def _run(
+    base: str, requests: list[tuple[str, dict[str, Any]]], kind: str, *, at_once: bool
+) -> dict[str, Any]:
+    """Send `requests` one at a time or all at once, with the `kind` of client."""
     import httpx
 
-    async with httpx.AsyncClient(base_url=base, timeout=120) as client:
+    n = len(requests)
+    limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
+    async with httpx.AsyncClient(base_url=base, timeout=300, limits=limits) as pool:
+        client: Any = pool if kind == "httpx" else base
         start = time.perf_counter()
-        results = [await _send(client, path, body) for path, body in requests]
+        if at_once:
+            results = list(await asyncio.gather(*(_send(client, p, b) for p, b in requests)))
+        else:
+            results = [await _send(client, p, b) for p, b in requests]
         return _summary(results, time.perf_counter() - start)
-
-
-async def _burst(base: str, requests: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
-    import httpx
-
-    limits = httpx.Limits(max_connections=len(requests), max_keepalive_connections=len(requests))
-    async with httpx.AsyncClient(base_url=base, timeout=300, limits=limits) as client:
-        start = time.perf_counter()
-        results = await asyncio.gather(*(_send(client, p, b) for p, b in requests))
-        return _summary(list(results), time.perf_counter() - start)
 
 
 def _shed_counters(base: str) -> dict[str, float]:
@@ -234,10 +256,51 @@ def plot(report: dict[str, Any], path: Path) -> None:
     counts.legend()
     fig.suptitle(
         f"A burst of {report['burst']} mixed requests (embeddings + rerank), "
-        f"max_queue_time_ms={report['max_queue_time_ms']:g}"
+        f"max_queue_time_ms={report['max_queue_time_ms']:g}, "
+        f"max_requests_in_progress={report['max_requests_in_progress']}, "
+        f"max_event_loop_lag={report['max_event_loop_lag']:g}s ({report['client']} client)"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def _phases(args: argparse.Namespace, burst: int, probes: int) -> dict[str, Any]:
+    """Every measured run, in order, with a progress bar over the phases."""
+    from tqdm import tqdm
+
+    from backends.tiny import build_tiny_reranker
+
+    runs: dict[str, Any] = {}
+    with (
+        tempfile.TemporaryDirectory(prefix="overload-bench-") as tmp,
+        tqdm(total=5, desc="overload", unit="phase") as bar,
+    ):
+        root = Path(tmp)
+        reranker = build_tiny_reranker(root / "reranker", hidden_size=256, num_layers=4)
+        shed = Shedding(args.max_queue_time_ms, args.max_in_progress, args.max_event_loop_lag)
+        with hub_server(root / "shedding", reranker, shed) as base:
+            bar.update()
+            runs["unloaded"] = asyncio.run(
+                _run(base, _mix(probes, "", seed=1), args.client, at_once=False)
+            )
+            bar.update()
+            runs["shedding"] = asyncio.run(
+                _run(base, _mix(burst, "", seed=2), args.client, at_once=True)
+            )
+            runs["shed_metrics"] = _shed_counters(base)
+            bar.update()
+            # The same burst naming a model nobody serves: every answer a 404 from the route
+            # (or the edge's 503), no model involved: what HTTP and the event loop cost.
+            runs["http_floor"] = asyncio.run(
+                _run(base, _mix(burst, "-missing", seed=2), args.client, at_once=True)
+            )
+            bar.update()
+        with hub_server(root / "absorbing", reranker, None) as base:
+            runs["absorbing"] = asyncio.run(
+                _run(base, _mix(burst, "", seed=2), args.client, at_once=True)
+            )
+            bar.update()
+    return runs
 
 
 def main() -> None:
@@ -245,34 +308,34 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a burst of 128, fewer probes")
     parser.add_argument("--burst", type=int, help="concurrent requests in the burst")
     parser.add_argument("--max-queue-time-ms", type=float, default=50.0)
+    parser.add_argument(
+        "--max-in-progress", type=int, default=256,
+        help="max_requests_in_progress of the shedding hub (0: no edge bound)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-event-loop-lag", type=float, default=0.25,
+        help="max_event_loop_lag (seconds) of the shedding hub (0: no lag bound)",
+    )  # fmt: skip
+    parser.add_argument("--client", choices=("raw", "httpx"), default="raw")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     burst = args.burst or (128 if args.quick else 512)
     probes = 40 if args.quick else 100
 
-    with (
-        tempfile.TemporaryDirectory(prefix="overload-bench-") as tmp,
-        hub_server(Path(tmp), args.max_queue_time_ms) as base,
-    ):
-        unloaded = asyncio.run(_one_at_a_time(base, _mix(probes, "", seed=1)))
-        shedding = asyncio.run(_burst(base, _mix(burst, "", seed=2)))
-        shed_metrics = _shed_counters(base)
-        absorbing = asyncio.run(_burst(base, _mix(burst, "-open", seed=2)))
-        # The same burst naming a model nobody serves: every answer a 404 from the route,
-        # no model involved; what HTTP and the event loop alone cost under this burst.
-        http_floor = asyncio.run(_burst(base, _mix(burst, "-missing", seed=2)))
-    for run in (unloaded, shedding, absorbing, http_floor):
-        run.pop("_latencies")
+    runs = _phases(args, burst, probes)
+    unloaded, shedding = runs["unloaded"], runs["shedding"]
+    for name in ("unloaded", "shedding", "absorbing", "http_floor"):
+        runs[name].pop("_latencies")
     ratio = None
     if shedding["p99_ms"] and unloaded["p99_ms"]:
         ratio = round(shedding["p99_ms"] / unloaded["p99_ms"], 2)
     report = {
         "burst": burst,
         "max_queue_time_ms": args.max_queue_time_ms,
-        "unloaded": unloaded,
-        "shedding": shedding,
-        "absorbing": absorbing,
-        "http_floor": http_floor,
+        "max_requests_in_progress": args.max_in_progress,
+        "max_event_loop_lag": args.max_event_loop_lag,
+        "client": args.client,
+        **runs,
         "admitted_p99_over_unloaded_p99": ratio,
         "goal": {
             "admitted_p99_at_most_3x_unloaded": ratio is not None and ratio <= 3,
@@ -280,14 +343,19 @@ def main() -> None:
             == shedding["shed_with_retry_after"],
             "none_lost": shedding["lost"] == 0 and not shedding["other_status"],
         },
-        "shed_metrics": shed_metrics,
-        "machine": {"python": platform.python_version(), "platform": platform.platform()},
+        "machine": {
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "load_average": os.getloadavg(),
+        },
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "overload.json").write_text(json.dumps(report, indent=2) + "\n")
-    plot(report, args.out / "overload.png")
+    name = "overload" if args.client == "raw" else f"overload-{args.client}"
+    (args.out / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+    plot(report, args.out / f"{name}.png")
     print(json.dumps({k: v for k, v in report.items() if k != "machine"}, indent=2))
-    print(f"wrote {args.out / 'overload.json'} and .png")
+    print(f"wrote {args.out / name}.json and .png")
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from hub.api import (
 )
 from hub.api import responses as responses_api
 from hub.api import traffic as traffic_api
+from hub.api.edge import EdgeLimitMiddleware
 from hub.api.errors import error_responses, install_error_handlers
 from hub.api.limits import BodyLimitMiddleware
 from hub.settings import HubSettings
@@ -83,13 +84,20 @@ def create_app(settings: HubSettings, *, announce: bool = False) -> FastAPI:
     install_error_handlers(app)
     app.add_middleware(InFlightMiddleware)  # shadow traffic waits for idle moments
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_body_bytes)
-    # The error statuses each router's routes answer, documented in /openapi.json.
+    # Outermost (added last): an overloaded process refuses before doing anything else.
+    app.add_middleware(
+        EdgeLimitMiddleware,
+        max_in_progress=settings.max_requests_in_progress,
+        max_lag=settings.max_event_loop_lag,
+    )
+    # The error statuses each router's routes answer, documented in /openapi.json; every
+    # route but the probes may get the edge's 503.
     inference = error_responses(400, 401, 404, 413, 503)
     admin = error_responses(400, 401, 403, 404, 409, 413, 503)
     documented = {
         health: {},
         dashboard: {},
-        models: error_responses(401, 404),
+        models: error_responses(401, 404, 503),
         embeddings: inference,
         rerank: inference,
         rerank_shapes: inference,
@@ -98,8 +106,8 @@ def create_app(settings: HubSettings, *, announce: bool = False) -> FastAPI:
         admin_models: admin,
         registry: admin,
         traffic_api: admin,
-        replicas: error_responses(401, 403),
-        webhooks: error_responses(400, 401, 404, 409, 413),
+        replicas: error_responses(401, 403, 503),
+        webhooks: error_responses(400, 401, 404, 409, 413, 503),
     }
     for module, responses in documented.items():
         app.include_router(module.router, responses=responses)

@@ -1,27 +1,29 @@
 """The `hub` command: serve, migrate, register and inspect models, manage keys and residency.
 
-Registry commands talk to the database and MLflow named by the config file; `hub load`,
-`hub unload`, `hub pin`, `hub unpin`, `hub status`, `hub traffic`, `hub canary` and
-`hub readout` talk to a running hub over HTTP.
+Registry commands (`models`, `versions`, `events`, `register`, `promote`, `rollback`) ask the
+running hub at `--url` (default: `$HUB_URL`, else the configured host and port) and work on
+the database and MLflow of the config file themselves only with `--local` or when no hub
+answers (hub.cli_remote). `hub load`, `unload`, `pin`, `unpin`, `status`, `traffic`,
+`canary` and `readout` talk to a running hub only; `db` and `keys` work on the database.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
-import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated
 
 import typer
 
-from hub.settings import CONFIG_ENV, HubSettings, SettingsError, load_settings
+from hub import cli_registry
+from hub.cli_remote import WRITE_TIMEOUT, ConfigOpt, KeyOpt, NoHub, configured_url
+from hub.cli_remote import UrlOpt as HubUrlOpt
+from hub.cli_remote import cli_settings as _settings
+from hub.cli_remote import fail as _fail
+from hub.cli_remote import request as _request
 from hub.traffic import cli as traffic_cli
-
-if TYPE_CHECKING:
-    from registry.service import Registry
 
 app = typer.Typer(
     help="Model Hub: serve many models (LLMs, embedders, rerankers) from one memory pool.",
@@ -32,41 +34,6 @@ db_app = typer.Typer(help="Schema migrations of the hub's own tables.", no_args_
 keys_app = typer.Typer(help="API keys (stored hashed).", no_args_is_help=True)
 app.add_typer(db_app, name="db")
 app.add_typer(keys_app, name="keys")
-traffic_cli.install(app)  # hub traffic | canary | readout
-
-ConfigOpt = Annotated[
-    Path | None,
-    typer.Option("--config", "-c", help=f"YAML settings file (default: ${CONFIG_ENV})"),
-]
-UrlOpt = Annotated[str, typer.Option("--url", envvar="HUB_URL", help="Base URL of a running hub")]
-KeyOpt = Annotated[
-    str | None, typer.Option("--key", envvar="HUB_API_KEY", help="Admin API key, if auth is on")
-]
-
-
-def _settings(config: Path | None, **overrides: Any) -> HubSettings:
-    try:
-        settings = load_settings(config)
-    except SettingsError as e:
-        typer.echo(str(e), err=True)
-        raise typer.Exit(2) from None
-    updates = {k: v for k, v in overrides.items() if v is not None}
-    return settings.model_copy(update=updates) if updates else settings
-
-
-def _registry(settings: HubSettings) -> Registry:
-    """The registry the app would build from `settings` (hub.control.build_registry),
-    migrated first."""
-    from hub.control import build_registry
-    from registry.db import upgrade
-
-    upgrade(settings.database_url)
-    return build_registry(settings)
-
-
-def _fail(message: str, code: int = 1) -> typer.Exit:
-    typer.secho(f"error: {message}", err=True, fg=typer.colors.RED)
-    return typer.Exit(code)
 
 
 @app.command()
@@ -92,6 +59,10 @@ def serve(
         # SIGTERM: stop accepting, let requests in flight (streams too) finish, then stop.
         timeout_graceful_shutdown=math.ceil(settings.replica.drain_timeout),
     )
+
+
+cli_registry.install(app)  # hub register | promote | rollback | models | versions | events
+traffic_cli.install(app)  # hub traffic | canary | readout
 
 
 @db_app.command("upgrade")
@@ -122,197 +93,6 @@ def db_current(config: ConfigOpt = None) -> None:
     from registry.db import current_revision
 
     typer.echo(current_revision(_settings(config).database_url) or "base (empty)")
-
-
-@app.command()
-def register(
-    name: Annotated[str, typer.Option(help="Registered model name")],
-    kind: Annotated[str, typer.Option(help="llm | embedder | reranker")],
-    source: Annotated[str, typer.Option(help="Local folder (or builtin:<demo model>)")],
-    alias: Annotated[list[str] | None, typer.Option(help="Alias to set; repeatable")] = None,
-    runtime_config: Annotated[
-        str | None, typer.Option("--runtime-config", help="JSON object of runtime settings")
-    ] = None,
-    description: str = "",
-    eval_set: Annotated[
-        Path | None, typer.Option(help="JSON file: the version's evaluation set")
-    ] = None,
-    base: Annotated[
-        str | None,
-        typer.Option(
-            help="For a LoRA adapter folder: the registered llm it runs on, name@version or "
-            "name@alias"
-        ),
-    ] = None,
-    config: ConfigOpt = None,
-) -> None:
-    """Register a new version of a model from SOURCE (a folder, hf://org/name[@rev],
-    models:/name/3, models:/name@alias or runs:/<run id>/<path>); a PEFT LoRA adapter
-    folder takes --base."""
-    from backends.runtime_config import RuntimeConfigError, parse_runtime_config
-    from hub.demo import is_builtin, materialise_builtin
-    from registry.errors import RegistryError
-
-    settings = _settings(config)
-    try:
-        extra = json.loads(runtime_config) if runtime_config else {}
-    except ValueError as e:
-        raise _fail(f"--runtime-config is not JSON: {e}", 2) from None
-    if not isinstance(extra, dict):
-        raise _fail("--runtime-config must be a JSON object of keys to values", 2)
-    try:
-        parse_runtime_config(kind, extra)
-    except (RuntimeConfigError, ValueError) as e:
-        raise _fail(f"--runtime-config: {e}", 2) from None
-    if is_builtin(source):
-        source = str(materialise_builtin(source, settings.demo_dir))
-    evals = None
-    if eval_set is not None:
-        from hub.errors import HubError
-        from hub.validation import parse_eval_set
-
-        try:
-            evals = json.loads(eval_set.read_text())
-            parse_eval_set(kind, evals)
-        except (OSError, ValueError) as e:
-            raise _fail(f"--eval-set {eval_set}: {e}", 2) from None
-        except HubError as e:
-            raise _fail(f"--eval-set {eval_set}: {e.message}", 2) from None
-    try:
-        view = _registry(settings).register(
-            name, kind, source, aliases=alias or [], config=extra, description=description,
-            eval_set=evals, actor=_actor(), base=base,
-        )  # fmt: skip
-    except RegistryError as e:
-        raise _fail(str(e)) from None
-    typer.echo(json.dumps({"name": view.name, "version": view.version}))
-
-
-def _actor() -> str:
-    return f"cli:{os.environ.get('USER', 'unknown')}"
-
-
-async def _locally(settings: HubSettings, action: Any) -> Any:
-    """Run `action(hub)` against the registry without serving: the gate loads the candidate
-    in this process, on the configured devices."""
-    from hub.state import Hub
-    from registry.db import upgrade
-
-    upgrade(settings.database_url)
-    hub = Hub.build(settings)
-    try:
-        await hub.catalog.refresh()
-        return await action(hub)
-    finally:
-        await hub.manager.close()
-        hub.db.dispose()
-
-
-@app.command()
-def promote(
-    name: str,
-    version: int,
-    to: Annotated[str, typer.Option("--to", help="staging | production")],
-    reason: Annotated[str, typer.Option(help="Why, for the audit log")] = "",
-    url: Annotated[
-        str | None, typer.Option(help="Ask this running hub instead of validating locally")
-    ] = None,
-    key: KeyOpt = None,
-    config: ConfigOpt = None,
-) -> None:
-    """Validate VERSION of NAME (load, smoke test, eval set) and move the alias --to to it."""
-    if url:
-        path = f"/admin/registry/models/{name}/versions/{version}/promote"
-        result = _admin("POST", path, url, key, {"to": to, "reason": reason})
-    else:
-        from hub.errors import HubError
-        from registry.errors import RegistryError
-
-        async def run(hub: Any) -> Any:
-            p = await hub.promoter.promote(name, version, to, actor=_actor(), reason=reason)
-            return {
-                "name": name,
-                "alias": to,
-                "version": version,
-                "from_version": p.event.from_version,
-                "validation": p.validation.as_dict(),
-            }
-
-        try:
-            result = asyncio.run(_locally(_settings(config), run))
-        except HubError as e:
-            raise _fail(e.message) from None
-        except RegistryError as e:
-            raise _fail(str(e)) from None
-    typer.echo(json.dumps(result, indent=2))
-
-
-@app.command()
-def rollback(
-    name: str,
-    reason: Annotated[str, typer.Option(help="Why, for the audit log")] = "",
-    url: Annotated[str | None, typer.Option(help="Ask this running hub instead")] = None,
-    key: KeyOpt = None,
-    config: ConfigOpt = None,
-) -> None:
-    """Move production of NAME back to the version before it."""
-    if url:
-        path = f"/admin/registry/models/{name}/rollback"
-        result = _admin("POST", path, url, key, {"reason": reason})
-    else:
-        from hub.errors import HubError
-
-        async def run(hub: Any) -> Any:
-            e = await hub.promoter.rollback(name, actor=_actor(), reason=reason)
-            return {
-                "name": name,
-                "alias": e.alias,
-                "version": e.version,
-                "from_version": e.from_version,
-            }
-
-        try:
-            result = asyncio.run(_locally(_settings(config), run))
-        except HubError as e:
-            raise _fail(e.message) from None
-    typer.echo(json.dumps(result, indent=2))
-
-
-@app.command("models")
-def list_models(config: ConfigOpt = None) -> None:
-    """List registered models with their versions and aliases."""
-    for m in _registry(_settings(config)).list_models():
-        aliases = ", ".join(f"{a}->{v}" for a, v in sorted(m.aliases.items())) or "-"
-        typer.echo(f"{m.name:30} {m.kind:9} versions {sorted(m.versions)}  aliases {aliases}")
-
-
-@app.command("versions")
-def list_versions(name: str, config: ConfigOpt = None) -> None:
-    """List the versions of model NAME."""
-    from registry.errors import RegistryError
-
-    try:
-        model = _registry(_settings(config)).get_model(name)
-    except RegistryError as e:
-        raise _fail(str(e)) from None
-    for v in sorted(model.versions):
-        view = model.versions[v]
-        typer.echo(
-            f"v{v:<4} {view.status:11} {view.dtype:9} {view.total_bytes:>12} B  "
-            f"aliases [{', '.join(view.aliases)}]  {view.source_uri}"
-            + (f"  (adapter on {view.base})" if view.base is not None else "")
-        )
-
-
-@app.command("events")
-def list_events(
-    name: Annotated[str | None, typer.Argument()] = None, limit: int = 50, config: ConfigOpt = None
-) -> None:
-    """Print the registry's audit log (newest first)."""
-    for e in _registry(_settings(config)).events(name, limit):
-        move = f"{e.from_version if e.from_version is not None else '-'} -> {e.version}"
-        typer.echo(f"{e.created_at:%Y-%m-%d %H:%M:%S} {e.model} {e.alias} {e.action} {move} "
-                   f"by {e.actor}: {e.reason}")  # fmt: skip
 
 
 @keys_app.command("create")
@@ -354,63 +134,60 @@ def keys_revoke(name: str, config: ConfigOpt = None) -> None:
     typer.echo(f"revoked {name}")
 
 
-def _admin(
-    method: str, path: str, url: str, key: str | None, body: dict[str, Any] | None = None
-) -> Any:
-    import httpx
+def _hub(url: str | None, config: Path | None) -> str:
+    """`--url`, else the configured hub's address."""
+    return url or configured_url(_settings(config))
 
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
+
+def _residency(action: str, name: str, version: str, url: str, key: str | None) -> None:
+    path = f"/admin/models/{name}/versions/{version}/{action}"
     try:
-        r = httpx.request(method, url.rstrip("/") + path, headers=headers, json=body, timeout=600)
-    except httpx.HTTPError as e:
-        raise _fail(f"cannot reach the hub at {url}: {e}") from None
-    body = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
-    if r.status_code >= 400:
-        raise _fail(body.get("error", {}).get("message", r.text))
-    return body
+        typer.echo(json.dumps(_request("POST", path, url, key, timeout=WRITE_TIMEOUT)))
+    except NoHub as e:
+        raise _fail(str(e)) from None
 
 
 @app.command()
 def load(
-    name: str, version: str, url: UrlOpt = "http://127.0.0.1:8000", key: KeyOpt = None
+    name: str, version: str, url: HubUrlOpt = None, key: KeyOpt = None, config: ConfigOpt = None
 ) -> None:
     """Load VERSION (a number or alias) of NAME on a running hub."""
-    typer.echo(
-        json.dumps(_admin("POST", f"/admin/models/{name}/versions/{version}/load", url, key))
-    )
+    _residency("load", name, version, _hub(url, config), key)
 
 
 @app.command()
 def unload(
-    name: str, version: str, url: UrlOpt = "http://127.0.0.1:8000", key: KeyOpt = None
+    name: str, version: str, url: HubUrlOpt = None, key: KeyOpt = None, config: ConfigOpt = None
 ) -> None:
     """Unload VERSION of NAME on a running hub once its requests finish."""
-    typer.echo(
-        json.dumps(_admin("POST", f"/admin/models/{name}/versions/{version}/unload", url, key))
-    )
+    _residency("unload", name, version, _hub(url, config), key)
 
 
 @app.command()
-def pin(name: str, version: str, url: UrlOpt = "http://127.0.0.1:8000", key: KeyOpt = None) -> None:
+def pin(
+    name: str, version: str, url: HubUrlOpt = None, key: KeyOpt = None, config: ConfigOpt = None
+) -> None:
     """Load VERSION of NAME if needed and pin it: never evicted until unpinned."""
-    typer.echo(json.dumps(_admin("POST", f"/admin/models/{name}/versions/{version}/pin", url, key)))
+    _residency("pin", name, version, _hub(url, config), key)
 
 
 @app.command()
 def unpin(
-    name: str, version: str, url: UrlOpt = "http://127.0.0.1:8000", key: KeyOpt = None
+    name: str, version: str, url: HubUrlOpt = None, key: KeyOpt = None, config: ConfigOpt = None
 ) -> None:
     """Unpin VERSION of NAME: evictable again, its keep-alive runs."""
-    typer.echo(
-        json.dumps(_admin("POST", f"/admin/models/{name}/versions/{version}/unpin", url, key))
-    )
+    _residency("unpin", name, version, _hub(url, config), key)
 
 
 @app.command()
-def status(url: UrlOpt = "http://127.0.0.1:8000", key: KeyOpt = None) -> None:
+def status(url: HubUrlOpt = None, key: KeyOpt = None, config: ConfigOpt = None) -> None:
     """What a running hub has resident, its devices and its host tier."""
-    devices = _admin("GET", "/admin/devices", url, key)
-    models = _admin("GET", "/admin/models", url, key)
+    base = _hub(url, config)
+    try:
+        devices = _request("GET", "/admin/devices", base, key)
+        models = _request("GET", "/admin/models", base, key)
+    except NoHub as e:
+        raise _fail(str(e)) from None
     typer.echo(
         json.dumps(
             {"devices": devices["devices"], "host_tier": devices["host_tier"], "models": models},

@@ -25,7 +25,9 @@ from typing import TYPE_CHECKING, Any
 
 from hub.catalog import Catalog
 from registry.canaries import CanarySpec
+from registry.db import REGISTRATION_LOCK
 from registry.drift import Drift, find_drift
+from registry.leftovers import remove_leftovers
 from registry.service import Registry
 from registry.views import (
     CanaryView,
@@ -82,9 +84,12 @@ class Control:
     catches up). Methods return the registry's frozen views, never ORM rows.
     """
 
-    def __init__(self, registry: Registry, catalog: Catalog) -> None:
+    def __init__(
+        self, registry: Registry, catalog: Catalog, leftover_grace: float = 3600.0
+    ) -> None:
         self.registry = registry
         self.catalog = catalog
+        self.leftover_grace = leftover_grace
 
     # ---- health and the catalog ---------------------------------------------------------
     async def ping(self) -> None:
@@ -97,11 +102,26 @@ class Control:
 
     async def find_drift(self, *, versions: bool) -> list[Drift]:
         """Differences between MLflow and SQL; alias drift is recorded in the audit log as
-        MLflow's state (`versions`: compare the version lists too, a slower check)."""
+        MLflow's state (`versions`: compare the version lists too, a slower check, after
+        removing what interrupted registrations left, reported as repaired drift)."""
         r = self.registry
-        return await asyncio.to_thread(
-            find_drift, r.db, r.mlflow, r.aliases, versions=versions, repair=True
-        )
+
+        def check() -> list[Drift]:
+            removed = self._remove_leftovers() if versions else []
+            return removed + find_drift(r.db, r.mlflow, r.aliases, versions=versions, repair=True)
+
+        return await asyncio.to_thread(check)
+
+    def _remove_leftovers(self) -> list[Drift]:
+        r = self.registry
+        # One replica at a time (PostgreSQL): the same lock as registering configured models.
+        with r.db.exclusive(REGISTRATION_LOCK, "removing what interrupted registrations left"):
+            removed = remove_leftovers(r.db, r.mlflow, grace=self.leftover_grace)
+        return [
+            Drift(item.model, "version", f"removed {item.detail}, left by an interrupted "
+                  "registration", repaired=True)
+            for item in removed
+        ]  # fmt: skip
 
     async def ensure_webhook(
         self, name: str, url: str, secret: str, events: tuple[str, ...]
@@ -110,6 +130,9 @@ class Control:
         await asyncio.to_thread(self.registry.mlflow.ensure_webhook, name, url, secret, events)
 
     # ---- reads (from the registry itself, not the catalog) ------------------------------
+    async def models(self) -> list[ModelView]:
+        return await asyncio.to_thread(self.registry.list_models)
+
     async def model(self, name: str) -> ModelView:
         return await asyncio.to_thread(self.registry.get_model, name)
 

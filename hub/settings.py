@@ -160,6 +160,10 @@ class RegistrySettings(_Section):
     webhook_url: str | None = None
     # Hugging Face cache for hf:// sources (default: the huggingface_hub default).
     hf_cache_dir: Path | None = None
+    # What an interrupted registration left in MLflow (a run without a version, an empty
+    # model) is removed at start and in the version check once this old: a registration
+    # still in progress, here or in another replica, is younger (registry/leftovers.py).
+    leftover_grace: Seconds = Field(default=3600.0, ge=0)
 
 
 class TrafficSettings(_Section):
@@ -304,6 +308,13 @@ class HubSettings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     # Largest request body accepted; a larger one is answered 413 before it is read.
     max_request_body_bytes: Annotated[ByteSize, Field(gt=0)] = 8 * 2**20
+    # Overload at the HTTP edge (hub/api/edge.py): a new request gets 503 + Retry-After
+    # before it is read when this many are in progress in the process (streams until they
+    # end), or when the event loop has been busy without a break for longer; 0: no bound.
+    # The lag bound is off by default: a one-off stall (a slow first import, a huge body
+    # parsed) would refuse the requests behind it; hubs that take bursts set 250ms-1s.
+    max_requests_in_progress: int = Field(default=256, ge=0)
+    max_event_loop_lag: Seconds = Field(default=0.0, ge=0)
     # Safe loading: refuse pickle checkpoints and remote code unless explicitly allowed.
     allow_pickle: bool = False
     trust_remote_code: bool = False

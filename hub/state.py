@@ -62,7 +62,7 @@ class Hub:
         db = registry.db
         metrics = HubMetrics()
         catalog = Catalog(registry)
-        control = Control(registry, catalog)
+        control = Control(registry, catalog, leftover_grace=settings.registry.leftover_grace)
         loader = VersionLoader(
             registry,
             metrics_registry=metrics.registry,

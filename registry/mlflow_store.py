@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,9 @@ from registry.errors import NotFoundError, RegistryError
 
 EXPERIMENT_NAME = "model-hub"
 ARTIFACT_SUBDIR = "model"
+# Tags the hub puts on its runs (the model's name) and on the registered models it creates.
+MODEL_TAG = "hub.model"
+MANAGED_TAG = "hub.managed"
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +31,16 @@ def default_artifact_location(tracking_uri: str) -> str | None:
     if path is None:
         return None
     return (path.resolve().parent / "mlartifacts").as_uri()
+
+
+@dataclass(frozen=True)
+class HubRun:
+    """A run the hub made to hold a version's files."""
+
+    run_id: str
+    model: str
+    artifact_uri: str
+    start_ms: int
 
 
 class MlflowStore:
@@ -74,7 +88,7 @@ class MlflowStore:
         from mlflow.exceptions import MlflowException
 
         client = self.client
-        run = client.create_run(self._experiment(), tags={"hub.model": name, **tags})
+        run = client.create_run(self._experiment(), tags={MODEL_TAG: name, **tags})
         run_id = run.info.run_id
         try:
             client.log_artifacts(run_id, str(folder), ARTIFACT_SUBDIR)
@@ -83,7 +97,10 @@ class MlflowStore:
             client.set_terminated(run_id, status="FAILED")
             raise
         try:
-            client.create_registered_model(name, description=description)
+            # Tagged: an interrupted registration's empty model is known as the hub's own.
+            client.create_registered_model(
+                name, description=description, tags={MANAGED_TAG: "true"}
+            )
         except MlflowException as e:
             if e.error_code != "RESOURCE_ALREADY_EXISTS":
                 raise
@@ -148,6 +165,57 @@ class MlflowStore:
             )  # fmt: skip
         else:
             client.create_webhook(name=name, url=url, events=list(events), secret=secret)
+
+    # ---- what interrupted registrations leave (registry.leftovers) --------------------------
+    def hub_runs(self) -> list[HubRun]:
+        """The hub's active runs (tagged with a model name), paging through."""
+        out: list[HubRun] = []
+        token = None
+        while True:
+            page = self.client.search_runs([self._experiment()], max_results=1000, page_token=token)
+            for run in page:
+                model = run.data.tags.get(MODEL_TAG)
+                if model is not None:
+                    info = run.info
+                    out.append(HubRun(info.run_id, model, info.artifact_uri, info.start_time or 0))
+            token = page.token
+            if not token:
+                return out
+
+    def versions_of_run(self, run_id: str) -> list[tuple[str, int]]:
+        """(model, version) of every MLflow model version made from run `run_id`."""
+        found = self.client.search_model_versions(f"run_id = '{run_id}'")
+        return [(mv.name, int(mv.version)) for mv in found]
+
+    def delete_run(self, run_id: str) -> None:
+        """Delete the run's artifacts (where the artifact store can), then the run."""
+        from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+
+        run = self.client.get_run(run_id)
+        try:
+            get_artifact_repository(run.info.artifact_uri).delete_artifacts()
+        except Exception as e:  # a store without deletes: the run goes, its files stay
+            log.warning("could not delete the artifacts of run %s: %s", run_id, e)
+        self.client.delete_run(run_id)
+
+    def empty_models(self, also: set[str]) -> list[tuple[str, int]]:
+        """(name, creation time in ms) of registered models with no versions that the hub
+        created: tagged MANAGED_TAG, or named in `also` (the models of the hub's runs)."""
+        out = []
+        token = None
+        while True:
+            page = self.client.search_registered_models(max_results=500, page_token=token)
+            for model in page:
+                ours = (model.tags or {}).get(MANAGED_TAG) == "true" or model.name in also
+                # latest_versions comes with the page: only a model without any is asked.
+                if ours and not model.latest_versions and not self.version_numbers(model.name):
+                    out.append((model.name, model.creation_timestamp or 0))
+            token = page.token
+            if not token:
+                return out
+
+    def delete_model(self, name: str) -> None:
+        self.client.delete_registered_model(name)
 
     def set_alias(self, name: str, alias: str, version: int) -> None:
         try:

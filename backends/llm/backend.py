@@ -55,6 +55,7 @@ from backends.loading import (
 )
 from backends.parking import ParkedWeights, park, release
 from backends.runtime_config import LLMConfig, RuntimeConfig
+from backends.text_bounds import MIN_CHARS_PER_TOKEN, CharBound
 from backends.text_input import require_encodable
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,7 @@ class LLMBackend(Backend):
         where = f"{context.model} v{context.version}"
         self.config: LLMConfig = checked_config(LLMConfig, context.runtime_config, where)
         self.tokenizer: Any = None
+        self._prompt_bound = CharBound(0, MIN_CHARS_PER_TOKEN)  # set by load()
         self._runner: ModelRunner | None = None
         self._engine: AsyncLLMEngine | None = None
         self._metrics = EngineMetrics.disabled()
@@ -127,6 +129,9 @@ class LLMBackend(Backend):
         engine = LLMEngine(config, runner, tokenizer, self._metrics, grammar_metrics)
         self.tokenizer = tokenizer
         self._artifact_dir = artifact_dir
+        # Prompts longer than this many characters cannot fit the context: refused before
+        # tokenizing (added tokens included: a special token's text is one token too).
+        self._prompt_bound = CharBound.for_vocab(runner.max_model_len, tokenizer.get_vocab())
         self._runner = runner
         self._engine = AsyncLLMEngine(engine, name=f"{ctx.model}@{ctx.version}")
         self._tokenize_pool = ThreadPoolExecutor(1, f"tokenize {ctx.model}@{ctx.version}")
@@ -147,6 +152,7 @@ class LLMBackend(Backend):
 
     def encode(self, text: str, *, param: str = "prompt") -> list[int]:
         self._require()
+        self._prompt_bound.require(text, param, param)
         require_encodable(text, param)
         ids: list[int] = self.tokenizer.encode(text)
         return ids
@@ -175,6 +181,7 @@ class LLMBackend(Backend):
             raise InputError(
                 f"the chat template refused the messages: {e}", param="messages"
             ) from e
+        self._prompt_bound.require(text, "messages", "the prompt the messages make")
         ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False)
         return ids
 

@@ -29,6 +29,7 @@ from backends.llm.quantization import quantize_model
 from backends.llm.sampler import Sampler, SamplerOutput
 from backends.llm.scheduler import ScheduledSequence, SchedulerOutput
 from backends.llm.sequence import Sequence
+from backends.load_cancel import check_cancelled
 
 log = logging.getLogger(__name__)
 
@@ -155,9 +156,10 @@ class ModelRunner:
     def allocate_kv_cache(self) -> None:
         layers, kv_heads, head_dim = kv_shape(self.config)
         shape = (2, self.num_blocks, self.block_size, kv_heads, head_dim)
-        self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(layers)
-        ]
+        self.kv_caches = []
+        for _ in range(layers):
+            check_cancelled()  # a load that ran out of time stops allocating here too
+            self.kv_caches.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
 
     def release_kv_cache(self) -> None:
         self.kv_caches = []

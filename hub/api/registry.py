@@ -92,6 +92,14 @@ class VersionPublic(BaseModel):
         )
 
 
+class ModelSummary(BaseModel):
+    name: str
+    kind: str
+    versions: list[int]
+    # alias -> version
+    aliases: dict[str, int]
+
+
 class EventPublic(BaseModel):
     id: int
     model: str
@@ -243,6 +251,15 @@ def _free_form(alias: str) -> None:
 async def drift(reconciler: ReconcilerDep) -> list[DriftPublic]:
     """Differences between MLflow and SQL found by the reconciler's last full check."""
     return [DriftPublic(**d.__dict__) for d in reconciler.drift]
+
+
+@router.get("/models", response_model=list[ModelSummary])
+async def list_models(control: ControlDep) -> list[ModelSummary]:
+    """Registered models with their versions and aliases, as the registry has them now."""
+    return [
+        ModelSummary(name=m.name, kind=m.kind, versions=sorted(m.versions), aliases=m.aliases)
+        for m in await control.models()
+    ]
 
 
 @router.get("/models/{name}/versions", response_model=list[VersionPublic])

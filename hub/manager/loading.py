@@ -15,10 +15,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from backends.load_cancel import LoadCancelled, cancellable
 from hub.errors import Unavailable
 from hub.manager.deployment import Deployment
 from hub.manager.evicting import Evictions
@@ -112,6 +114,7 @@ class Loads:
         warm = entry.backend is not None and entry.key in tier
         source = "warm" if warm else "cold"
         prepared: PreparedVersion | None = None
+        deadline = time.monotonic() + self._settings.load_timeout
         try:
             prep_s = 0.0
             if warm:
@@ -132,11 +135,15 @@ class Loads:
                 async with self._hold_base(entry.base) as base:
                     backend, measured, device, work_s = await self._attach(entry, base, prepared)
             else:
-                backend, measured, device, work_s = await self._place_and_load(entry, prepared)
+                backend, measured, device, work_s = await self._place_and_load(
+                    entry, prepared, deadline
+                )
             # The reload cost the eviction policy weighs: preparing plus the load itself.
             load_s = prep_s + work_s
         except NoRoom as e:
             return self._refused(entry, e, warm)
+        except LoadCancelled as e:
+            return self._timed_out(entry, e)
         except Unavailable as e:  # the base could not be brought up: not the adapter's fault
             code = e.code or "base_unavailable"
             return self._refused(
@@ -164,8 +171,11 @@ class Loads:
         self._loaded(entry, device, source, load_s)
         return None
 
-    async def _place_and_load(self, entry: Entry, prepared: PreparedVersion | None) -> Landed:
-        """Room on a device, then a cold load of `prepared` (None: a warm restore)."""
+    async def _place_and_load(
+        self, entry: Entry, prepared: PreparedVersion | None, deadline: float
+    ) -> Landed:
+        """Room on a device, then a cold load of `prepared` (None: a warm restore), cancelled
+        at `deadline` (monotonic)."""
         if prepared is None:
             # Restored as it was (KV cache included): the same bytes on any device.
             size = max(entry.predicted_bytes, entry.measured_bytes)
@@ -181,9 +191,7 @@ class Loads:
             return await self._restore(entry, device)
         entry.predicted_bytes = need[device]
         start = time.perf_counter()
-        backend, measured = await asyncio.to_thread(
-            self._lifecycle.load, prepared, device, self._planner.budgets[device]
-        )
+        backend, measured = await self._load_until(entry, prepared, device, deadline)
         return backend, measured, device, time.perf_counter() - start
 
     async def _attach(self, entry: Entry, base: Entry, prepared: PreparedVersion | None) -> Landed:
@@ -222,6 +230,57 @@ class Loads:
         self._planner.host_tier.remove(entry.key)
         entry.host_bytes = 0
         return entry.backend, measured, device, seconds
+
+    async def _load_until(
+        self, entry: Entry, prepared: PreparedVersion, device: str, deadline: float
+    ) -> tuple[Any, int]:
+        """The cold load in a worker thread, cancelled at `deadline` (monotonic): then the
+        thread is waited for (it stops at its next check) and a backend it finished anyway is
+        unloaded, so its memory is back before LoadCancelled is raised."""
+        flag = threading.Event()
+        budget = self._planner.budgets[device]
+
+        def load() -> tuple[Any, int]:
+            with cancellable(flag):
+                return self._lifecycle.load(prepared, device, budget)
+
+        work = asyncio.ensure_future(asyncio.to_thread(load))
+        try:
+            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                return await asyncio.shield(work)
+        except TimeoutError:
+            pass
+        except asyncio.CancelledError:
+            # Shutting down: stop allocating; nobody waits for the outcome (retrieved here so
+            # that its LoadCancelled is not reported as never retrieved).
+            flag.set()
+            work.add_done_callback(lambda f: f.cancelled() or f.exception())
+            raise
+        flag.set()
+        log.warning("%s: cancelling its load, still running after load_timeout (%gs)",
+                    entry.key, self._settings.load_timeout)  # fmt: skip
+        try:
+            backend, measured = await work
+        except LoadCancelled as e:
+            raise LoadCancelled(f"{entry.key}: {e}") from e
+        # Finished before it saw the flag: too late for its waiters; give it back.
+        await asyncio.to_thread(self._lifecycle.unload, backend, device, measured)
+        raise LoadCancelled(f"{entry.key}: loaded only after load_timeout; unloaded again")
+
+    def _timed_out(self, entry: Entry, e: LoadCancelled) -> Unavailable:
+        """Cancelled past its time: room released, retryable at once (no backoff)."""
+        self._planner.ledger.release(entry.key)
+        entry.device = None
+        entry.move(ModelState.UNLOADED)
+        entry.error = str(e)
+        self._metrics.loads.labels(*labels(entry), "timeout", "cold").inc()
+        self._reports.update_gauges()
+        self._evictions.pump()  # the room it held may serve another load now
+        return Unavailable(
+            f"{e}; retry, or raise manager.load_timeout if this model needs longer to load",
+            retry_after=self._settings.retry_after,
+            code="load_timeout",
+        )
 
     def _devices_for(self, entry: Entry) -> list[str]:
         """The devices `entry` may go to: the one its deployment names, else all."""

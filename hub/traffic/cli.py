@@ -1,5 +1,6 @@
 """`hub traffic`, `hub canary` and `hub readout`: versioned routing on a running hub, over
-HTTP (`--url`, `--key`, as `hub load` does). Each command prints the hub's JSON answer.
+HTTP (`--url`, default `$HUB_URL`, else the host and port `$HUB_CONFIG` configures; `--key`),
+as `hub load` does. Each command prints the hub's JSON answer.
 
     hub traffic set emb --split 1=90 --split 2=10 [--shadow 3=20] [--fault 2=50:200ms]
     hub traffic get emb ; hub traffic clear emb
@@ -15,8 +16,18 @@ import json
 import re
 from typing import Annotated, Any
 
-import httpx
 import typer
+
+from hub.cli_remote import (
+    WRITE_TIMEOUT,
+    KeyOpt,
+    NoHub,
+    UrlOpt,
+    cli_settings,
+    configured_url,
+    fail,
+    request,
+)
 
 traffic_app = typer.Typer(
     help="Traffic policy of a model on a running hub: split, shadow, faults.",
@@ -26,11 +37,6 @@ canary_app = typer.Typer(
     help="Automated canaries on a running hub: start, status, abort.", no_args_is_help=True
 )
 
-UrlOpt = Annotated[str, typer.Option("--url", envvar="HUB_URL", help="Base URL of a running hub")]
-KeyOpt = Annotated[
-    str | None, typer.Option("--key", envvar="HUB_API_KEY", help="Admin API key, if auth is on")
-]
-DEFAULT_URL = "http://127.0.0.1:8000"
 
 # [model@]version=number, e.g. "2=10", "other@1=50"; faults add ":delay" ("2=50:200ms").
 _ENTRY_RE = re.compile(
@@ -38,23 +44,12 @@ _ENTRY_RE = re.compile(
 )
 
 
-def _fail(message: str, code: int = 1) -> typer.Exit:
-    typer.secho(f"error: {message}", err=True, fg=typer.colors.RED)
-    return typer.Exit(code)
-
-
-def _call(method: str, path: str, url: str, key: str | None, body: Any = None) -> Any:
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
+def _call(method: str, path: str, url: str | None, key: str | None, body: Any = None) -> Any:
+    base = url or configured_url(cli_settings(None))
     try:
-        r = httpx.request(method, url.rstrip("/") + path, headers=headers, json=body, timeout=600)
-    except httpx.HTTPError as e:
-        raise _fail(f"cannot reach the hub at {url}: {e}") from None
-    is_json = r.headers.get("content-type", "").startswith("application/json")
-    answer = r.json() if is_json else {}
-    if r.status_code >= 400:
-        message = answer.get("error", {}).get("message") if isinstance(answer, dict) else None
-        raise _fail(f"{r.status_code}: {message or r.text}")
-    return answer
+        return request(method, path, base, key, body, timeout=WRITE_TIMEOUT)
+    except NoHub as e:
+        raise fail(str(e)) from None
 
 
 def _print(doc: Any) -> None:
@@ -64,7 +59,7 @@ def _print(doc: Any) -> None:
 def _entry(text: str, option: str) -> tuple[str | None, int, str]:
     match = _ENTRY_RE.match(text.strip())
     if match is None:
-        raise _fail(f"{option} {text!r}: expected [MODEL@]VERSION=NUMBER, e.g. 2=10", 2)
+        raise fail(f"{option} {text!r}: expected [MODEL@]VERSION=NUMBER, e.g. 2=10", 2)
     return match["model"], int(match["version"]), match["rest"]
 
 
@@ -72,7 +67,7 @@ def _number(text: str, option: str, entry: str) -> float:
     try:
         return float(text)
     except ValueError:
-        raise _fail(f"{option} {entry!r}: {text!r} is not a number", 2) from None
+        raise fail(f"{option} {entry!r}: {text!r} is not a number", 2) from None
 
 
 def _split(text: str) -> dict[str, Any]:
@@ -93,7 +88,7 @@ def _fault(text: str) -> dict[str, Any]:
     try:
         delay_ms = parse_duration(delay) * 1000 if delay else 0.0
     except ValueError as e:
-        raise _fail(f"--fault {text!r}: {e}", 2) from None
+        raise fail(f"--fault {text!r}: {e}", 2) from None
     return {
         "version": version,
         "error_percent": _number(percent, "--fault", text),
@@ -103,7 +98,7 @@ def _fault(text: str) -> dict[str, Any]:
 
 
 @traffic_app.command("get")
-def traffic_get(name: str, url: UrlOpt = DEFAULT_URL, key: KeyOpt = None) -> None:
+def traffic_get(name: str, url: UrlOpt = None, key: KeyOpt = None) -> None:
     """The effective policy of NAME: its split (or the default), shadow, faults, canary."""
     _print(_call("GET", f"/admin/traffic/{name}", url, key))
 
@@ -121,7 +116,7 @@ def traffic_set(
         list[str] | None,
         typer.Option(help="[MODEL@]VERSION=ERROR_PERCENT[:DELAY], e.g. 2=50 or 2=0:200ms"),
     ] = None,
-    url: UrlOpt = DEFAULT_URL,
+    url: UrlOpt = None,
     key: KeyOpt = None,
 ) -> None:
     """Replace the traffic policy of NAME (split, shadow and faults together)."""
@@ -134,7 +129,7 @@ def traffic_set(
 
 
 @traffic_app.command("clear")
-def traffic_clear(name: str, url: UrlOpt = DEFAULT_URL, key: KeyOpt = None) -> None:
+def traffic_clear(name: str, url: UrlOpt = None, key: KeyOpt = None) -> None:
     """Back to the default: everything to production (else the latest version)."""
     _print(_call("DELETE", f"/admin/traffic/{name}", url, key))
 
@@ -150,14 +145,14 @@ def canary_start(
         float, typer.Option(help="Limit of canary p95 / baseline p95")
     ] = 1.5,
     min_requests: Annotated[int, typer.Option(help="Requests per version per step")] = 50,
-    url: UrlOpt = DEFAULT_URL,
+    url: UrlOpt = None,
     key: KeyOpt = None,
 ) -> None:
     """Start an automated canary of VERSION against production; the last step promotes."""
     try:
         weights = [float(s) for s in steps.split(",") if s.strip()]
     except ValueError:
-        raise _fail(f"--steps {steps!r}: expected numbers separated by commas", 2) from None
+        raise fail(f"--steps {steps!r}: expected numbers separated by commas", 2) from None
     body = {
         "version": version,
         "steps": weights,
@@ -170,7 +165,7 @@ def canary_start(
 
 
 @canary_app.command("status")
-def canary_status(name: str, url: UrlOpt = DEFAULT_URL, key: KeyOpt = None) -> None:
+def canary_status(name: str, url: UrlOpt = None, key: KeyOpt = None) -> None:
     """The running canary of NAME (else its last one): step, weight, state, reason."""
     _print(_call("GET", f"/admin/traffic/{name}/canary", url, key))
 
@@ -179,14 +174,14 @@ def canary_status(name: str, url: UrlOpt = DEFAULT_URL, key: KeyOpt = None) -> N
 def canary_abort(
     name: str,
     reason: Annotated[str, typer.Option(help="Why, recorded with the canary")] = "",
-    url: UrlOpt = DEFAULT_URL,
+    url: UrlOpt = None,
     key: KeyOpt = None,
 ) -> None:
     """Stop the running canary of NAME; all traffic back to the baseline."""
     _print(_call("POST", f"/admin/traffic/{name}/canary/abort", url, key, {"reason": reason}))
 
 
-def readout(name: str, url: UrlOpt = DEFAULT_URL, key: KeyOpt = None) -> None:
+def readout(name: str, url: UrlOpt = None, key: KeyOpt = None) -> None:
     """Per-version requests, errors, latency, tokens/s and tests for NAME (every replica's)."""
     _print(_call("GET", f"/admin/traffic/{name}/readout", url, key))
 

@@ -1,4 +1,6 @@
-"""The `hub` command line against the registry: migrate, register, list, keys."""
+"""The `hub` command line against the registry: migrate, register, list, keys. No hub listens at
+the configured address, so the registry commands work locally (tests/hub/test_cli_remote.py
+has them against a running hub)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import yaml
 from typer.testing import CliRunner
 
 from hub.cli import app
+from tests.support.postgres import free_port
 
 runner = CliRunner()
 
@@ -27,6 +30,7 @@ def config(tmp_path: Path, mlflow_template: Path) -> Path:
                 "database_url": f"sqlite:///{tmp_path / 'hub.db'}",
                 "mlflow_tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}",
                 "cache_dir": str(tmp_path / "cache"),
+                "port": free_port(),  # nothing listens there
             }
         )
     )
@@ -49,7 +53,9 @@ def test_register_versions_events(config: Path, tiny_embedder_dir: Path) -> None
     args = ["register", "--name", "emb", "--kind", "embedder", "--source", str(tiny_embedder_dir)]
     result = runner.invoke(app, [*args, "--alias", "production", "--config", str(config)])
     assert result.exit_code == 0, result.output
-    assert json.loads(result.output.strip().splitlines()[-1]) == {"name": "emb", "version": 1}
+    assert "no hub answers at http://127.0.0.1:" in result.stderr
+    assert "working on the registry locally" in result.stderr
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == {"name": "emb", "version": 1}
     out = runner.invoke(app, ["versions", "emb", "--config", str(config)]).output
     assert "v1" in out and "production" in out
     out = runner.invoke(app, ["events", "--config", str(config)]).output

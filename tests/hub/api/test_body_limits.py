@@ -17,6 +17,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from backends.llm.backend import LLMBackend
+from backends.text_bounds import CharBound
 from hub.app import create_app
 from tests.hub.api.test_embeddings import register
 from tests.support.hubs import make_settings
@@ -132,6 +133,9 @@ async def test_liveness_answers_while_a_huge_prompt_is_tokenized(
                 finished.set()
 
     monkeypatch.setattr(LLMBackend, "encode", encode)
+    # As for a model whose context could hold the prompt: the length bound checked before
+    # tokenizing (tests/hub/api/test_input_bounds.py) lets it through, so it is tokenized.
+    monkeypatch.setattr(CharBound, "fits", lambda self, text: True)
     prompt = ("The harbour town woke slowly on winter mornings. " * 25_000)[: 2**20]
     big = asyncio.create_task(
         client.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 1})

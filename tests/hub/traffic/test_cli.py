@@ -15,7 +15,6 @@ from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
 from hub.cli import app
-from hub.traffic import cli as traffic_cli
 from tests.hub.api.test_embeddings import register
 
 runner = CliRunner()
@@ -33,7 +32,7 @@ def hub_cli(
         kwargs.pop("timeout", None)
         return client.request(method, url.removeprefix("http://hub.test"), **kwargs)
 
-    monkeypatch.setattr(traffic_cli.httpx, "request", request)
+    monkeypatch.setattr(httpx, "request", request)  # hub.cli_remote calls it
     return client
 
 
