@@ -177,6 +177,12 @@ class Replica:
     def post(self, path: str, **kwargs: Any) -> httpx.Response:
         return httpx.post(f"{self.base}{path}", timeout=kwargs.pop("timeout", 60), **kwargs)
 
+    def put(self, path: str, **kwargs: Any) -> httpx.Response:
+        return httpx.put(f"{self.base}{path}", timeout=kwargs.pop("timeout", 60), **kwargs)
+
+    def delete(self, path: str, **kwargs: Any) -> httpx.Response:
+        return httpx.delete(f"{self.base}{path}", timeout=kwargs.pop("timeout", 60), **kwargs)
+
 
 @dataclass
 class Cluster:
