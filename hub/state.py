@@ -169,14 +169,19 @@ class Hub:
         """Whether this replica can serve, and the body `/health/ready` answers; reads only
         state the background checks keep (never blocks on a dependency)."""
         states = self.dependencies.states()
-        body: dict[str, object] = {"dependencies": {n: s.report() for n, s in states.items()}}
+        body: dict[str, object] = {
+            "dependencies": {n: s.report() for n, s in states.items()},
+            # The reconciler's check of MLflow against SQL waits while MLflow is down.
+            "drift_check": "paused" if self.reconciler.drift_paused else "running",
+        }
         if self.preload_failed:
             body["preload_failed"] = dict(self.preload_failed)
         if not self.ready:
             return False, {"status": "starting", **body}
         if self.preloading:
             return False, {"status": "preloading", "waiting_for": sorted(self.preloading), **body}
-        if not states["database"].fresh(self.settings.registry.database_grace):
+        database = states["database"]
+        if not (database.up or database.fresh(self.settings.registry.database_grace)):
             return False, {"status": "registry database unavailable", **body}
         models = len(self.catalog.snapshot.models)
         return True, {"status": "ready", "models": models, **body}

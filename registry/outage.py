@@ -46,6 +46,10 @@ def dependency_down(e: BaseException) -> str | None:
             return "database"
         if isinstance(link, _HTTP):
             return "mlflow"
+        # MLflow's own word for a server that is up but cannot answer now (a 503 from it or
+        # its proxy), read without importing MLflow.
+        if getattr(link, "error_code", None) == "TEMPORARILY_UNAVAILABLE":
+            return "mlflow"
     return None
 
 

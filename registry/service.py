@@ -124,12 +124,6 @@ class Registry:
         self.canaries = CanaryBook(db, self.traffic)
         self.fetcher = SourceFetcher(mlflow, cache.cache_dir / ".staging", hf_cache_dir)
 
-    # ---- health -------------------------------------------------------------------------
-    def ping(self) -> None:
-        """Raise unless both SQL (migrated) and MLflow answer."""
-        self.db.ping()
-        self.mlflow.ping()
-
     # ---- writes -------------------------------------------------------------------------
     def register(
         self,

@@ -34,9 +34,11 @@ def served_by(replica: Replica, model: str) -> str | None:
 
 
 def mlflow_reported(replica: Replica) -> Any:
+    """MLflow's state in the readiness body, with the drift check's ("up, running")."""
     r = replica.get("/health/ready", timeout=5)
     assert r.status_code == 200, r.text  # ready all along
-    return r.json()["dependencies"]["mlflow"]["up"]
+    body = r.json()
+    return body["dependencies"]["mlflow"]["up"], body["drift_check"]
 
 
 def register(replica: Replica, name: str, source: Path, **extra: Any) -> None:
@@ -63,7 +65,7 @@ def test_an_mlflow_outage_degrades_only_what_needs_mlflow(
     cluster.mlflow.kill()
     try:
         for replica in cluster.replicas:
-            wait_for(lambda r=replica: mlflow_reported(r) is False,
+            wait_for(lambda r=replica: mlflow_reported(r) == (False, "paused"),
                      f"{replica.base} never reported MLflow down")  # fmt: skip
             assert 'hub_dependency_up{dependency="mlflow"} 0.0' in replica.get("/metrics").text
             assert served_by(replica, "dd-emb") == "1"  # resident: production
@@ -84,7 +86,7 @@ def test_an_mlflow_outage_degrades_only_what_needs_mlflow(
 
         # A restarted replica starts without MLflow and serves from its cache.
         third.restart()
-        assert mlflow_reported(third) is False
+        assert mlflow_reported(third) == (False, "paused")
         assert served_by(third, "dd-emb") == "2"
     finally:
         if not cluster.mlflow.running:
@@ -92,7 +94,7 @@ def test_an_mlflow_outage_degrades_only_what_needs_mlflow(
 
     # MLflow back: every replica says so and catches up without a restart.
     for replica in cluster.replicas:
-        wait_for(lambda r=replica: mlflow_reported(r) is True,
+        wait_for(lambda r=replica: mlflow_reported(r) == (True, "running"),
                  f"{replica.base} never reported MLflow back")  # fmt: skip
     assert served_by(third, "dd-cold") == "1"
     client = MlflowClient(tracking_uri=cluster.mlflow.url, registry_uri=cluster.mlflow.url)
