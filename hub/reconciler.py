@@ -37,9 +37,10 @@ log = logging.getLogger(__name__)
 class Reconciler:
     """Converges this hub on the registry, one pass at a time.
 
-    Contract: `reconcile()` runs one pass (passes never overlap): alias drift between MLflow
-    and SQL is recorded (MLflow wins, as an audit event) and exposed as `drift` and the
-    `hub_registry_drift` gauge, then the catalog is refreshed. When a refresh changes a
+    Contract: `reconcile()` runs one pass (passes never overlap): the catalog is refreshed
+    from SQL, then alias drift between MLflow and SQL is recorded (MLflow wins, as an audit
+    event) and exposed as `drift` and the `hub_registry_drift` gauge, and the catalog is
+    refreshed again when that recorded a move. When a refresh changes a
     model's serving version, a model in `keep_loaded` gets its new version loaded (pinned, and
     the old one unpinned, when the model is in `pinned`). `start()` runs passes every
     `poll_interval` seconds or at once after `kick()`; a failing pass keeps the last good
@@ -104,13 +105,19 @@ class Reconciler:
             self.rounds += 1
 
     async def _reconcile(self, check_versions: bool) -> None:
-        await self._check_drift(check_versions)
+        # SQL first: what other replicas wrote (splits, pins, alias moves through a hub) is
+        # followed however slow MLflow is; again after the drift check recorded MLflow's own
+        # moves, so those are served in the same pass.
         await self.control.refresh()
+        if await self._check_drift(check_versions):
+            await self.control.refresh()
 
-    async def _check_drift(self, check_versions: bool) -> None:
+    async def _check_drift(self, check_versions: bool) -> bool:
+        """Compare MLflow with SQL; True when alias drift was recorded (what is served
+        changed)."""
         if not self.mlflow_up():
             self.drift_paused = "MLflow is unreachable (background check)"
-            return
+            return False
         # Back from an outage: compare the version lists too.
         check_versions = check_versions or self.drift_paused is not None
         try:
@@ -120,7 +127,7 @@ class Reconciler:
                 raise
             self.drift_paused = str(e)
             log.warning("drift check paused: %s", e)
-            return
+            return False
         if self.drift_paused is not None:
             log.info("MLflow answers again: drift check resumed")
         self.drift_paused = None
@@ -135,6 +142,7 @@ class Reconciler:
             self.metrics.registry_drift.labels(kind).set(
                 sum(1 for d in self.drift if d.kind == kind and not d.repaired)
             )
+        return any(d.kind == "alias" and d.repaired for d in drift)
 
     async def _loop(self) -> None:
         loops = 0
