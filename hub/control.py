@@ -103,7 +103,7 @@ class Control:
 
     async def _sql(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """A SQL-only registry call off the event loop (the database's own timeouts bound it)."""
-        with outage_named("the registry database"):
+        with outage_named("registry request"):
             return await asyncio.to_thread(fn, *args, **kwargs)
 
     async def _mlflow(

@@ -10,12 +10,15 @@ requests' `ConnectionError`), so the whole cause chain is searched.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 
 import requests
 from sqlalchemy import exc as sql_exc
 
 from registry.errors import DependencyUnavailable
+
+log = logging.getLogger(__name__)
 
 # Exceptions that mean "the database did not answer", as opposed to a query it refused.
 _DATABASE = (sql_exc.OperationalError, sql_exc.InterfaceError, sql_exc.TimeoutError)
@@ -55,17 +58,18 @@ def dependency_down(e: BaseException) -> str | None:
 
 def as_unavailable(e: BaseException, what: str) -> DependencyUnavailable | None:
     """The DependencyUnavailable to raise instead of `e` (None when `e` is no outage);
-    `what` says what was being done, for the message."""
+    `what` says what was being done, for the message. Callers (any user) read the message,
+    so it names the exception's class, not its text (hosts, ports, SQL): that is logged."""
     if isinstance(e, DependencyUnavailable):
         return e
     dependency = dependency_down(e)
     if dependency is None:
         return None
     label = "the registry database" if dependency == "database" else "MLflow"
-    first = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+    log.warning("%s: %s did not answer: %s", what, label, str(e).splitlines()[0][:500])
     return DependencyUnavailable(
-        f"{what}: {label} is unreachable ({first}); nothing was wrong with the request, "
-        "retry once it is back",
+        f"{what}: {label} is unreachable ({type(e).__name__}); nothing was wrong with the "
+        "request, retry once it is back",
         dependency=dependency,
     )
 

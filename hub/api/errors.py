@@ -77,8 +77,9 @@ def _details(e: Exception) -> tuple[str, str | None, dict[str, str]]:
     """The message, the parameter at fault and the headers of the answer to `e`."""
     headers: dict[str, str] = {}
     if status_of(e) is DEPENDENCY_DOWN:
-        outage = as_unavailable(e, "the registry could not be reached")
         headers["Retry-After"] = str(DEPENDENCY_RETRY_AFTER)
+        # A library's own error (SQLAlchemy, requests) is reworded: its text names hosts.
+        outage = as_unavailable(e, "the registry could not be reached")
         return str(outage or e), None, headers
     if isinstance(e, HubError):
         return e.message, e.param, dict(e.headers)

@@ -24,12 +24,25 @@ log = logging.getLogger(__name__)
 Listener = Callable[[str, bool], None]
 
 
+def _reason(e: BaseException) -> str:
+    """A short reason for the readiness body, which anyone may read: the exception classes
+    of the cause chain, never their text (hosts, ports, SQL). The log has the text."""
+    names: list[str] = []
+    link: BaseException | None = e
+    while link is not None and len(names) < 4:
+        if type(link).__name__ not in names:
+            names.append(type(link).__name__)
+        link = link.__cause__ or link.__context__
+    return " <- ".join(names)
+
+
 @dataclass(frozen=True)
 class DependencyState:
     """What the last check of one dependency saw. `up` is None before the first check."""
 
     name: str
     up: bool | None = None
+    # Why the last check failed: exception class names only (see `_reason`).
     error: str | None = None
     # Wall-clock time (epoch seconds) `up` last changed, and monotonic time of the last
     # answer; None when it never answered.
@@ -132,11 +145,11 @@ class DependencyMonitor:
         try:
             await self._calls[name].run(self._checks[name])
         except Exception as e:
-            self._record(name, False, f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+            self._record(name, False, _reason(e), detail=str(e).splitlines()[0][:300])
         else:
             self._record(name, True, None)
 
-    def _record(self, name: str, up: bool, error: str | None) -> None:
+    def _record(self, name: str, up: bool, error: str | None, detail: str = "") -> None:
         was = self._states[name]
         now = time.monotonic()
         changed = was.up != up
@@ -154,7 +167,7 @@ class DependencyMonitor:
             if was.up is not None:
                 log.info("%s answers again", name)
         else:
-            log.warning("%s is unreachable: %s", name, error)
+            log.warning("%s is unreachable (%s): %s", name, error, detail)
         for listener in self._listeners:
             try:
                 listener(name, up)
