@@ -2,8 +2,8 @@
 
 The registry (registry/) is synchronous: SQLAlchemy sessions and MLflow's client block. Every
 hub part that reads or writes it on the control path (admin routes, promotion, canaries, the
-reconciler, probes) goes through `Control`, which owns the two steps each of them used to
-repeat:
+reconciler) goes through `Control`, which owns the steps each of them used to repeat (probes
+do not: they read the state hub.dependencies keeps):
 
 - the thread hop: each call runs the blocking registry call in a worker thread, so the event
   loop keeps serving requests meanwhile. Calls that reach MLflow (alias moves, drift checks,
