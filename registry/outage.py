@@ -59,14 +59,16 @@ def dependency_down(e: BaseException) -> str | None:
 def as_unavailable(e: BaseException, what: str) -> DependencyUnavailable | None:
     """The DependencyUnavailable to raise instead of `e` (None when `e` is no outage);
     `what` says what was being done, for the message. Callers (any user) read the message,
-    so it names the exception's class, not its text (hosts, ports, SQL): that is logged."""
+    so it names the exception's class, not its text (hosts, ports, SQL)."""
     if isinstance(e, DependencyUnavailable):
         return e
     dependency = dependency_down(e)
     if dependency is None:
         return None
     label = "the registry database" if dependency == "database" else "MLflow"
-    log.warning("%s: %s did not answer: %s", what, label, str(e).splitlines()[0][:500])
+    # Debug only: during an outage this runs for every call and every background check;
+    # the hub logs the outage itself when it starts and ends (hub.dependencies).
+    log.debug("%s: %s did not answer: %s", what, label, str(e).splitlines()[0][:500])
     return DependencyUnavailable(
         f"{what}: {label} is unreachable ({type(e).__name__}); nothing was wrong with the "
         "request, retry once it is back",

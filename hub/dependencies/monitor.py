@@ -36,6 +36,18 @@ def _reason(e: BaseException) -> str:
     return " <- ".join(names)
 
 
+def _root_text(e: BaseException) -> str:
+    """The text of the innermost cause (the refused connection, the read timeout): for the
+    log, where the outage is reported once when it starts."""
+    link = e
+    for _ in range(16):  # a chain, not a cycle: bounded
+        inner = link.__cause__ or link.__context__
+        if inner is None:
+            break
+        link = inner
+    return str(link).splitlines()[0][:300] if str(link) else type(link).__name__
+
+
 @dataclass(frozen=True)
 class DependencyState:
     """What the last check of one dependency saw. `up` is None before the first check."""
@@ -145,7 +157,7 @@ class DependencyMonitor:
         try:
             await self._calls[name].run(self._checks[name])
         except Exception as e:
-            self._record(name, False, _reason(e), detail=str(e).splitlines()[0][:300])
+            self._record(name, False, _reason(e), detail=_root_text(e))
         else:
             self._record(name, True, None)
 
