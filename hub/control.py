@@ -2,11 +2,16 @@
 
 The registry (registry/) is synchronous: SQLAlchemy sessions and MLflow's client block. Every
 hub part that reads or writes it on the control path (admin routes, promotion, canaries, the
-reconciler, probes) goes through `Control`, which owns the two steps each of them used to
-repeat:
+reconciler) goes through `Control`, which owns the steps each of them used to repeat (probes
+do not: they read the state hub.dependencies keeps):
 
 - the thread hop: each call runs the blocking registry call in a worker thread, so the event
-  loop keeps serving requests meanwhile;
+  loop keeps serving requests meanwhile. Calls that reach MLflow (alias moves, drift checks,
+  registrations, the webhook) run on MLflow's own few threads with a deadline
+  (`BoundedCalls`): an MLflow outage answers them 503 within the deadline and never takes
+  the threads SQL-only calls need. Reads and traffic writes are SQL-only;
+- outages named: a call that failed because the database or MLflow did not answer raises
+  `DependencyUnavailable` (a 503 with Retry-After), whatever the library's own error was;
 - "write, then refresh": a write that changes what is served (a registration, an alias move,
   a traffic policy, a canary step) refreshes the catalog before it returns, so this hub
   routes by the new state from the next request on (other replicas follow at their next
@@ -20,14 +25,16 @@ repeat:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from hub.catalog import Catalog
+from hub.dependencies import BoundedCalls
 from registry.canaries import CanarySpec
 from registry.db import REGISTRATION_LOCK
 from registry.drift import Drift, find_drift
 from registry.leftovers import remove_leftovers
+from registry.outage import outage_named
 from registry.service import Registry
 from registry.views import (
     CanaryView,
@@ -44,6 +51,8 @@ from registry.views import (
 if TYPE_CHECKING:
     from hub.settings import HubSettings
 
+T = TypeVar("T")
+
 
 def build_registry(settings: HubSettings) -> Registry:
     """The registry the settings describe (SQL, MLflow, the artifact cache, the Hugging Face
@@ -54,11 +63,16 @@ def build_registry(settings: HubSettings) -> Registry:
     from hub.manager.devices import Device
     from registry.cache import ArtifactCache
     from registry.db import Database
-    from registry.mlflow_store import MlflowStore
+    from registry.mlflow_store import HttpLimits, MlflowStore
 
-    mlflow = MlflowStore(settings.mlflow_tracking_uri, settings.mlflow_artifact_location)
+    reg = settings.registry
+    mlflow = MlflowStore(
+        settings.mlflow_tracking_uri,
+        settings.mlflow_artifact_location,
+        limits=HttpLimits(reg.mlflow_timeout, reg.mlflow_max_retries),
+    )
     return Registry(
-        Database(settings.database_url),
+        Database(settings.database_url, timeout=reg.database_timeout),
         mlflow,
         ArtifactCache(settings.cache_dir, mlflow),
         allow_pickle=settings.allow_pickle,
@@ -85,20 +99,36 @@ class Control:
     """
 
     def __init__(
-        self, registry: Registry, catalog: Catalog, leftover_grace: float = 3600.0
+        self,
+        registry: Registry,
+        catalog: Catalog,
+        mlflow_calls: BoundedCalls | None = None,
+        leftover_grace: float = 3600.0,
     ) -> None:
         self.registry = registry
         self.catalog = catalog
+        self.mlflow_calls = mlflow_calls or BoundedCalls("mlflow", workers=4, deadline=30.0)
         self.leftover_grace = leftover_grace
 
-    # ---- health and the catalog ---------------------------------------------------------
-    async def ping(self) -> None:
-        """Raise unless SQL (migrated) and MLflow both answer."""
-        await asyncio.to_thread(self.registry.ping)
+    async def _sql(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """A SQL-only registry call off the event loop (the database's own timeouts bound it)."""
+        with outage_named("registry request"):
+            return await asyncio.to_thread(fn, *args, **kwargs)
 
+    async def _mlflow(
+        self, fn: Callable[..., T], *args: Any, deadline: bool | None = True, **kwargs: Any
+    ) -> T:
+        """A registry call that reaches MLflow, on MLflow's bounded threads."""
+        return await self.mlflow_calls.run(fn, *args, deadline=deadline, **kwargs)
+
+    def close(self) -> None:
+        self.mlflow_calls.close()
+
+    # ---- health and the catalog ---------------------------------------------------------
     async def refresh(self) -> RegistrySnapshot:
-        """Re-read the registry into the catalog the router serves from."""
-        return await self.catalog.refresh()
+        """Re-read the registry (SQL only) into the catalog the router serves from."""
+        with outage_named("reading the registry"):
+            return await self.catalog.refresh()
 
     async def find_drift(self, *, versions: bool) -> list[Drift]:
         """Differences between MLflow and SQL; alias drift is recorded in the audit log as
@@ -110,7 +140,7 @@ class Control:
             removed = self._remove_leftovers() if versions else []
             return removed + find_drift(r.db, r.mlflow, r.aliases, versions=versions, repair=True)
 
-        return await asyncio.to_thread(check)
+        return await self._mlflow(check)
 
     def _remove_leftovers(self) -> list[Drift]:
         r = self.registry
@@ -127,37 +157,37 @@ class Control:
         self, name: str, url: str, secret: str, events: tuple[str, ...]
     ) -> None:
         """Create or update MLflow's webhook that tells this hub of alias moves."""
-        await asyncio.to_thread(self.registry.mlflow.ensure_webhook, name, url, secret, events)
+        await self._mlflow(self.registry.mlflow.ensure_webhook, name, url, secret, events)
 
     # ---- reads (from the registry itself, not the catalog) ------------------------------
     async def models(self) -> list[ModelView]:
-        return await asyncio.to_thread(self.registry.list_models)
+        return await self._sql(self.registry.list_models)
 
     async def model(self, name: str) -> ModelView:
-        return await asyncio.to_thread(self.registry.get_model, name)
+        return await self._sql(self.registry.get_model, name)
 
     async def version(self, name: str, version: int) -> VersionView:
-        return await asyncio.to_thread(self.registry.get_version, name, version)
+        return await self._sql(self.registry.get_version, name, version)
 
     async def events(self, name: str | None = None, limit: int = 100) -> list[EventView]:
-        return await asyncio.to_thread(self.registry.events, name, limit)
+        return await self._sql(self.registry.events, name, limit)
 
     async def traffic(self, name: str) -> TrafficPolicyView:
         """The stored traffic policy of `name` (the default one when none is stored)."""
-        return await asyncio.to_thread(self.registry.traffic.get, name)
+        return await self._sql(self.registry.traffic.get, name)
 
     async def passed_stage(self, name: str, version: int, alias: str = "staging") -> bool:
-        return await asyncio.to_thread(self.registry.aliases.passed_stage, name, version, alias)
+        return await self._sql(self.registry.aliases.passed_stage, name, version, alias)
 
     async def rollback_target(self, name: str) -> tuple[int, int]:
         """(production now, the version a rollback moves it back to)."""
-        return await asyncio.to_thread(self.registry.aliases.rollback_target, name)
+        return await self._sql(self.registry.aliases.rollback_target, name)
 
     async def latest_canary(self, name: str) -> CanaryView | None:
-        return await asyncio.to_thread(self.registry.canaries.latest, name)
+        return await self._sql(self.registry.canaries.latest, name)
 
     async def running_canaries(self) -> list[CanaryView]:
-        return await asyncio.to_thread(self.registry.canaries.running)
+        return await self._sql(self.registry.canaries.running)
 
     # ---- writes that change what is served (each refreshes the catalog) -----------------
     async def register(
@@ -175,21 +205,24 @@ class Control:
     ) -> VersionView:
         """Register a new version of `name` from `source` (a LoRA adapter with `base`);
         refreshes."""
-        view = await asyncio.to_thread(
+        # No deadline: uploading a model's files takes as long as it takes (each MLflow
+        # request is still bounded by the client's timeout).
+        view = await self._mlflow(
             self.registry.register, name, kind, source, aliases=aliases, config=config,
             description=description, eval_set=eval_set, actor=actor, base=base,
+            deadline=None,
         )  # fmt: skip
-        await self.catalog.refresh()
+        await self.refresh()
         return view
 
     async def set_alias(
         self, name: str, alias: str, version: int | None, *, actor: str, reason: str = ""
     ) -> EventView:
         """Point a free-form alias at `version` (None removes it); refreshes."""
-        event = await asyncio.to_thread(
+        event = await self._mlflow(
             self.registry.set_alias, name, alias, version, actor=actor, reason=reason
         )
-        await self.catalog.refresh()
+        await self.refresh()
         return event
 
     async def move_alias(
@@ -206,11 +239,11 @@ class Control:
     ) -> EventView:
         """Move `alias` (a stage) to `version`, compare-and-set against `expected`
         (ConflictError when another move came first); refreshes."""
-        event = await asyncio.to_thread(
+        event = await self._mlflow(
             self.registry.aliases.move, name, alias, version, actor=actor, reason=reason,
             action=action, validation=validation, expected=expected,
         )  # fmt: skip
-        await self.catalog.refresh()
+        await self.refresh()
         return event
 
     async def replace_traffic(
@@ -223,27 +256,27 @@ class Control:
         actor: str,
     ) -> TrafficPolicyView:
         """Replace the traffic policy of `name` atomically; refreshes."""
-        policy = await asyncio.to_thread(
+        policy = await self._sql(
             self.registry.traffic.replace, name, splits, shadow=shadow, faults=faults, actor=actor
         )
-        await self.catalog.refresh()
+        await self.refresh()
         return policy
 
     async def clear_traffic(self, name: str, *, actor: str) -> TrafficPolicyView:
         """Back to the default policy; refreshes."""
-        policy = await asyncio.to_thread(self.registry.traffic.clear, name, actor=actor)
-        await self.catalog.refresh()
+        policy = await self._sql(self.registry.traffic.clear, name, actor=actor)
+        await self.refresh()
         return policy
 
     async def start_canary(
         self, name: str, version: int, *, baseline: int, spec: CanarySpec, actor: str, now: float
     ) -> CanaryView:
         """Record a running canary and its first step's split; refreshes."""
-        canary = await asyncio.to_thread(
+        canary = await self._sql(
             self.registry.canaries.start, name, version, baseline=baseline, spec=spec,
             actor=actor, now=now,
         )  # fmt: skip
-        await self.catalog.refresh()
+        await self.refresh()
         return canary
 
     async def advance_canary(
@@ -251,11 +284,11 @@ class Control:
     ) -> CanaryView | None:
         """Move the canary to its next step (compare-and-set on the step); refreshes when it
         moved, None (and no refresh) when another replica moved it first."""
-        advanced = await asyncio.to_thread(
+        advanced = await self._sql(
             self.registry.canaries.advance, canary, now=now, check=check, actor=actor
         )
         if advanced is not None:
-            await self.catalog.refresh()
+            await self.refresh()
         return advanced
 
     async def finish_canary(
@@ -270,17 +303,17 @@ class Control:
     ) -> CanaryView | None:
         """End a running canary with `splits` as the new split; refreshes when it ended,
         None (and no refresh) when it was no longer running."""
-        done = await asyncio.to_thread(
+        done = await self._sql(
             self.registry.canaries.finish, canary, state=state, reason=reason, splits=splits,
             check=check, actor=actor,
         )  # fmt: skip
         if done is not None:
-            await self.catalog.refresh()
+            await self.refresh()
         return done
 
     # ---- writes the router does not read (no refresh) -----------------------------------
     async def record_validation(self, name: str, version: int, result: dict[str, Any]) -> None:
-        await asyncio.to_thread(self.registry.record_validation, name, version, result)
+        await self._sql(self.registry.record_validation, name, version, result)
 
     async def record_rejection(
         self,
@@ -294,7 +327,7 @@ class Control:
         validation: dict[str, Any],
     ) -> EventView:
         """Audit a promotion whose gate failed; the alias does not move."""
-        return await asyncio.to_thread(
+        return await self._sql(
             self.registry.aliases.record_rejection, name, alias, version, current=current,
             actor=actor, reason=reason, validation=validation,
         )  # fmt: skip

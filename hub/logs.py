@@ -19,3 +19,7 @@ def configure_logging(level: str = "info", config_file: Path | None = None) -> N
     # MLflow and alembic are chatty at INFO about their own migrations.
     for noisy in ("alembic.runtime.migration", "mlflow.store.db.utils", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # urllib3 warns of every retried MLflow request: during an outage, one line per
+    # background check. The hub logs the outage itself, once when it starts and once when
+    # it ends (hub.dependencies).
+    logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)

@@ -30,8 +30,8 @@ class HubMetrics:
         )
         self.loads = Counter(
             "hub_model_loads_total",
-            "Model loads by outcome (ok, no_room, failed, timeout: cancelled past "
-            "load_timeout) and source (cold: from disk, warm: from the host tier)",
+            "Model loads by outcome (ok, no_room, dependency_down, failed, timeout: cancelled "
+            "past load_timeout) and source (cold: from disk, warm: from the host tier)",
             ["model", "version", "outcome", "source"],
             registry=r,
         )

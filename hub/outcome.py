@@ -28,6 +28,7 @@ from backends.errors import (
 from hub.errors import HubError
 from registry.errors import (
     ConflictError,
+    DependencyUnavailable,
     IntegrityError,
     InvalidConfigError,
     InvalidSourceError,
@@ -35,6 +36,7 @@ from registry.errors import (
     NotFoundError,
     RegistryError,
 )
+from registry.outage import dependency_down
 
 # nginx's "client closed request": the client left before its answer was ready.
 CLIENT_CLOSED = 499
@@ -62,6 +64,8 @@ def _http(e: BaseException) -> Outcome:
 
 _INVALID = "invalid_request_error"
 _UNAVAILABLE = "service_unavailable"
+# The database or MLflow did not answer: the request was fine, retry once it is back.
+DEPENDENCY_DOWN = Outcome(503, _UNAVAILABLE, "dependency_unavailable")
 
 # Most specific first does not matter: the lookup walks the exception's MRO.
 _TABLE: dict[type[BaseException], Outcome | Callable[[BaseException], Outcome]] = {
@@ -85,6 +89,7 @@ _TABLE: dict[type[BaseException], Outcome | Callable[[BaseException], Outcome]] 
     InvalidSourceError: Outcome(400, _INVALID),
     InvalidTrafficError: Outcome(400, _INVALID),
     ConflictError: Outcome(409, _INVALID),
+    DependencyUnavailable: DEPENDENCY_DOWN,
     IntegrityError: Outcome(500, "server_error"),
     RegistryError: Outcome(500, "server_error"),
 }
@@ -93,7 +98,11 @@ UNKNOWN = Outcome(500, "server_error")
 
 
 def status_of(e: BaseException) -> Outcome:
-    """The status, error type and code the hub answers (and counts) for `e`."""
+    """The status, error type and code the hub answers (and counts) for `e`. An error caused
+    by the database or MLflow not answering (SQLAlchemy's, MLflow's or a registry error raised
+    from one) is a 503: the request was fine, retrying once the dependency is back works."""
+    if not isinstance(e, HubError | ClientGone) and dependency_down(e) is not None:
+        return DEPENDENCY_DOWN
     for cls in type(e).__mro__:
         entry = _TABLE.get(cls)
         if entry is not None:

@@ -8,6 +8,12 @@ changed, preloads the new one if the model is configured with `preload` or `pin`
 moves with the serving version (the new one is pinned, the old one unpinned). Requests in
 flight keep the backend they acquired; the old version is left to the manager's keep-alive
 and eviction like any idle model.
+
+MLflow down: the catalog is read from SQL alone, so passes keep following what other
+replicas write (traffic splits, canary steps, alias moves made through any hub) while the
+drift check, the only part that reads MLflow, waits. The first pass after MLflow answers
+again runs the full check (aliases and version lists): moves made in MLflow meanwhile are
+recorded and followed, without a restart.
 """
 
 from __future__ import annotations
@@ -15,12 +21,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 
 from hub.control import Control
 from hub.errors import NotFound
 from hub.manager import ModelManager
 from hub.metrics import HubMetrics
 from registry.drift import Drift
+from registry.errors import DependencyUnavailable
 from registry.views import RegistrySnapshot
 
 log = logging.getLogger(__name__)
@@ -29,13 +37,16 @@ log = logging.getLogger(__name__)
 class Reconciler:
     """Converges this hub on the registry, one pass at a time.
 
-    Contract: `reconcile()` runs one pass (passes never overlap): alias drift between MLflow
-    and SQL is recorded (MLflow wins, as an audit event) and exposed as `drift` and the
-    `hub_registry_drift` gauge, then the catalog is refreshed. When a refresh changes a
+    Contract: `reconcile()` runs one pass (passes never overlap): the catalog is refreshed
+    from SQL, then alias drift between MLflow and SQL is recorded (MLflow wins, as an audit
+    event) and exposed as `drift` and the `hub_registry_drift` gauge, and the catalog is
+    refreshed again when that recorded a move. When a refresh changes a
     model's serving version, a model in `keep_loaded` gets its new version loaded (pinned, and
     the old one unpinned, when the model is in `pinned`). `start()` runs passes every
     `poll_interval` seconds or at once after `kick()`; a failing pass keeps the last good
-    snapshot and records `last_error`.
+    snapshot and records `last_error`. While `mlflow_up()` says MLflow is down (or a drift
+    check finds it so), passes skip the drift check and still refresh the catalog;
+    `drift_paused` says why, and the next check once it is back compares versions too.
     """
 
     def __init__(
@@ -48,8 +59,12 @@ class Reconciler:
         version_check_every: int = 10,
         keep_loaded: frozenset[str] = frozenset(),
         pinned: frozenset[str] = frozenset(),
+        mlflow_up: Callable[[], bool] = lambda: True,
     ) -> None:
         self.control = control
+        self.mlflow_up = mlflow_up
+        # Why the drift check is not running (MLflow unreachable); None while it runs.
+        self.drift_paused: str | None = None
         self.manager = manager
         self.metrics = metrics
         self.poll_interval = poll_interval
@@ -90,7 +105,32 @@ class Reconciler:
             self.rounds += 1
 
     async def _reconcile(self, check_versions: bool) -> None:
-        drift = await self.control.find_drift(versions=check_versions)
+        # SQL first: what other replicas wrote (splits, pins, alias moves through a hub) is
+        # followed however slow MLflow is; again after the drift check recorded MLflow's own
+        # moves, so those are served in the same pass.
+        await self.control.refresh()
+        if await self._check_drift(check_versions):
+            await self.control.refresh()
+
+    async def _check_drift(self, check_versions: bool) -> bool:
+        """Compare MLflow with SQL; True when alias drift was recorded (what is served
+        changed)."""
+        if not self.mlflow_up():
+            self.drift_paused = "MLflow is unreachable (background check)"
+            return False
+        # Back from an outage: compare the version lists too.
+        check_versions = check_versions or self.drift_paused is not None
+        try:
+            drift = await self.control.find_drift(versions=check_versions)
+        except DependencyUnavailable as e:
+            if e.dependency != "mlflow":
+                raise
+            self.drift_paused = str(e)
+            log.warning("drift check paused: %s", e)
+            return False
+        if self.drift_paused is not None:
+            log.info("MLflow answers again: drift check resumed")
+        self.drift_paused = None
         for item in drift:
             log.warning("registry drift (%s, %s): %s%s", item.model, item.kind, item.detail,
                         " - recorded in the audit log" if item.repaired else "")  # fmt: skip
@@ -102,7 +142,7 @@ class Reconciler:
             self.metrics.registry_drift.labels(kind).set(
                 sum(1 for d in self.drift if d.kind == kind and not d.repaired)
             )
-        await self.control.refresh()
+        return any(d.kind == "alias" and d.repaired for d in drift)
 
     async def _loop(self) -> None:
         loops = 0

@@ -164,6 +164,24 @@ class RegistrySettings(_Section):
     # model) is removed at start and in the version check once this old: a registration
     # still in progress, here or in another replica, is younger (registry/leftovers.py).
     leftover_grace: Seconds = Field(default=3600.0, ge=0)
+    # ---- dependencies down (issues 13, 16) ----
+    # MLflow's HTTP client: the longest one request waits (to connect, then for each read)
+    # and how often a failed one is retried. MLflow's own defaults (120 s, 7 retries with
+    # backoff) held a call for minutes during an outage.
+    mlflow_timeout: Seconds = Field(default=10.0, ge=1)
+    mlflow_max_retries: int = Field(default=1, ge=0, le=10)
+    # MLflow calls on the control path (alias moves, drift checks) run on this many threads
+    # of their own; one more while all are busy answers 503 at once instead of queueing.
+    mlflow_workers: int = Field(default=4, ge=1)
+    # The longest such a call is awaited (registrations, which upload files, are exempt).
+    mlflow_deadline: Seconds = Field(default=30.0, gt=0)
+    # The longest one SQL statement, or a connection attempt, may take (PostgreSQL).
+    database_timeout: Seconds = Field(default=10.0, gt=0)
+    # How often the database and MLflow are checked in the background (readiness, metrics).
+    health_interval: Seconds = Field(default=2.0, gt=0)
+    # Readiness holds this long after the database last answered, so a short blip does not
+    # take every replica out of the Service at once.
+    database_grace: Seconds = Field(default=15.0, ge=0)
 
 
 class TrafficSettings(_Section):

@@ -10,6 +10,7 @@ from hub.auth import Authenticator
 from hub.catalog import Catalog
 from hub.control import Control, build_registry
 from hub.demo import is_builtin, materialise_builtin
+from hub.dependencies import BoundedCalls, DependencyMonitor
 from hub.manager import Device, ModelManager, VersionLoader
 from hub.metrics import HubMetrics
 from hub.promotion import Promoter
@@ -23,6 +24,7 @@ from hub.validation import ValidationGate
 from hub.webhooks import EVENTS, WebhookVerifier
 from registry.db import REGISTRATION_LOCK, Database, upgrade
 from registry.keys import ApiKeys
+from registry.outage import dependency_down
 from registry.service import Registry
 
 log = logging.getLogger(__name__)
@@ -31,9 +33,13 @@ log = logging.getLogger(__name__)
 @dataclass
 class Hub:
     """Every long-lived part of one running hub, wired once by `build` (no I/O), brought up
-    by `start` (migrate, reach the registry, register configured models, start the background
+    by `start` (migrate, reach the database, register configured models, start the background
     loops; `ready` flips last) and torn down by `stop`. Routes never take the whole `Hub`:
     they declare the parts they use (hub.api.deps).
+
+    Readiness (`readiness()`) means "this replica can serve": started, every configured
+    preload attempted, and the database answered within `registry.database_grace` seconds.
+    MLflow down is reported, not fatal: the hub starts and serves from SQL and its local cache.
     """
 
     settings: HubSettings
@@ -51,8 +57,12 @@ class Hub:
     traffic: TrafficService
     serving: Serving
     replicas: Membership
+    dependencies: DependencyMonitor
     ready: bool = False
     background: list[asyncio.Task[None]] = field(default_factory=list)
+    # Configured models whose preload has not finished yet, and those whose preload failed.
+    preloading: set[str] = field(default_factory=set)
+    preload_failed: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def build(cls, settings: HubSettings) -> Hub:
@@ -62,7 +72,17 @@ class Hub:
         db = registry.db
         metrics = HubMetrics()
         catalog = Catalog(registry)
-        control = Control(registry, catalog, leftover_grace=settings.registry.leftover_grace)
+        reg = settings.registry
+        mlflow_calls = BoundedCalls(
+            "mlflow", workers=reg.mlflow_workers, deadline=reg.mlflow_deadline
+        )
+        control = Control(registry, catalog, mlflow_calls, leftover_grace=reg.leftover_grace)
+        dependencies = DependencyMonitor(
+            {"database": registry.db.ping, "mlflow": registry.mlflow.ping},
+            interval=reg.health_interval,
+            timeout=max(reg.database_timeout, reg.mlflow_timeout),
+            metrics_registry=metrics.registry,
+        )
         loader = VersionLoader(
             registry,
             metrics_registry=metrics.registry,
@@ -78,7 +98,6 @@ class Hub:
             host_cache_budget=settings.host_cache_budget,
             model_specs={spec.name: spec for spec in settings.models},
         )
-        reg = settings.registry
         reconciler = Reconciler(
             control,
             manager,
@@ -87,7 +106,11 @@ class Hub:
             version_check_every=reg.version_check_every,
             keep_loaded=frozenset(m.name for m in settings.models if m.preload),
             pinned=frozenset(m.name for m in settings.models if m.pin),
+            # Before the first check (None) MLflow counts as up.
+            mlflow_up=lambda: dependencies.state("mlflow").up is not False,
         )
+        # MLflow back: catch up at once rather than at the next poll.
+        dependencies.on_change(lambda name, up: reconciler.kick() if up else None)
         gate = ValidationGate(manager, reg.gate_timeout)
         secret = reg.webhook_secret.get_secret_value() if reg.webhook_secret else None
         promoter = Promoter(control, gate, require_staging=reg.require_staging)
@@ -117,12 +140,21 @@ class Hub:
             traffic=traffic,
             serving=Serving(manager, traffic, metrics),
             replicas=Membership.for_hub(settings, manager, metrics.registry),
+            dependencies=dependencies,
         )
 
     async def start(self) -> None:
-        """Migrate, reach the registry, register configured models, then serve."""
+        """Migrate, reach the database, register configured models, then serve (MLflow may
+        be down: what SQL and the local cache hold is served)."""
         await asyncio.to_thread(upgrade, self.settings.database_url)
-        await self.control.ping()
+        await self.dependencies.check_now()
+        database, mlflow = self.dependencies.state("database"), self.dependencies.state("mlflow")
+        if not database.up:
+            raise RuntimeError(f"the registry database does not answer: {database.error}")
+        if not mlflow.up:
+            log.warning("MLflow is unreachable (%s); serving what SQL and the local cache "
+                        "hold, and catching up once it answers", mlflow.error)  # fmt: skip
+        self.dependencies.start()
         await asyncio.to_thread(self._register_configured_models)
         await self._register_webhook()
         await self.reconciler.reconcile(check_versions=True)
@@ -130,10 +162,31 @@ class Hub:
         await self.traffic.start()
         self.manager.start()
         await self.replicas.start()
-        self.ready = True
-        preload = [m for m in self.settings.models if m.preload or m.pin]
-        if preload:
+        self.preloading = {m.name for m in self.settings.models if m.preload or m.pin}
+        if self.preloading:
             self.background.append(asyncio.create_task(self._preload(), name="preload"))
+        self.ready = True
+
+    def readiness(self) -> tuple[bool, dict[str, object]]:
+        """Whether this replica can serve, and the body `/health/ready` answers; reads only
+        state the background checks keep (never blocks on a dependency)."""
+        states = self.dependencies.states()
+        body: dict[str, object] = {
+            "dependencies": {n: s.report() for n, s in states.items()},
+            # The reconciler's check of MLflow against SQL waits while MLflow is down.
+            "drift_check": "paused" if self.reconciler.drift_paused else "running",
+        }
+        if self.preload_failed:
+            body["preload_failed"] = dict(self.preload_failed)
+        if not self.ready:
+            return False, {"status": "starting", **body}
+        if self.preloading:
+            return False, {"status": "preloading", "waiting_for": sorted(self.preloading), **body}
+        database = states["database"]
+        if not (database.up or database.fresh(self.settings.registry.database_grace)):
+            return False, {"status": "registry database unavailable", **body}
+        models = len(self.catalog.snapshot.models)
+        return True, {"status": "ready", "models": models, **body}
 
     async def stop(self) -> None:
         self.ready = False
@@ -144,6 +197,8 @@ class Hub:
         await self.traffic.stop()
         await self.reconciler.stop()
         await self.manager.close()
+        await self.dependencies.stop()
+        self.control.close()
         self.db.dispose()
 
     def _register_configured_models(self) -> None:
@@ -165,16 +220,23 @@ class Hub:
             if is_builtin(source):
                 source = str(materialise_builtin(source, self.settings.demo_dir))
             log.info("registering configured model %s from %s", spec.name, spec.source)
-            self.registry.register(
-                spec.name,
-                spec.kind,
-                source,
-                aliases=spec.aliases,
-                config=spec.config,
-                description=spec.description,
-                actor="config",
-                base=spec.base,
-            )
+            try:
+                self.registry.register(
+                    spec.name,
+                    spec.kind,
+                    source,
+                    aliases=spec.aliases,
+                    config=spec.config,
+                    description=spec.description,
+                    actor="config",
+                    base=spec.base,
+                )
+            except Exception as e:
+                if dependency_down(e) is None:
+                    raise
+                # MLflow (or the database) is down: serve the models that are registered;
+                # this one is registered by the next start once it answers.
+                log.error("cannot register configured model %s now: %s", spec.name, e)
 
     async def _register_webhook(self) -> None:
         reg = self.settings.registry
@@ -192,6 +254,7 @@ class Hub:
             log.warning("could not register the MLflow webhook (%s); polling only", e)
 
     async def _preload(self) -> None:
+        """Load (or pin) each configured model; readiness waits until each was attempted."""
         for spec in self.settings.models:
             if not (spec.preload or spec.pin):
                 continue
@@ -202,4 +265,7 @@ class Hub:
                 else:
                     await self.manager.load(route.name, route.version)
             except Exception as e:
+                self.preload_failed[spec.name] = str(e)
                 log.error("preloading %s failed: %s", spec.name, e)
+            finally:
+                self.preloading.discard(spec.name)

@@ -1,13 +1,17 @@
 """Alias moves with an audit trail, kept consistent between MLflow and SQL.
 
-MLflow's aliases are what is served; every move is also an `hub_alias_events` row naming the
-actor, the reason, the version before and after, and the validation result. A move runs
-inside one SQL transaction that first locks the model's row (`SELECT ... FOR UPDATE` on
-PostgreSQL; the write that opens the transaction takes SQLite's database write lock), checks
-the alias still points where the caller expects, writes the event, sets the MLflow alias and
-commits. Concurrent moves of one model are thereby serialised, and a move based on a stale
-view fails instead of overwriting a newer one. If MLflow fails the event is rolled back; if
-the commit fails after MLflow moved, the reconciler finds the drift and records it.
+MLflow's aliases are authoritative; the hub serves the audit log's record of them (the last
+event of each alias), which the reconciler keeps equal to MLflow's: a move made in MLflow
+directly is recorded as a `sync` event within a poll. Serving thus reads SQL only, and keeps
+working, with the aliases last seen, while MLflow is down. Every move is also a
+`hub_alias_events` row naming the actor, the reason, the version before and after, and the
+validation result. A move runs inside one SQL transaction that first locks the model's row
+(`SELECT ... FOR UPDATE` on PostgreSQL; the write that opens the transaction takes SQLite's
+database write lock), checks the alias still points where the caller expects, writes the
+event, sets the MLflow alias and commits. Concurrent moves of one model are thereby
+serialised, and a move based on a stale view fails instead of overwriting a newer one. If
+MLflow fails the event is rolled back; if the commit fails after MLflow moved, the
+reconciler finds the drift and records it.
 """
 
 from __future__ import annotations
@@ -237,17 +241,23 @@ class AliasBook:
 
     @staticmethod
     def _recorded(s: Session, model_id: int) -> dict[str, int]:
-        out: dict[str, int] = {}
-        rows = s.execute(
-            select(AliasEvent.alias, AliasEvent.version)
-            .where(AliasEvent.model_id == model_id, AliasEvent.action.not_in(NON_MOVES))
-            .order_by(AliasEvent.id)
-        ).all()
-        for alias, version in rows:
+        return AliasBook.recorded_by_model(s, model_id).get(model_id, {})
+
+    @staticmethod
+    def recorded_by_model(s: Session, model_id: int | None = None) -> dict[int, dict[str, int]]:
+        """{model id: {alias: version}} as the audit log has them, for one model or all."""
+        out: dict[int, dict[str, int]] = {}
+        query = select(AliasEvent.model_id, AliasEvent.alias, AliasEvent.version).where(
+            AliasEvent.action.not_in(NON_MOVES)
+        )
+        if model_id is not None:
+            query = query.where(AliasEvent.model_id == model_id)
+        for owner, alias, version in s.execute(query.order_by(AliasEvent.id)):
+            aliases = out.setdefault(owner, {})
             if version is None:
-                out.pop(alias, None)
+                aliases.pop(alias, None)
             else:
-                out[alias] = version
+                aliases[alias] = version
         return out
 
     def rollback_target(self, name: str, alias: str = "production") -> tuple[int, int]:

@@ -13,6 +13,7 @@ writers itself.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
@@ -52,16 +53,28 @@ def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
 
 
 class Database:
-    """One engine and session factory per database URL; sessions commit or roll back whole."""
+    """One engine and session factory per database URL; sessions commit or roll back whole.
 
-    def __init__(self, url: str) -> None:
+    With `timeout` (seconds), a PostgreSQL connection attempt, a wait for a pooled
+    connection and each statement are bounded by it, so a database that stopped answering
+    fails a call with SQLAlchemy's OperationalError instead of holding its thread
+    (advisory-lock waits are exempt: see `advisory_lock`)."""
+
+    def __init__(self, url: str, *, timeout: float | None = None) -> None:
         self.url = url
         path = sqlite_path(url)
         kwargs: dict[str, Any] = {"pool_pre_ping": True}
-        if make_url(url).get_backend_name() == "sqlite":
+        backend = make_url(url).get_backend_name()
+        if backend == "sqlite":
             if path is not None:
                 path.parent.mkdir(parents=True, exist_ok=True)
             kwargs["connect_args"] = {"check_same_thread": False, "timeout": 30}
+        elif backend == "postgresql" and timeout is not None:
+            kwargs["pool_timeout"] = timeout
+            kwargs["connect_args"] = {
+                "connect_timeout": max(1, math.ceil(timeout)),
+                "options": f"-c statement_timeout={round(timeout * 1000)}",
+            }
         self.engine: Engine = create_engine(url, **kwargs)
         if self.is_sqlite:
             event.listen(self.engine, "connect", _sqlite_pragmas)
@@ -101,7 +114,13 @@ def advisory_lock(engine: Engine, key: int, what: str) -> Iterator[None]:
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         if not conn.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": key}).scalar():
             log.info("another process is %s; waiting for it to finish", what)
-            conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": key})
+            # Waiting for the lock lasts as long as the holder's work (a registration that
+            # uploads models): the statement timeout of Database(timeout=) does not apply.
+            conn.execute(text("SET statement_timeout = 0"))
+            try:
+                conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": key})
+            finally:
+                conn.execute(text("RESET statement_timeout"))
         try:
             yield
         finally:

@@ -33,3 +33,13 @@ class IntegrityError(RegistryError):
 
 class InvalidTrafficError(RegistryError):
     """A traffic policy or canary that cannot be served (weights, versions, kinds, steps)."""
+
+
+class DependencyUnavailable(RegistryError):
+    """The database or MLflow did not answer (down, unreachable, or too slow): nothing is
+    wrong with the request or the model, and retrying once the dependency is back works.
+    `dependency` names it ("database" or "mlflow")."""
+
+    def __init__(self, message: str, *, dependency: str = "registry") -> None:
+        super().__init__(message)
+        self.dependency = dependency

@@ -1,13 +1,22 @@
 """The MLflow side of the registry: artifacts, model versions and aliases.
 
 Embedded by default (a SQLite tracking store with a local artifact folder); an MLflow server
-when the tracking URI is http(s). Nothing here touches the process-global MLflow state, so
-several stores (tests, replicas) can live in one process.
+when the tracking URI is http(s). Nothing here touches the process-global MLflow state (the
+tracking URI, the active run), so several stores (tests, replicas) can live in one process;
+the one exception is the HTTP limits below.
+
+MLflow's HTTP client reads its timeout and retry policy from `MLFLOW_HTTP_REQUEST_*`
+variables at every call, with defaults (120 s, 7 retries with exponential backoff) that held
+each call for minutes when the server was down. A store given `HttpLimits` (the hub passes
+its `registry.mlflow_*` settings) writes them there before its first call: process-wide, the
+only place MLflow takes them from.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,10 +52,33 @@ class HubRun:
     start_ms: int
 
 
+@dataclass(frozen=True)
+class HttpLimits:
+    """How long one MLflow HTTP request may wait (to connect, then per read) and how many
+    times a failed one is retried (at most ~1 s apart)."""
+
+    timeout_s: float = 10.0
+    max_retries: int = 1
+
+    def apply(self) -> None:
+        # MLflow parses these as integers.
+        os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] = str(max(1, math.ceil(self.timeout_s)))
+        os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = str(self.max_retries)
+        os.environ["MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR"] = "1"
+        os.environ["MLFLOW_HTTP_REQUEST_BACKOFF_JITTER"] = "0.5"
+
+
 class MlflowStore:
-    def __init__(self, tracking_uri: str, artifact_location: str | None = None) -> None:
+    def __init__(
+        self,
+        tracking_uri: str,
+        artifact_location: str | None = None,
+        *,
+        limits: HttpLimits | None = None,
+    ) -> None:
         self.tracking_uri = tracking_uri
         self.artifact_location = artifact_location or default_artifact_location(tracking_uri)
+        self.limits = limits
         self._client: Any = None
         self._experiment_id: str | None = None
         self._lock = threading.Lock()
@@ -58,6 +90,8 @@ class MlflowStore:
             if self._client is None:
                 from mlflow import MlflowClient
 
+                if self.limits is not None:
+                    self.limits.apply()
                 path = sqlite_path(self.tracking_uri)
                 if path is not None:
                     path.parent.mkdir(parents=True, exist_ok=True)
@@ -111,6 +145,8 @@ class MlflowStore:
     def download(self, artifact_uri: str, dst: Path) -> Path:
         from mlflow.artifacts import download_artifacts
 
+        if self.limits is not None:
+            self.limits.apply()
         return Path(
             download_artifacts(
                 artifact_uri=artifact_uri, dst_path=str(dst), tracking_uri=self.tracking_uri

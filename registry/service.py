@@ -135,12 +135,6 @@ class Registry:
         self.canaries = CanaryBook(db, self.traffic)
         self.fetcher = SourceFetcher(mlflow, cache.cache_dir / ".staging", hf_cache_dir)
 
-    # ---- health -------------------------------------------------------------------------
-    def ping(self) -> None:
-        """Raise unless both SQL (migrated) and MLflow answer."""
-        self.db.ping()
-        self.mlflow.ping()
-
     # ---- writes -------------------------------------------------------------------------
     def register(
         self,
@@ -320,13 +314,15 @@ class Registry:
 
     # ---- reads --------------------------------------------------------------------------
     def snapshot(self) -> RegistrySnapshot:
-        aliases = self.mlflow.all_aliases()
+        """Everything served, from SQL alone (aliases as the audit log records them; see
+        registry.aliases): it never waits for MLflow."""
         with self.db.session() as s:
             rows = s.scalars(
                 select(RegisteredModel).options(selectinload(RegisteredModel.versions))
             ).all()
+            aliases = AliasBook.recorded_by_model(s)
             return RegistrySnapshot(
-                models={m.name: _model_view(m, aliases.get(m.name, {})) for m in rows},
+                models={m.name: _model_view(m, aliases.get(m.id, {})) for m in rows},
                 traffic=self.traffic.policies(s),
             )
 
@@ -335,9 +331,10 @@ class Registry:
         return [snap.models[n] for n in snap.names()]
 
     def get_model(self, name: str) -> ModelView:
+        """One model from SQL alone (as `snapshot`)."""
         with self.db.session() as s:
             model = self._model_row(s, name)
-            return _model_view(model, self.mlflow.aliases(name))
+            return _model_view(model, AliasBook.recorded_by_model(s, model.id).get(model.id, {}))
 
     def get_version(self, name: str, version: int) -> VersionView:
         model = self.get_model(name)

@@ -25,12 +25,14 @@ from backends.errors import (
 )
 from hub.api.serving import VERSION_HEADER
 from hub.errors import HubError
-from hub.outcome import CLIENT_CLOSED, UNKNOWN, mapped_classes, status_of
+from hub.outcome import CLIENT_CLOSED, DEPENDENCY_DOWN, UNKNOWN, mapped_classes, status_of
 from registry.errors import InvalidConfigError
+from registry.outage import OUTAGE_CLASSES, as_unavailable
 
 # Seconds a client should wait before retrying, by error.
 LOAD_RETRY_AFTER = 5
 CLOSED_RETRY_AFTER = 1
+DEPENDENCY_RETRY_AFTER = 5
 
 
 class ErrorDetail(BaseModel):
@@ -53,7 +55,8 @@ _MEANING = {
     404: "no such model, version, alias or resource",
     409: "conflicts with the current state",
     413: "the request body is over the hub's limit",
-    503: "no capacity now, or the model is loading or failed to load (see Retry-After)",
+    503: "no capacity now, the model is loading or failed to load, or the registry's "
+    "database or MLflow is unreachable (see Retry-After)",
 }
 
 
@@ -80,6 +83,11 @@ def _validation_message(e: RequestValidationError) -> tuple[str, str | None]:
 def _details(e: Exception) -> tuple[str, str | None, dict[str, str]]:
     """The message, the parameter at fault and the headers of the answer to `e`."""
     headers: dict[str, str] = {}
+    if status_of(e) is DEPENDENCY_DOWN:
+        headers["Retry-After"] = str(DEPENDENCY_RETRY_AFTER)
+        # A library's own error (SQLAlchemy, requests) is reworded: its text names hosts.
+        outage = as_unavailable(e, "the registry could not be reached")
+        return str(outage or e), None, headers
     if isinstance(e, HubError):
         return e.message, e.param, dict(e.headers)
     if isinstance(e, RequestValidationError):
@@ -120,6 +128,8 @@ async def error_response(_: Request, e: Exception) -> Response:
 
 def install_error_handlers(app: FastAPI) -> None:
     """Answer every exception the table maps, and any other one as a 500, in one shape."""
-    for cls in (*mapped_classes(), Exception):
+    # The database's and MLflow's own outage errors have handlers of their own: a handler
+    # for `Exception` alone answers but re-raises (Starlette's server-error path).
+    for cls in (*mapped_classes(), *OUTAGE_CLASSES, Exception):
         if issubclass(cls, Exception):  # CancelledError never reaches a handler
             app.add_exception_handler(cls, error_response)

@@ -1,9 +1,11 @@
-"""Probes and metrics: liveness, readiness (migrated and the registry answers), Prometheus,
-and `GET /health` for clients that probe a server before using it (guidellm, TGI's clients)."""
+"""Probes and metrics: liveness, readiness ("this replica can serve"), Prometheus, and
+`GET /health` for clients that probe a server before using it (guidellm, TGI's clients).
+
+No probe calls a dependency: readiness reads the state the background checks keep
+(hub.dependencies), so a probe answers at once and never leaves a thread behind, whatever
+the database or MLflow are doing."""
 
 from __future__ import annotations
-
-import asyncio
 
 from fastapi import APIRouter, Response
 from fastapi.responses import JSONResponse
@@ -21,22 +23,21 @@ async def live() -> dict[str, str]:
 
 @router.get("/health")
 async def health(hub: HubDep) -> dict[str, str | bool]:
-    """200 whenever the process answers, as /health/live; `ready` says whether it has
-    finished starting (/health/ready also checks the registry)."""
-    return {"status": "ok", "ready": hub.ready}
+    """200 whenever the process answers, as /health/live; `ready` is /health/ready's verdict."""
+    ready, _ = hub.readiness()
+    return {"status": "ok", "ready": ready}
 
 
 @router.get("/health/ready")
 async def ready(hub: HubDep) -> JSONResponse:
-    if not hub.ready:
-        return JSONResponse({"status": "starting"}, 503, headers={"Retry-After": "2"})
-    try:
-        await asyncio.wait_for(hub.control.ping(), timeout=5)
-    except Exception as e:
-        return JSONResponse(
-            {"status": "registry unavailable", "reason": str(e)}, 503, headers={"Retry-After": "5"}
-        )
-    return JSONResponse({"status": "ready", "models": len(hub.catalog.snapshot.models)})
+    """200 when this replica can serve: started, configured preloads attempted, and the
+    registry database answered recently (`registry.database_grace`); else 503 with the
+    reason in `status`. `dependencies` reports the database and MLflow either way: MLflow
+    down does not make a replica unready (it serves from SQL and its local cache)."""
+    ok, body = hub.readiness()
+    if ok:
+        return JSONResponse(body)
+    return JSONResponse(body, 503, headers={"Retry-After": "2"})
 
 
 @router.get("/metrics")

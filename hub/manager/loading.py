@@ -6,8 +6,9 @@ the planner for that many bytes and waits until they are charged to it on a devi
 waiters' own timeouts bound the wait), loads or restores in a worker thread while measuring,
 and settles the ledger to the larger of prediction and measurement, waiting for more room if
 the model came out larger than predicted. Outcomes: LOADED; back to WARM/UNLOADED with the
-reason when no room could be made (no backoff: not the model's fault); FAILED with a backoff
-otherwise. One load per model: every waiter awaits the same task.
+reason when no room could be made, or when the registry's database or MLflow did not answer
+(no backoff: not the model's fault, and the next request after the dependency is back loads
+it); FAILED with a backoff otherwise. One load per model: every waiter awaits the same task.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from hub.manager.residency import ModelState
 from hub.manager.state import Entry
 from hub.metrics import HubMetrics
 from hub.settings import ManagerSettings, ModelSpec
+from registry.outage import as_unavailable
 
 if TYPE_CHECKING:
     from backends.base import Backend
@@ -155,6 +157,9 @@ class Loads:
             entry.device = None
             raise
         except Exception as e:
+            outage = as_unavailable(e, f"loading {entry.key}")
+            if outage is not None:
+                return self._dependency_down(entry, outage.dependency, str(outage), warm)
             return await self._failed(entry, e, source)
         entry.backend = backend
         entry.measured_bytes = measured
@@ -330,16 +335,29 @@ class Loads:
 
     def _refused(self, entry: Entry, e: NoRoom, warm: bool) -> Unavailable:
         """No room now: not the model's fault, so no backoff; a warm copy stays parked."""
+        self._set_back(entry, e.message, "no_room", warm)
+        return Unavailable(e.message, retry_after=self._settings.retry_after, code=e.code)
+
+    def _dependency_down(
+        self, entry: Entry, dependency: str, message: str, warm: bool
+    ) -> Unavailable:
+        """The registry's database or MLflow did not answer: not the model's fault, so no
+        backoff; the first request after the dependency is back loads it."""
+        self._set_back(entry, message, "dependency_down", warm)
+        return Unavailable(
+            message, retry_after=self._settings.retry_after, code=f"{dependency}_unavailable"
+        )
+
+    def _set_back(self, entry: Entry, message: str, outcome: str, warm: bool) -> None:
+        """Back to where the load started (a warm copy stays parked), with the reason."""
         self._planner.ledger.release(entry.key)
         self._planner.host_tier.unhold(entry.key)
         entry.device = None
         parked = warm and entry.backend is not None
         entry.move(ModelState.WARM if parked else ModelState.UNLOADED)
-        entry.error = e.message
-        outcome = ("no_room", "warm" if warm else "cold")
-        self._metrics.loads.labels(*labels(entry), *outcome).inc()
-        log.warning("%s", e.message)
-        return Unavailable(e.message, retry_after=self._settings.retry_after, code=e.code)
+        entry.error = message
+        self._metrics.loads.labels(*labels(entry), outcome, "warm" if warm else "cold").inc()
+        log.warning("%s", message)
 
     async def _failed(self, entry: Entry, e: Exception, source: str) -> Unavailable:
         self._planner.ledger.release(entry.key)

@@ -11,6 +11,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -45,9 +46,49 @@ def _as_postgres(cmd: list[str]) -> list[str]:
     return [runuser, "-u", "postgres", "--", *cmd]
 
 
+@dataclass
+class PostgresServer:
+    """A throwaway cluster that can be stopped (`-m immediate`: a crash, no goodbye) and
+    started again on the same port and data: a database outage, then recovery."""
+
+    bin_dir: Path
+    root: Path
+    port: int
+    urls: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "LC_ALL": "C"}
+
+    def start(self) -> None:
+        sock, data = self.root / "sock", self.root / "data"
+        subprocess.run(
+            _as_postgres([str(self.bin_dir / "pg_ctl"), "-D", str(data), "-w", "-l",
+                          str(self.root / "log"), "-o",
+                          f"-p {self.port} -k {sock} -c listen_addresses=127.0.0.1 -c fsync=off",
+                          "start"]),
+            check=True, capture_output=True, env=self.env, timeout=120,
+        )  # fmt: skip
+
+    def stop(self) -> None:
+        subprocess.run(
+            _as_postgres([str(self.bin_dir / "pg_ctl"), "-D", str(self.root / "data"), "-m",
+                          "immediate", "stop"]),
+            capture_output=True, env=self.env, timeout=60,
+        )  # fmt: skip
+
+
 @contextlib.contextmanager
 def throwaway_postgres(dbnames: tuple[str, ...] = ("hub",)) -> Iterator[dict[str, str]]:
     """Yield {dbname: SQLAlchemy URL} for a fresh cluster; everything is deleted afterwards."""
+    with postgres_server(dbnames) as server:
+        yield server.urls
+
+
+@contextlib.contextmanager
+def postgres_server(dbnames: tuple[str, ...] = ("hub",)) -> Iterator[PostgresServer]:
+    """A fresh cluster with `dbnames` created (`urls`: {dbname: SQLAlchemy URL}), which the
+    test may stop and start; everything is deleted afterwards."""
     bin_dir = _pg_bin()
     if bin_dir is None:
         pytest.skip("PostgreSQL server binaries (initdb, pg_ctl) are not installed")
@@ -61,27 +102,21 @@ def throwaway_postgres(dbnames: tuple[str, ...] = ("hub",)) -> Iterator[dict[str
         except (LookupError, PermissionError) as e:
             shutil.rmtree(root, ignore_errors=True)
             pytest.skip(f"running as root without a usable `postgres` user: {e}")
-    port = free_port()
-    env = {**os.environ, "LC_ALL": "C"}
+    server = PostgresServer(bin_dir, root, free_port())
     try:
         subprocess.run(
             _as_postgres([str(bin_dir / "initdb"), "-D", str(data), "-U", "postgres",
                           "--auth=trust", "-E", "UTF8"]),
-            check=True, capture_output=True, env=env, timeout=120,
+            check=True, capture_output=True, env=server.env, timeout=120,
         )  # fmt: skip
-        subprocess.run(
-            _as_postgres([str(bin_dir / "pg_ctl"), "-D", str(data), "-w", "-l",
-                          str(root / "log"), "-o",
-                          f"-p {port} -k {sock} -c listen_addresses=127.0.0.1 -c fsync=off",
-                          "start"]),
-            check=True, capture_output=True, env=env, timeout=120,
-        )  # fmt: skip
+        server.start()
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
         out = getattr(e, "stderr", b"") or b""
         shutil.rmtree(root, ignore_errors=True)
         pytest.skip(
             f"could not start a throwaway PostgreSQL: {out.decode(errors='replace')[-300:]}"
         )
+    port = server.port
     try:
         import psycopg
 
@@ -99,10 +134,10 @@ def throwaway_postgres(dbnames: tuple[str, ...] = ("hub",)) -> Iterator[dict[str
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)
-        yield {name: f"postgresql+psycopg://postgres@127.0.0.1:{port}/{name}" for name in dbnames}
+        server.urls.update(
+            {name: f"postgresql+psycopg://postgres@127.0.0.1:{port}/{name}" for name in dbnames}
+        )
+        yield server
     finally:
-        subprocess.run(
-            _as_postgres([str(bin_dir / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"]),
-            capture_output=True, env=env, timeout=60,
-        )  # fmt: skip
+        server.stop()
         shutil.rmtree(root, ignore_errors=True)
