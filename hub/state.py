@@ -12,6 +12,7 @@ from hub.control import Control, build_registry
 from hub.demo import is_builtin, materialise_builtin
 from hub.manager import Device, ModelManager, VersionLoader
 from hub.metrics import HubMetrics
+from hub.placement.service import Placement
 from hub.promotion import Promoter
 from hub.reconciler import Reconciler
 from hub.replicas import Membership
@@ -51,6 +52,7 @@ class Hub:
     traffic: TrafficService
     serving: Serving
     replicas: Membership
+    placement: Placement
     ready: bool = False
     background: list[asyncio.Task[None]] = field(default_factory=list)
 
@@ -99,6 +101,7 @@ class Hub:
             metrics.registry,
             require_staging=reg.require_staging,
         )
+        replicas = Membership.for_hub(settings, manager, metrics.registry)
         return cls(
             settings=settings,
             db=db,
@@ -114,7 +117,8 @@ class Hub:
             webhooks=WebhookVerifier(secret) if secret else None,
             traffic=traffic,
             serving=Serving(manager, traffic, metrics),
-            replicas=Membership.for_hub(settings, manager, metrics.registry),
+            replicas=replicas,
+            placement=Placement.for_hub(settings, replicas, manager, catalog, metrics.registry),
         )
 
     async def start(self) -> None:
@@ -141,6 +145,7 @@ class Hub:
         await asyncio.gather(*self.background, return_exceptions=True)
         await self.traffic.stop()
         await self.reconciler.stop()
+        await self.placement.close()
         await self.manager.close()
         self.db.dispose()
 
