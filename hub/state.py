@@ -132,6 +132,7 @@ class Hub:
         await self.traffic.start()
         self.manager.start()
         await self.replicas.start()
+        self.placement.start()
         self.ready = True
         preload = [m for m in self.settings.models if m.preload or m.pin]
         if preload:

@@ -17,10 +17,13 @@ cannot be read (not JSON, no `model`) is left to the route, which answers its 40
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
 import re
+from collections.abc import Awaitable
 from typing import Any
 
 from starlette.datastructures import Headers
@@ -83,21 +86,55 @@ class PlacementMiddleware:
         except Exception as e:  # over the body limit, client gone: the route reports it
             await self.app(scope, _raising(e), send)
             return
-        receive = _replay(body, receive)
+        replayed = _replay(body, receive)
         route = _route(scope, headers, body, router)
         if route is None:
-            await self.app(scope, receive, send)
+            await self.app(scope, replayed, send)
             return
         scope[DECIDED_ROUTE] = route
         decision = placement.decide(route)
+        if decision.loads and await placement.refresh():
+            decision = placement.decide(route)
+        placement.metrics.decisions.labels(decision.reason).inc()
+        if decision.here and decision.loads:
+            placement.announce_soon()
         if not decision.here:
             try:
-                if await placement.forward(decision, route, scope, body, send):
+                forwarding = placement.forward(decision, route, scope, body, send)
+                # Watching the connection itself: the body stays in `replayed` for the
+                # route, should every peer be unreachable.
+                if await _unless_client_leaves(forwarding, receive):
                     return
             except HubError as e:
                 await _answer_error(send, e)
                 return
-        await self.app(scope, receive, send)
+        await self.app(scope, replayed, send)
+
+
+async def _unless_client_leaves(forwarding: Awaitable[bool], receive: Receive) -> bool:
+    """Await the forward; if the client disconnects first, cancel it (closing the connection
+    to the peer, which then stops the request's work as for any client that leaves) and
+    return True: nobody is left to answer."""
+    forward = asyncio.ensure_future(forwarding)
+    left = asyncio.ensure_future(_disconnected(receive))
+    try:
+        await asyncio.wait({forward, left}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this request cancelled (shutdown): the forward goes with it
+        forward.cancel()
+        raise
+    finally:
+        left.cancel()
+    if forward.done():
+        return forward.result()
+    forward.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await forward
+    return True
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 def _is_inference(path: str) -> bool:

@@ -10,13 +10,16 @@ The rules, in order (KServe ModelMesh's idea: send a request where its model alr
    loading: the load is under way) with capacity, this one included, the one with the
    smallest id serves (a loaded copy before one still loading). Every replica agrees on
    that choice without talking, so when a race left two copies, one stops getting traffic
-   and is the first its replica evicts (LRU-like policies), instead of both staying hot
-   and crowding out a third model.
-2. **Warm somewhere** (weights parked in host memory: a restore, not a cold load). Held warm
-   here: serve here; else the warm peer with the smallest id and capacity.
-3. **Nowhere.** Load here when it fits without evicting (or its size is unknown); else
-   forward to the peer with the most free room where it fits without evicting (it loads
-   it); else load here, evicting.
+   (and rule 3 reclaims it), instead of both staying hot and crowding out a third model.
+2. **Warm where it fits** (weights parked in host memory: a restore, not a cold load):
+   here if held warm here with room for it; else the warm peer with room (smallest id).
+3. **Room somewhere.** Load here when it fits without evicting (or its size is unknown);
+   else forward to the peer with the most room where it fits (it loads it). Room is free
+   memory plus spare copies: models a replica holds that rule 1 serves at another replica.
+   A warm copy on a full replica does not count: restoring it there would evict a model
+   in use and start a cascade, while a replica with room holds one more model for good.
+4. **No room anywhere.** Something is evicted: restore the warm copy (here, else at the
+   warm peer), else load here.
 
 A peer has capacity when its queue depth (requests in flight plus waiting for a load) is
 under `max_queue_depth`. The peers after the first in `peers` are fall-backs for when the
@@ -25,9 +28,11 @@ first refuses the connection (it just died); after them the request is served he
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
+
+K = TypeVar("K")  # whatever names a model version
 
 # A version's state on a replica, as heartbeats and the manager's status name it.
 RESIDENT_STATES = frozenset({"loaded", "loading"})
@@ -36,24 +41,31 @@ WARM_STATES = frozenset({"warm"})
 Reason = Literal[
     "resident_here",  # rule 1, this replica
     "resident_peer",  # rule 1, a peer
-    "warm_here",  # rule 2
-    "warm_peer",
+    "warm_here",  # rule 2 (or 4: restored here, evicting)
+    "warm_peer",  # rule 2 (or 4)
     "fits_here",  # rule 3: load here, nothing evicted
     "room_peer",  # rule 3: a peer loads it without evicting
-    "evict_here",  # rule 3: nobody has room; load here, evicting
+    "evict_here",  # rule 4: nobody has room or a warm copy; load here, evicting
 ]
 
 
 @dataclass(frozen=True)
 class Replica:
     """One replica as placement sees it: what state the requested version is in there
-    (None: not held), its largest free room on one device, and its queue depth."""
+    (None: not held), its largest free room on one device, its spare bytes (copies of other
+    models that another replica serves instead, see `spare_copies`), and its queue depth."""
 
     id: str
     state: str | None
     free_bytes: int
     queue_depth: int = 0
     address: str = ""
+    spare_bytes: int = 0
+
+    @property
+    def room(self) -> int:
+        """What a load may take here without evicting a model in use."""
+        return self.free_bytes + self.spare_bytes
 
 
 @dataclass(frozen=True)
@@ -77,6 +89,11 @@ class Decision:
     def here(self) -> bool:
         return not self.peers
 
+    @property
+    def loads(self) -> bool:
+        """Whether it starts a load or a restore somewhere (no copy is resident yet)."""
+        return self.reason not in ("resident_here", "resident_peer")
+
 
 def decide(
     here: Replica,
@@ -96,19 +113,41 @@ def decide(
     if resident:
         return Decision(_fallbacks(resident, able), "resident_peer", avoids_load=True)
 
+    # Rule 2: a warm copy is restored where that evicts nothing.
+    def fits(replica: Replica) -> bool:
+        return size_bytes is None or replica.room >= size_bytes
+
+    warm = sorted((p for p in able if p.state in WARM_STATES), key=_by_id)
+    if here.state in WARM_STATES and fits(here):
+        return Decision((), "warm_here")
+    warm_with_room = [p for p in warm if fits(p)]
+    if warm_with_room:
+        return Decision(_fallbacks(warm_with_room, able), "warm_peer", avoids_load=True)
+
+    # Rule 3: a load (or a restore) that evicts nothing, here first.
+    if fits(here):
+        return Decision((), "fits_here")
+    roomy = sorted((p for p in able if fits(p)), key=lambda p: (-p.room, p.id))
+    if roomy:
+        return Decision(tuple(roomy), "room_peer")
+    # Nobody has room: something is evicted; a warm copy at least spares the cold load.
     if here.state in WARM_STATES:
         return Decision((), "warm_here")
-    warm = [p for p in able if p.state in WARM_STATES]
     if warm:
-        return Decision(_fallbacks(sorted(warm, key=_by_id), able), "warm_peer", avoids_load=True)
-
-    if size_bytes is None or here.free_bytes >= size_bytes:
-        return Decision((), "fits_here")
-    roomy = [p for p in able if p.free_bytes >= size_bytes]
-    if roomy:
-        roomy.sort(key=lambda p: (-p.free_bytes, p.id))
-        return Decision(tuple(roomy), "room_peer")
+        return Decision(_fallbacks(warm, able), "warm_peer", avoids_load=True)
     return Decision((), "evict_here")
+
+
+def spare_copies(holders: Mapping[K, Sequence[str]]) -> dict[str, list[K]]:
+    """{replica id: the models it holds that rule 1 serves elsewhere}, from {model: ids of
+    the replicas holding it loaded}: every copy but the one with the smallest id. Such a copy
+    gets no traffic, so evicting it costs nothing; counting its bytes as room lets a load go
+    there instead of evicting a model in use somewhere (a race's duplicate gets reclaimed)."""
+    spare: dict[str, list[K]] = {}
+    for model, ids in holders.items():
+        for replica_id in sorted(ids)[1:]:
+            spare.setdefault(replica_id, []).append(model)
+    return spare
 
 
 def _by_id(replica: Replica) -> str:

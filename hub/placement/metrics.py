@@ -23,6 +23,11 @@ class PlacementMetrics:
             ["peer", "outcome"],
             registry=registry,
         )
+        self.copies_released = Counter(
+            "hub_placement_copies_released_total",
+            "Idle copies of models that a peer serves, moved off this replica's devices",
+            registry=registry,
+        )
         self.loads_avoided = Counter(
             "hub_placement_loads_avoided_total",
             "Requests served by a peer already holding the model that this replica would "

@@ -10,6 +10,8 @@ elsewhere at once rather than after its row expires.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -19,7 +21,7 @@ from prometheus_client import CollectorRegistry
 from starlette.types import Scope, Send
 
 from hub.catalog import Catalog
-from hub.manager import ModelManager
+from hub.manager import ModelManager, ModelStatus
 from hub.placement.decision import (
     RESIDENT_STATES,
     WARM_STATES,
@@ -27,6 +29,7 @@ from hub.placement.decision import (
     PlacementPolicy,
     Replica,
     decide,
+    spare_copies,
 )
 from hub.placement.forwarding import ForwardBroken, Forwarder, PeerTimeout, PeerUnreachable
 from hub.placement.metrics import PlacementMetrics
@@ -36,6 +39,14 @@ from hub.settings import HubSettings, ReplicaSettings
 from registry.replicas import ReplicaView
 
 log = logging.getLogger(__name__)
+
+# A decision that starts a load re-reads the peers' rows first when the view is older than
+# this (what the peers hold changes fastest while models move), waiting for the database
+# at most REFRESH_TIMEOUT (then it decides on the view it has).
+REFRESH_AFTER = 0.05
+REFRESH_TIMEOUT = 0.25
+# After this replica starts a load, its peers hear of it this soon, not a heartbeat later.
+ANNOUNCE_AFTER = 0.1
 
 
 class Placement:
@@ -67,6 +78,8 @@ class Placement:
         self._clock = clock
         # peer id -> clock time until which it is left out (it refused a connection).
         self._suspects: dict[str, float] = {}
+        self._reclaimer: asyncio.Task[None] | None = None
+        self._announcing: set[asyncio.Task[None]] = set()
 
     @classmethod
     def for_hub(
@@ -88,8 +101,55 @@ class Placement:
             overhead_bytes=settings.manager.load_overhead_bytes,
         )
 
+    def start(self) -> None:
+        """Start giving back spare copies (see `release_spare_copies`) every heartbeat."""
+        if self.settings.placement and self._reclaimer is None:
+            self._reclaimer = asyncio.create_task(self._reclaim(), name="placement-reclaim")
+
     async def close(self) -> None:
+        for task in self._announcing:
+            task.cancel()
+        if self._reclaimer is not None:
+            self._reclaimer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reclaimer
+            self._reclaimer = None
         await self.forwarder.close()
+
+    async def _reclaim(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.heartbeat_interval)
+            try:
+                self.release_spare_copies()
+            except Exception:  # a bug: say so, keep serving
+                log.exception("could not give back spare model copies")
+
+    def release_spare_copies(self) -> list[tuple[str, int]]:
+        """Move off this replica's devices the idle copies that rule 1 serves at a peer (a
+        live peer with a smaller id holds it loaded) and that got no request for two
+        heartbeats (the peers have seen the other copy by then). A copy left by a race
+        would otherwise hold a slot that a model without any copy needs, and each load of
+        that model would evict a model in use: a cascade that never settles."""
+        if not self.active:
+            return []
+        quiet_for = 2 * self.settings.heartbeat_interval
+        served_before_me: set[tuple[str, int]] = set()
+        for row in self._live_peers():
+            if row.id < self.id:
+                served_before_me.update(
+                    (m["name"], m["version"]) for m in row.models if m.get("state") == "loaded"
+                )
+        released = []
+        for m in self.manager.status():
+            key = (m.name, m.version)
+            spare = key in served_before_me and m.state == "loaded"
+            if not spare or m.last_used_s_ago <= quiet_for:
+                continue
+            if self.manager.release_copy(m.name, m.version, reason="placement"):
+                log.info("%s@%d is served by a peer; its copy here is given back", *key)
+                self.metrics.copies_released.inc()
+                released.append(key)
+        return released
 
     @property
     def id(self) -> str:
@@ -102,20 +162,44 @@ class Placement:
     # ---- decision ---------------------------------------------------------------------------
     def decide(self, route: Route) -> Decision:
         key = (route.name, route.version)
-        status = {(m.name, m.version): m for m in self.manager.status()}
-        mine = status.get(key)
+        models = self.manager.status()
+        mine = next((m for m in models if (m.name, m.version) == key), None)
+        rows = self._live_peers()
+        spare = self._spare_bytes(key, models, rows)
         here = Replica(
             id=self.id,
             state=mine.state if mine is not None else None,
             free_bytes=max((d.free_bytes for d in self.manager.device_status()), default=0),
+            spare_bytes=spare.get(self.id, 0),
         )
-        rows = self._live_peers()
-        peers = [_replica(row, key) for row in rows]
+        peers = [_replica(row, key, spare.get(row.id, 0)) for row in rows]
         size = self._size(key, mine.predicted_bytes if mine else 0,
                           mine.measured_bytes if mine else 0, rows)  # fmt: skip
-        decision = decide(here, peers, size, self.policy)
-        self.metrics.decisions.labels(decision.reason).inc()
-        return decision
+        return decide(here, peers, size, self.policy)
+
+    def _spare_bytes(
+        self, key: tuple[str, int], models: list[ModelStatus], rows: list[ReplicaView]
+    ) -> dict[str, int]:
+        """{replica id: bytes of its loaded, unpinned copies that rule 1 serves elsewhere}."""
+        held: dict[str, dict[tuple[str, int], int]] = {self.id: {}}
+        for m in models:
+            if m.state == "loaded" and not m.pinned:
+                held[self.id][(m.name, m.version)] = max(m.measured_bytes, m.predicted_bytes)
+        for row in rows:
+            held[row.id] = {
+                (m["name"], m["version"]): int(m.get("bytes") or 0)
+                for m in row.models
+                if m.get("state") == "loaded" and not m.get("pinned")
+            }
+        holders: dict[tuple[str, int], list[str]] = {}
+        for replica_id, copies in held.items():
+            for model in copies:
+                if model != key:
+                    holders.setdefault(model, []).append(replica_id)
+        return {
+            replica_id: sum(held[replica_id][model] for model in copies)
+            for replica_id, copies in spare_copies(holders).items()
+        }
 
     def _live_peers(self) -> list[ReplicaView]:
         """Peers whose heartbeat is still fresh now (the list is as old as the last beat),
@@ -151,10 +235,36 @@ class Placement:
             return None
         return version.total_bytes + self.overhead_bytes
 
+    async def refresh(self) -> bool:
+        """Write this replica's row and read its peers' now (one heartbeat), unless the view
+        is fresher than REFRESH_AFTER; True when a new view was read. Loads are decided on
+        it: a view a heartbeat old sends two replicas to load the same model, or one to
+        restore a copy its holder has just evicted, and each such load evicts a model in use."""
+        as_of = self.membership.peers_as_of
+        if as_of is not None and self._clock() - as_of < REFRESH_AFTER:
+            return False
+        try:
+            async with asyncio.timeout(REFRESH_TIMEOUT):
+                return await self.membership.beat()
+        except TimeoutError:
+            return False
+
+    def announce_soon(self) -> None:
+        """Beat shortly after a load starts here, so peers see it loading and join it."""
+
+        async def announce() -> None:
+            await asyncio.sleep(ANNOUNCE_AFTER)
+            await self.membership.beat()
+
+        task = asyncio.create_task(announce(), name="placement-announce")
+        self._announcing.add(task)
+        task.add_done_callback(self._announcing.discard)
+
     # ---- forwarding -------------------------------------------------------------------------
     async def forward(
         self, decision: Decision, route: Route, scope: Scope, body: bytes, send: Send
     ) -> bool:
+        """Try `decision.peers` in order (see the class contract)."""
         for peer in decision.peers:
             try:
                 await self.forwarder.forward(peer.address, scope, body, route, send)
@@ -181,7 +291,7 @@ def _is(model: dict[str, Any], key: tuple[str, int]) -> bool:
     return model.get("name") == key[0] and model.get("version") == key[1]
 
 
-def _replica(row: ReplicaView, key: tuple[str, int]) -> Replica:
+def _replica(row: ReplicaView, key: tuple[str, int], spare_bytes: int) -> Replica:
     state = next((m.get("state") for m in row.models if _is(m, key)), None)
     if state not in RESIDENT_STATES | WARM_STATES:
         state = None  # evicting: on its way out, not worth sending a request after
@@ -191,4 +301,5 @@ def _replica(row: ReplicaView, key: tuple[str, int]) -> Replica:
         free_bytes=max((int(d.get("free_bytes", 0)) for d in row.devices), default=0),
         queue_depth=row.queue_depth,
         address=row.address,
+        spare_bytes=spare_bytes,
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from hub.placement.decision import PlacementPolicy, Replica, decide
+from hub.placement.decision import PlacementPolicy, Replica, decide, spare_copies
 
 pytestmark = pytest.mark.pure
 
@@ -71,11 +71,28 @@ def test_a_busy_holder_is_skipped() -> None:
 
 
 def test_resident_beats_warm_and_warm_beats_a_cold_load() -> None:
-    d = decide(here("warm"), [peer("a", "warm"), peer("c", "loaded")], SIZE, POLICY)
+    d = decide(
+        here("warm", free=SIZE), [peer("a", "warm", SIZE), peer("c", "loaded")], SIZE, POLICY
+    )
     assert ids(d.peers) == ["c", "a"] and d.reason == "resident_peer"
-    assert decide(here("warm"), [peer("a", "warm")], SIZE, POLICY).reason == "warm_here"
-    d = decide(here(None, free=10 * SIZE), [peer("c", "warm"), peer("a")], SIZE, POLICY)
+    d = decide(here("warm", free=SIZE), [peer("a", "warm", free=SIZE)], SIZE, POLICY)
+    assert d.reason == "warm_here"
+    d = decide(here(None, free=10 * SIZE), [peer("c", "warm", free=SIZE), peer("a")], SIZE, POLICY)
     assert ids(d.peers) == ["c"] and d.reason == "warm_peer" and d.avoids_load
+
+
+def test_a_warm_copy_on_a_full_replica_loses_to_room_elsewhere() -> None:
+    # Restoring it where it is would evict a model in use; a replica with room takes it.
+    d = decide(here("warm", free=0), [peer("a", free=2 * SIZE)], SIZE, POLICY)
+    assert ids(d.peers) == ["a"] and d.reason == "room_peer"
+    d = decide(here(None, free=SIZE), [peer("a", "warm", free=0)], SIZE, POLICY)
+    assert d.reason == "fits_here"
+
+
+def test_no_room_anywhere_a_warm_copy_is_restored_rather_than_a_cold_load() -> None:
+    assert decide(here("warm"), [peer("a", "warm")], SIZE, POLICY).reason == "warm_here"
+    d = decide(here(None), [peer("c", "warm"), peer("a")], SIZE, POLICY)
+    assert ids(d.peers) == ["c"] and d.reason == "warm_peer"
 
 
 def test_a_warm_copy_is_the_fallback_when_the_resident_holder_is_gone() -> None:
@@ -92,6 +109,14 @@ def test_a_load_that_would_evict_here_goes_to_the_peer_with_the_most_room() -> N
     peers = [peer("a", free=2 * SIZE), peer("c", free=3 * SIZE), peer("d", free=SIZE // 2)]
     d = decide(here(None, free=SIZE // 2), peers, SIZE, POLICY)
     assert ids(d.peers) == ["c", "a"] and d.reason == "room_peer" and not d.avoids_load
+
+
+def test_a_copy_served_elsewhere_counts_as_room() -> None:
+    # b and c both hold m; rule 1 serves it at b, so c's copy is spare.
+    assert spare_copies({"m": ["c", "b"], "n": ["a"]}) == {"c": ["m"]}
+    spare = Replica("c", None, free_bytes=0, spare_bytes=SIZE, address="http://c:8000")
+    d = decide(here(None, free=0, id="a"), [peer("b"), spare], SIZE, POLICY)
+    assert ids(d.peers) == ["c"] and d.reason == "room_peer"
 
 
 def test_nobody_has_room_it_loads_here_evicting() -> None:

@@ -1,7 +1,8 @@
 """Forwarding mechanics against a real HTTP peer (uvicorn on loopback, in the test's event
 loop): a server-sent-event stream passes through chunk by chunk as the peer writes it, the
 caller's headers and body arrive with the hop headers, the peer's answer headers come back,
-and a peer that refuses the connection is reported before anything was sent."""
+a caller that leaves closes the peer's connection too, and a peer that refuses the
+connection is reported before anything was sent."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 import uvicorn
 from starlette.types import Message, Receive, Scope, Send
 
+from hub.api.placement import _unless_client_leaves
 from hub.placement.forwarding import (
     FORWARDED_BY,
     ROUTE_HEADER,
@@ -34,6 +36,7 @@ class StreamingPeer:
 
     def __init__(self) -> None:
         self.release = asyncio.Event()
+        self.client_left = asyncio.Event()
         self.seen: dict[str, Any] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -50,10 +53,16 @@ class StreamingPeer:
             (b"content-type", b"text/event-stream"), (b"x-hub-model-version", b"3"),
             (b"x-hub-replica", b"peer-1")]})  # fmt: skip
         await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
+        watcher = asyncio.create_task(self._watch(receive))
         await self.release.wait()
+        watcher.cancel()
         for chunk in (b"data: 2\n\n", b"data: [DONE]\n\n"):
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _watch(self, receive: Receive) -> None:
+        if (await receive())["type"] == "http.disconnect":
+            self.client_left.set()
 
 
 @pytest.fixture
@@ -121,6 +130,31 @@ async def test_a_stream_passes_through_as_the_peer_writes_it(
     assert parse_route_header(seen["headers"][ROUTE_HEADER.lower()]) == (
         "chat", "3", True, None, False,
     )  # fmt: skip
+
+
+async def test_a_client_leaving_a_forwarded_stream_leaves_the_peer_too(
+    peer: tuple[str, StreamingPeer],
+) -> None:
+    address, app = peer
+    forwarder = Forwarder(ReplicaSettings(), "replica-a")
+    first_event = asyncio.Event()
+
+    async def send(message: Message) -> None:
+        if message.get("body") == b"data: 1\n\n":
+            first_event.set()
+
+    async def receive() -> Message:  # the caller's connection: it leaves after one event
+        await first_event.wait()
+        return {"type": "http.disconnect"}
+
+    forwarding = forwarder.forward(address, _scope(), BODY, Route("chat", 3, "llm"), send)
+    try:
+        async with asyncio.timeout(60):  # hang guards
+            assert await _unless_client_leaves(forwarding, receive)
+            await app.client_left.wait()  # the peer saw its client (us) go
+    finally:
+        app.release.set()
+        await forwarder.close()
 
 
 async def test_a_refused_connection_is_reported_before_anything_is_sent() -> None:
