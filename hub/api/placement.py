@@ -7,8 +7,9 @@ and either forwards it or hands it on to the route with the decided version in t
 (`DECIDED_ROUTE`; `hub.api.deps.get_router` serves it, so the route does not route again).
 
 A request that a peer forwarded (`X-Hub-Forwarded-By`) is always served here, with the
-version its `X-Hub-Route` names. Every answer of this replica, whatever the path, carries
-`X-Hub-Replica: <id>`; a forwarded answer keeps the one the peer set.
+version its `X-Hub-Route` names. An admin load, unload, pin or unpin with `?replica=<id>`
+naming another live replica is sent there. Every answer of this replica, whatever the
+path, carries `X-Hub-Replica: <id>`; a forwarded answer keeps the one the peer set.
 
 With placement off, or no live peer, requests pass through untouched (one replica behaves
 as it always did). Nothing here reads a body that is not routed: a request whose model
@@ -26,17 +27,18 @@ import re
 from collections.abc import Awaitable
 from typing import Any
 
-from starlette.datastructures import Headers
+from starlette.datastructures import Headers, QueryParams
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from hub.api.bodies import ROUTE_KEY_HEADER
 from hub.api.errors import error_body
-from hub.errors import HubError
+from hub.errors import HubError, NotFound, Unavailable
 from hub.placement.forwarding import (
     DECIDED_ROUTE,
     FORWARDED_BY,
     REPLICA_HEADER,
     ROUTE_HEADER,
+    PeerUnreachable,
     parse_route_header,
 )
 from hub.placement.service import Placement
@@ -48,6 +50,7 @@ _BODY_MODEL_PATHS = frozenset(
     {"/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses",
      "/v1/rerank", "/v2/rerank", "/rerank"}
 )  # fmt: skip
+_ADMIN_MODEL = re.compile(r"/admin/models/[^/]+/versions/[^/]+/(?:load|unload|pin|unpin)")
 _PER_MODEL = re.compile(r"/models/([^/]+)/(?:versions/([^/]+)/)?(?:generate|embed|rerank)")
 
 
@@ -68,10 +71,15 @@ class PlacementMiddleware:
         placement: Placement = hub.placement
         router: Router = hub.router
         send = _tagged(send, placement.id)
+        headers = Headers(scope=scope)
+        if scope["method"] == "POST" and _ADMIN_MODEL.fullmatch(scope["path"]):
+            target = QueryParams(scope["query_string"]).get("replica")
+            if target and target != placement.id and not headers.get(FORWARDED_BY):
+                await _to_replica(placement, target, scope, receive, send)
+                return
         if scope["method"] != "POST" or not _is_inference(scope["path"]):
             await self.app(scope, receive, send)
             return
-        headers = Headers(scope=scope)
         if headers.get(FORWARDED_BY):
             route = _forwarded_route(headers.get(ROUTE_HEADER), router)
             if route is not None:
@@ -135,6 +143,26 @@ async def _unless_client_leaves(forwarding: Awaitable[bool], receive: Receive) -
 async def _disconnected(receive: Receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+async def _to_replica(
+    placement: Placement, target: str, scope: Scope, receive: Receive, send: Send
+) -> None:
+    """An admin load/unload/pin/unpin naming another replica (`?replica=<id>`), sent there."""
+    peer = placement.peer(target)
+    try:
+        if peer is None:
+            raise NotFound(
+                f"replica {target!r} is not live; GET /admin/replicas lists the live ones",
+                param="replica",
+            )
+        body = await _read_body(receive)
+        try:
+            await placement.forwarder.forward(peer.address, scope, body, None, send)
+        except PeerUnreachable as e:
+            raise Unavailable(f"replica {target!r} did not answer ({e}); retry shortly") from e
+    except HubError as e:
+        await _answer_error(send, e)
 
 
 def _is_inference(path: str) -> bool:

@@ -117,16 +117,18 @@ class Forwarder:
         await self.client.aclose()
 
     async def forward(
-        self, address: str, scope: Scope, body: bytes, route: Route, send: Send
+        self, address: str, scope: Scope, body: bytes, route: Route | None, send: Send
     ) -> int:
         """Forward the request of `scope` (its body already read) to the replica at
-        `address`; returns the peer's status."""
+        `address`, naming `route` (None: not an inference request); returns the peer's
+        status."""
         query = scope.get("query_string", b"")
         path: bytes = scope.get("raw_path") or scope["path"].encode()
         url = address + path.decode("latin-1") + (("?" + query.decode("latin-1")) if query else "")
         headers = [(k, v) for k, v in scope["headers"] if k not in _HOP and k not in _OURS]
         headers.append((FORWARDED_BY.encode(), self.replica_id.encode()))
-        headers.append((ROUTE_HEADER.encode(), route_header(route).encode()))
+        if route is not None:
+            headers.append((ROUTE_HEADER.encode(), route_header(route).encode()))
         request = self.client.build_request(scope["method"], url, headers=headers, content=body)
         try:
             response = await self.client.send(request, stream=True)

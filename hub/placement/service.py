@@ -201,6 +201,10 @@ class Placement:
             for replica_id, copies in spare_copies(holders).items()
         }
 
+    def peer(self, replica_id: str) -> ReplicaView | None:
+        """The live peer `replica_id`, as its last heartbeat shows it; None if not live."""
+        return next((row for row in self._live_peers() if row.id == replica_id), None)
+
     def _live_peers(self) -> list[ReplicaView]:
         """Peers whose heartbeat is still fresh now (the list is as old as the last beat),
         minus the suspects."""

@@ -129,3 +129,24 @@ def test_a_killed_holder_costs_no_request(cluster: Cluster) -> None:
             victim.restart()
         _wait_whole(cluster)
         _unload_everywhere(cluster)
+
+
+def test_admin_calls_name_a_replica(cluster: Cluster) -> None:
+    _wait_whole(cluster)
+    ids = replica_ids(cluster)
+    model, target = PLACEMENT_MODELS[5], ids[2]
+    path = f"/admin/models/{model}/versions/1"
+    try:
+        # Asked at replica 0, pinned on replica 2.
+        r = httpx.post(f"{cluster.bases[0]}{path}/pin", params={"replica": target}, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.headers["x-hub-replica"] == target and r.json()["pinned"]
+        held = httpx.get(f"{cluster.bases[2]}/admin/models", timeout=10).json()
+        assert any(m["name"] == model and m["pinned"] for m in held)
+        elsewhere = httpx.get(f"{cluster.bases[0]}/admin/models", timeout=10).json()
+        assert not any(m["name"] == model and m["pinned"] for m in elsewhere)
+
+        r = httpx.post(f"{cluster.bases[1]}{path}/pin", params={"replica": "nobody"}, timeout=30)
+        assert r.status_code == 404 and "GET /admin/replicas" in r.json()["error"]["message"]
+    finally:
+        httpx.post(f"{cluster.bases[1]}{path}/unload", params={"replica": target}, timeout=60)
