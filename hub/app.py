@@ -31,6 +31,7 @@ from hub.api import traffic as traffic_api
 from hub.api.edge import EdgeLimitMiddleware
 from hub.api.errors import error_responses, install_error_handlers
 from hub.api.limits import BodyLimitMiddleware
+from hub.api.placement import PlacementMiddleware
 from hub.settings import HubSettings
 from hub.state import Hub
 from hub.traffic.in_flight import InFlightMiddleware
@@ -82,6 +83,9 @@ def create_app(settings: HubSettings, *, announce: bool = False) -> FastAPI:
         lifespan=lifespan,
     )
     install_error_handlers(app)
+    # Innermost: reads bodies only after the limit below, and forwarded requests count as
+    # in flight here too (passing a stream on takes this replica's CPU).
+    app.add_middleware(PlacementMiddleware)
     app.add_middleware(InFlightMiddleware)  # shadow traffic waits for idle moments
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_body_bytes)
     # Outermost (added last): an overloaded process refuses before doing anything else.

@@ -275,6 +275,19 @@ class ReplicaSettings(_Section):
     # On SIGTERM (a pod being stopped) the hub stops accepting connections and gives the
     # requests in flight, streams included, this long to finish before it cuts them.
     drain_timeout: Seconds = Field(default=30.0, ge=0)
+    # Model-aware placement (hub/placement): a request for a model this replica does not
+    # hold goes to a live peer that holds it, and loads prefer the replica with room. false:
+    # every replica serves every request itself. With one replica nothing changes either way.
+    placement: bool = True
+    # A peer that does not accept the connection within this long is skipped (the next
+    # holder is tried, else the request is served here).
+    forward_connect_timeout: Seconds = Field(default=1.0, gt=0)
+    # The longest a forwarded request waits for the peer's answer to start, and then for
+    # each next chunk of it (a stream's tokens); past it the caller gets a 503.
+    forward_timeout: Seconds = Field(default=300.0, gt=0)
+    # A peer whose last heartbeat reported this many queued requests (in flight plus waiting
+    # for a load) takes no forwards; the request goes to the next holder or is served here.
+    forward_max_queue_depth: int = Field(default=32, ge=1)
 
     @model_validator(mode="after")
     def _expiry_after_beats(self) -> ReplicaSettings:

@@ -13,6 +13,7 @@ from hub.demo import is_builtin, materialise_builtin
 from hub.dependencies import BoundedCalls, DependencyMonitor
 from hub.manager import Device, ModelManager, VersionLoader
 from hub.metrics import HubMetrics
+from hub.placement.service import Placement
 from hub.promotion import Promoter
 from hub.reconciler import Reconciler
 from hub.replicas import Membership, replica_id
@@ -58,6 +59,7 @@ class Hub:
     serving: Serving
     replicas: Membership
     dependencies: DependencyMonitor
+    placement: Placement
     ready: bool = False
     background: list[asyncio.Task[None]] = field(default_factory=list)
     # Configured models whose preload has not finished yet, and those whose preload failed.
@@ -124,6 +126,7 @@ class Hub:
             database_url=settings.database_url,
             replica=replica_id(settings),
         )
+        replicas = Membership.for_hub(settings, manager, metrics.registry)
         return cls(
             settings=settings,
             db=db,
@@ -139,8 +142,9 @@ class Hub:
             webhooks=WebhookVerifier(secret) if secret else None,
             traffic=traffic,
             serving=Serving(manager, traffic, metrics),
-            replicas=Membership.for_hub(settings, manager, metrics.registry),
+            replicas=replicas,
             dependencies=dependencies,
+            placement=Placement.for_hub(settings, replicas, manager, catalog, metrics.registry),
         )
 
     async def start(self) -> None:
@@ -162,6 +166,7 @@ class Hub:
         await self.traffic.start()
         self.manager.start()
         await self.replicas.start()
+        self.placement.start()
         self.preloading = {m.name for m in self.settings.models if m.preload or m.pin}
         if self.preloading:
             self.background.append(asyncio.create_task(self._preload(), name="preload"))
@@ -196,6 +201,7 @@ class Hub:
         await asyncio.gather(*self.background, return_exceptions=True)
         await self.traffic.stop()
         await self.reconciler.stop()
+        await self.placement.close()
         await self.manager.close()
         await self.dependencies.stop()
         self.control.close()

@@ -17,9 +17,10 @@ from hub.catalog import Catalog
 from hub.control import Control
 from hub.manager import ModelManager
 from hub.metrics import HubMetrics
+from hub.placement.forwarding import DECIDED_ROUTE
 from hub.promotion import Promoter
 from hub.reconciler import Reconciler
-from hub.routing import Router
+from hub.routing import DecidedRouter, Route, Router
 from hub.serving import Serving
 from hub.settings import HubSettings
 from hub.state import Hub
@@ -41,7 +42,11 @@ async def get_manager(request: Request) -> ModelManager:
 
 
 async def get_router(request: Request) -> Router:
-    return hub_of(request).router
+    """The hub's router, or one answering the version placement already decided for this
+    request (hub.placement.middleware), so that a request is routed once."""
+    router = hub_of(request).router
+    decided: Route | None = request.scope.get(DECIDED_ROUTE)
+    return router if decided is None else DecidedRouter(router, decided)
 
 
 async def get_catalog(request: Request) -> Catalog:

@@ -103,6 +103,9 @@ class Loads:
         entry.room = req
         try:
             self._evictions.pump()
+            # Victims still inside their minimum residency: the timer must wake when the
+            # first passes it, not at its next idle check (up to idle_check_interval later).
+            self._keep_alive.reaper.poke()
             return await req.granted
         except asyncio.CancelledError:
             self._planner.broker.withdraw(req)

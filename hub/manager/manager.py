@@ -277,6 +277,18 @@ class ModelManager:
         self._evictions.pump()
         return self._reports.model(entry)
 
+    def release_copy(self, name: str, version: int, *, reason: str) -> bool:
+        """Start moving an idle, unpinned, loaded model off its device now (parked warm when
+        the host tier has room); False, doing nothing, in any other state. Placement gives
+        back this way a copy that another replica serves (hub.placement)."""
+        entry = self._entries.get(ModelKey(name, version))
+        if entry is None or entry.state is not ModelState.LOADED:
+            return False
+        if entry.pinned or entry.in_flight or entry.waiting:
+            return False
+        self._evictions.start(entry, reason)
+        return True
+
     async def pin(self, name: str, version: int) -> ModelStatus:
         """Load if needed and pin: never evicted until unpinned or unloaded. A model that
         cannot fit beside the models already pinned is refused (409) with the reason."""

@@ -123,3 +123,20 @@ class Router:
         if version is None:
             raise NotFound(f"model {view.name!r} has no versions", param="model")
         return Route(view.name, version, view.kind)
+
+
+class DecidedRouter(Router):
+    """The router of one request whose version was already decided: by placement on this
+    replica, or by the replica that forwarded the request here. Routing `decided`'s public
+    name (bare, or with a reference) answers `decided`, so a request is routed exactly once
+    across replicas; anything else routes as usual."""
+
+    def __init__(self, base: Router, decided: Route) -> None:
+        self.catalog = base.catalog
+        self._tables = base._tables
+        self.decided = decided
+
+    def route(self, model: str, *, route_key: str | None = None) -> Route:
+        if model.partition("@")[0] == self.decided.public_name:
+            return self.decided
+        return super().route(model, route_key=route_key)

@@ -18,15 +18,44 @@ from tests.support.cluster import Cluster, running_cluster
 HEARTBEAT, EXPIRE = 0.5, 2.0
 CANARY_LEASE = 2.0
 
+# Placement (test_placement.py): six embedders, each charged more than any other model here,
+# on replicas whose budget holds two of them plus one small model, never three of them.
+PLACEMENT_MODELS = tuple(f"place-{i}" for i in range(6))
 
-def cluster_config(tiny_embedder_dir: Path, tiny_reranker_dir: Path) -> dict[str, Any]:
+
+def build_placement_embedder(folder: Path) -> Path:
+    from backends.tiny import build_tiny_embedder
+
+    return build_tiny_embedder(folder, hidden_size=256, num_layers=2, seed=13)
+
+
+def placement_budget(placement_embedder_dir: Path, small_model_dir: Path) -> int:
+    """Room for two placement models and one small model (emb, rerank), with the same slack
+    short of a third placement model, as the manager charges them (weights plus the
+    encoder's runtime reserve, which dominates the small ones)."""
+    from backends.embedder import EmbedderBackend
+
+    big = EmbedderBackend.predict_memory(placement_embedder_dir, {})
+    small = EmbedderBackend.predict_memory(small_model_dir, {})
+    return 2 * big + small + (big - small) // 2
+
+
+def cluster_config(
+    tiny_embedder_dir: Path, tiny_reranker_dir: Path, placement_embedder_dir: Path
+) -> dict[str, Any]:
+    placement_models = [
+        {"name": name, "kind": "embedder", "source": str(placement_embedder_dir)}
+        for name in PLACEMENT_MODELS
+    ]
+    budget = placement_budget(placement_embedder_dir, tiny_embedder_dir)
     return {
         "cache_dir": ".hub/cache",  # relative: each replica in its own folder, as pods
-        "devices": [{"name": "cpu", "memory_budget": "1GiB"}],
+        "devices": [{"name": "cpu", "memory_budget": budget}],
         "models": [
             {"name": "emb", "kind": "embedder", "source": str(tiny_embedder_dir),
              "aliases": ["production"]},
             {"name": "rerank", "kind": "reranker", "source": str(tiny_reranker_dir)},
+            *placement_models,
         ],
         "replica": {"heartbeat_interval": HEARTBEAT, "expire_after": EXPIRE},
         # test_shared_traffic.py: statistics flushed often, canaries looked at often, a dead
@@ -37,9 +66,18 @@ def cluster_config(tiny_embedder_dir: Path, tiny_reranker_dir: Path) -> dict[str
 
 
 @pytest.fixture(scope="package")
+def placement_embedder_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_placement_embedder(tmp_path_factory.mktemp("placement") / "embedder")
+
+
+@pytest.fixture(scope="package")
 def cluster(
-    tmp_path_factory: pytest.TempPathFactory, tiny_embedder_dir: Path, tiny_reranker_dir: Path
+    tmp_path_factory: pytest.TempPathFactory,
+    tiny_embedder_dir: Path,
+    tiny_reranker_dir: Path,
+    placement_embedder_dir: Path,
 ) -> Iterator[Cluster]:
     root = tmp_path_factory.mktemp("cluster")
-    with running_cluster(root, cluster_config(tiny_embedder_dir, tiny_reranker_dir)) as c:
+    config = cluster_config(tiny_embedder_dir, tiny_reranker_dir, placement_embedder_dir)
+    with running_cluster(root, config) as c:
         yield c
