@@ -162,7 +162,7 @@ class Loads:
             what = f"{entry.key} on {device}"
             check_prediction(what, entry.predicted_bytes, measured)
         try:
-            await self._settle(entry, max(entry.predicted_bytes, measured))
+            await self._settle(entry, self._charge(entry))
         except NoRoom as e:
             # It loaded larger than predicted and no room could be made for the difference.
             await self._evictions.drop(entry, "overflow")
@@ -205,7 +205,7 @@ class Loads:
             entry.host_bytes = 0
             prepared = await asyncio.to_thread(self._lifecycle.prepare, entry.key)
         if prepared is None:
-            need = {base.device: max(entry.predicted_bytes, entry.measured_bytes)}
+            need = {base.device: self._charge(entry)}
         else:
             budgets = {base.device: self._planner.budgets[base.device]}
             need = await asyncio.to_thread(self._lifecycle.predict, prepared, budgets)
@@ -281,6 +281,16 @@ class Loads:
             retry_after=self._settings.retry_after,
             code="load_timeout",
         )
+
+    @staticmethod
+    def _charge(entry: Entry) -> int:
+        """What the ledger charges `entry` once loaded: the larger of prediction and
+        measurement; for an adapter its measurement (the engine's own count of its bytes in
+        the base's dtype, exact; the prediction reads the file's dtype, float32 as PEFT
+        saves it, so twice a bf16 base's figure)."""
+        if entry.base is not None and entry.measured_bytes:
+            return entry.measured_bytes
+        return max(entry.predicted_bytes, entry.measured_bytes)
 
     def _devices_for(self, entry: Entry) -> list[str]:
         """The devices `entry` may go to: the one its deployment names, else all."""

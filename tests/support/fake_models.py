@@ -110,7 +110,8 @@ class FakeAdapter(Backend):
 
     @classmethod
     def predict_memory(cls, artifact_dir: Path, runtime_config: Mapping[str, Any]) -> int:
-        return int(runtime_config["bytes"])
+        # `predict` apart from `bytes`: a real adapter's file dtype may differ from its base's.
+        return int(runtime_config.get("predict", runtime_config["bytes"]))
 
     def load(self, artifact_dir: Path, device: str, dtype: torch.dtype | None = None) -> None:
         self._device = device
