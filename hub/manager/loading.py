@@ -110,6 +110,15 @@ class Loads:
 
     async def _load(self, entry: Entry) -> Unavailable | None:
         """Bring `entry` onto a device; returns the error its waiters should raise, if any."""
+        error = await self._load_once(entry)
+        left = self._evictions.on_adapter_left
+        if error is not None and entry.base is not None and left is not None:
+            # An adapter that did not come up (failed, refused, timed out) no longer keeps
+            # its base: the base's keep-alive, held off while it loaded, may run now.
+            left(entry.base)
+        return error
+
+    async def _load_once(self, entry: Entry) -> Unavailable | None:
         tier = self._planner.host_tier
         warm = entry.backend is not None and entry.key in tier
         source = "warm" if warm else "cold"

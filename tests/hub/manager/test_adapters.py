@@ -132,6 +132,25 @@ async def test_the_base_keep_alive_waits_for_its_adapters(make_manager: MakeMana
     assert state(manager, "a1") is ModelState.WARM and state(manager, "base") is ModelState.WARM
 
 
+async def test_an_adapter_that_fails_to_attach_leaves_its_base_keep_alive_running(
+    make_manager: MakeManager,
+) -> None:
+    manager, _ = make_manager(
+        {"base": {"bytes": 10 * MiB, "keep_alive": "0.1"},
+         "bad": {"bytes": MiB, "base": "base", "fail": True}},
+        host_mib=100,
+    )  # fmt: skip
+    with pytest.raises(Unavailable):
+        async with manager.acquire("bad", 1):
+            pass
+    assert state(manager, "bad") is ModelState.FAILED
+    for _ in range(100):  # the base's idle clock runs: nothing rides on it
+        if state(manager, "base") is ModelState.WARM:
+            break
+        await asyncio.sleep(0.02)
+    assert state(manager, "base") is ModelState.WARM
+
+
 async def test_an_adapter_requested_while_its_base_is_unloaded_waits_then_serves(
     make_manager: MakeManager,
 ) -> None:
