@@ -221,7 +221,8 @@ class LLMEngine:
         request = _Request(request_id, seqs, time.monotonic(), detokenizers, adapter)
         if adapter is not None and self.runner.lora.acquire(adapter) != root_hash:
             self.runner.lora.release(adapter)
-            raise InputError(f"adapter {adapter!r} was reloaded meanwhile; retry", param="model")
+            # A race with a reload of the adapter, not the caller's mistake: 503, retry.
+            raise TransientError(f"adapter {adapter!r} was reloaded meanwhile; retry")
         self._incoming.append(request)
 
     def abort_request(self, request_id: str) -> None:

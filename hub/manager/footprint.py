@@ -64,13 +64,20 @@ class Footprint:
     def attach(
         self, loader: VersionLoader, prepared: PreparedVersion, base: Backend, device: str
     ) -> tuple[Backend, int]:
-        """Attach a LoRA adapter to `base` on `device`; returns it and its measured bytes."""
-        with self._allocator_delta(device) as delta:
-            backend = loader.attach(prepared, base)
-        return backend, self._measured(backend, delta)
+        """Attach a LoRA adapter to `base` on `device`; returns it and its bytes, as the
+        engine counts them. Not under the device's measuring lock, nor measured by the
+        allocator: the base's engine allocates and frees activations meanwhile (its delta
+        would be noise charged to the adapter), and an attach of milliseconds must not wait
+        for another model's load on the device to end."""
+        backend = loader.attach(prepared, base)
+        return backend, backend.memory_bytes()
 
     def restore(self, backend: Backend, device: str) -> int:
-        """Bring parked weights back onto `device`; returns the measured footprint."""
+        """Bring parked weights back onto `device`; returns the measured footprint (an
+        adapter's: its own count, as for `attach`)."""
+        if _is_adapter(backend):
+            backend.restore(device)
+            return backend.memory_bytes()
         with self._allocator_delta(device) as delta:
             backend.restore(device)
         return self._measured(backend, delta)
@@ -126,6 +133,12 @@ class Footprint:
         # another model freeing memory at the same moment could shrink.
         tensors = backend.memory_bytes()
         return max(tensors, delta[0]) if delta else tensors
+
+
+def _is_adapter(backend: Backend) -> bool:
+    from hub.adapters.binding import AdapterBackend  # imports torch: not at module load
+
+    return isinstance(backend, AdapterBackend)
 
 
 def _allocated(device: str | None) -> int:

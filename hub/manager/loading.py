@@ -115,6 +115,15 @@ class Loads:
 
     async def _load(self, entry: Entry) -> Unavailable | None:
         """Bring `entry` onto a device; returns the error its waiters should raise, if any."""
+        error = await self._load_once(entry)
+        left = self._evictions.on_adapter_left
+        if error is not None and entry.base is not None and left is not None:
+            # An adapter that did not come up (failed, refused, timed out) no longer keeps
+            # its base: the base's keep-alive, held off while it loaded, may run now.
+            left(entry.base)
+        return error
+
+    async def _load_once(self, entry: Entry) -> Unavailable | None:
         tier = self._planner.host_tier
         warm = entry.backend is not None and entry.key in tier
         source = "warm" if warm else "cold"
@@ -170,7 +179,7 @@ class Loads:
             what = f"{entry.key} on {device}"
             check_prediction(what, entry.predicted_bytes, measured)
         try:
-            await self._settle(entry, max(entry.predicted_bytes, measured))
+            await self._settle(entry, self._charge(entry))
         except NoRoom as e:
             # It loaded larger than predicted and no room could be made for the difference.
             await self._evictions.drop(entry, "overflow")
@@ -213,7 +222,7 @@ class Loads:
             entry.host_bytes = 0
             prepared = await asyncio.to_thread(self._lifecycle.prepare, entry.key)
         if prepared is None:
-            need = {base.device: max(entry.predicted_bytes, entry.measured_bytes)}
+            need = {base.device: self._charge(entry)}
         else:
             budgets = {base.device: self._planner.budgets[base.device]}
             need = await asyncio.to_thread(self._lifecycle.predict, prepared, budgets)
@@ -289,6 +298,16 @@ class Loads:
             retry_after=self._settings.retry_after,
             code="load_timeout",
         )
+
+    @staticmethod
+    def _charge(entry: Entry) -> int:
+        """What the ledger charges `entry` once loaded: the larger of prediction and
+        measurement; for an adapter its measurement (the engine's own count of its bytes in
+        the base's dtype, exact; the prediction reads the file's dtype, float32 as PEFT
+        saves it, so twice a bf16 base's figure)."""
+        if entry.base is not None and entry.measured_bytes:
+            return entry.measured_bytes
+        return max(entry.predicted_bytes, entry.measured_bytes)
 
     def _devices_for(self, entry: Entry) -> list[str]:
         """The devices `entry` may go to: the one its deployment names, else all."""

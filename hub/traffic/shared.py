@@ -94,6 +94,11 @@ class SharedStats:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        if self._pending is not None and not self._pending.done():
+            # A flush still under way would make the last one a skip: let it end first
+            # (a failed one put its tallies back, so the last flush writes them).
+            with contextlib.suppress(Exception):
+                await self.sql.wait(self._pending)
         await self.flush()  # the last seconds of a clean shutdown are not lost
 
     async def _run(self) -> None:
@@ -114,6 +119,11 @@ class SharedStats:
         self._pending = future
         try:
             await self.sql.wait(future)
+        except asyncio.CancelledError:
+            # Stopped while it waited: whether the write lands is unknown, so the next flush
+            # (stop's last one) writes these keys again; cumulative numbers, never twice.
+            self.stats.unflushed(changed)
+            raise
         except Exception as e:
             # Cumulative numbers: the next flush writes these keys again, with what came since.
             self.stats.unflushed(changed)

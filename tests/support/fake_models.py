@@ -4,7 +4,7 @@ its name, so placement, eviction, the host tier and restores act on real allocat
 
 Runtime config keys of a fake model: `bytes` (its footprint), `predict` (what it claims
 before loading; default `bytes`), `base` (the name of the model it is a LoRA adapter of:
-version 1 of it), `fail` (its load raises), `load_seconds` (a slow load),
+version 1 of it), `fail` (its load, or an adapter's attach, raises), `load_seconds` (a slow load),
 `offload_seconds` (a slow offload),
 `cache_fraction` (a cache sized as that share of the device budget, like an LLM's KV cache),
 plus the manager's own `keep_alive`, `pin`, `device`.
@@ -110,9 +110,12 @@ class FakeAdapter(Backend):
 
     @classmethod
     def predict_memory(cls, artifact_dir: Path, runtime_config: Mapping[str, Any]) -> int:
-        return int(runtime_config["bytes"])
+        # `predict` apart from `bytes`: a real adapter's file dtype may differ from its base's.
+        return int(runtime_config.get("predict", runtime_config["bytes"]))
 
     def load(self, artifact_dir: Path, device: str, dtype: torch.dtype | None = None) -> None:
+        if self.context.runtime_config.get("fail"):
+            raise LoadError(f"adapter {self.context.model} does not fit its base, on purpose")
         self._device = device
 
     def memory_bytes(self) -> int:

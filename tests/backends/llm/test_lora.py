@@ -167,3 +167,27 @@ def test_more_adapters_than_slots_take_turns_and_answer_correctly(root: Path) ->
     assert max(len(s - {None}) for s in steps) == 2
     assert engine.runner.lora.slot_loads >= 3
     assert len(engine.runner.lora.resident()) <= 2
+
+
+def test_a_request_racing_its_adapters_reload_is_told_to_retry_not_blamed(root: Path) -> None:
+    from backends.errors import InputError, TransientError
+
+    base, adapters = adapters_for(root, "llama")
+    engine = make_engine(base, block_size=BLOCK_SIZE, max_num_seqs=4, max_num_batched_tokens=64)
+    lora = engine.runner.lora
+    lora.add("attn", _spec(adapters["attn"]))
+    peek = lora.peek
+
+    def peek_then_reloaded(key: str) -> int:
+        root_hash = peek(key)
+        lora.add(key, _spec(adapters["attn"]))  # another thread replaces it meanwhile
+        return root_hash
+
+    lora.peek = peek_then_reloaded  # type: ignore[method-assign]
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    with pytest.raises(TransientError) as caught:  # 503 + Retry-After: not the caller's fault
+        engine.add_request("r1", [5, 17, 42], params, adapter="attn")
+    assert not isinstance(caught.value, InputError)
+    assert lora.in_flight("attn") == 0  # its count was given back
+    lora.peek = peek  # type: ignore[method-assign]
+    assert run_all(engine, [([5, 17, 42], params)], ["attn"])[0][0].token_ids

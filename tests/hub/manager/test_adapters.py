@@ -44,6 +44,24 @@ async def test_adapters_share_one_base_load_and_are_charged_on_its_device(
     assert manager.ledger.used("cpu") == 70 * MiB
 
 
+async def test_an_adapter_is_charged_what_it_takes_in_its_bases_dtype(
+    make_manager: MakeManager,
+) -> None:
+    # Predicted from its file (float32, as PEFT saves it), held in the base's dtype (bf16):
+    # the charge is what the engine holds, not the file's figure, cold and after a restore.
+    fp32_file = {"bytes": 5 * MiB, "predict": 10 * MiB, "base": "base"}
+    models = {**MODELS, "a1": fp32_file, "other": 38}
+    manager, _ = make_manager(models, budget_mib=100, host_mib=100)
+    await output(manager, "a1")
+    assert manager.ledger.used("cpu") == 65 * MiB
+    async with manager.acquire("other", 1):  # 38 MiB: a1 parks to make room
+        pass
+    await settled(manager)
+    assert state(manager, "a1") is ModelState.WARM
+    await output(manager, "a1")  # restored
+    assert manager.ledger.charge_of(ModelKey("a1", 1)) == 5 * MiB
+
+
 async def test_base_is_held_while_an_adapter_serves(make_manager: MakeManager) -> None:
     manager, _ = make_manager({**MODELS, "other": 40}, budget_mib=100, load_timeout=0.3)
     async with manager.acquire("a1", 1):
@@ -112,6 +130,25 @@ async def test_the_base_keep_alive_waits_for_its_adapters(make_manager: MakeMana
             break
         await asyncio.sleep(0.02)
     assert state(manager, "a1") is ModelState.WARM and state(manager, "base") is ModelState.WARM
+
+
+async def test_an_adapter_that_fails_to_attach_leaves_its_base_keep_alive_running(
+    make_manager: MakeManager,
+) -> None:
+    manager, _ = make_manager(
+        {"base": {"bytes": 10 * MiB, "keep_alive": "0.1"},
+         "bad": {"bytes": MiB, "base": "base", "fail": True}},
+        host_mib=100,
+    )  # fmt: skip
+    with pytest.raises(Unavailable):
+        async with manager.acquire("bad", 1):
+            pass
+    assert state(manager, "bad") is ModelState.FAILED
+    for _ in range(100):  # the base's idle clock runs: nothing rides on it
+        if state(manager, "base") is ModelState.WARM:
+            break
+        await asyncio.sleep(0.02)
+    assert state(manager, "base") is ModelState.WARM
 
 
 async def test_an_adapter_requested_while_its_base_is_unloaded_waits_then_serves(

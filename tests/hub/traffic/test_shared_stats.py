@@ -9,6 +9,7 @@ import sqlite3
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry
+from sqlalchemy import Engine
 
 from hub.sql_worker import SqlWorker
 from hub.traffic.metrics import TrafficMetrics
@@ -25,14 +26,20 @@ def record(stats: TrafficStats, n: int) -> None:
         stats.record("emb", "1", revision=0, latency_s=0.01, error=False, routed=True, tokens=3)
 
 
-async def test_an_outage_only_delays_flushes(tmp_path: Path) -> None:
-    path = tmp_path / "hub.db"
+def stats_book(path: Path, timeout: float) -> tuple[Engine, TrafficStatsBook]:
+    """A migrated SQLite database at `path` with model "emb", and its statistics book on an
+    engine that gives up after `timeout` seconds."""
     url = f"sqlite:///{path}"
     upgrade(url)
     with Database(url).session() as s:
         s.add(RegisteredModel(name="emb", kind="embedder"))
-    engine = membership_engine(url, timeout=0.3)
-    book = TrafficStatsBook(engine, retention=dt.timedelta(days=1))
+    engine = membership_engine(url, timeout=timeout)
+    return engine, TrafficStatsBook(engine, retention=dt.timedelta(days=1))
+
+
+async def test_an_outage_only_delays_flushes(tmp_path: Path) -> None:
+    path = tmp_path / "hub.db"
+    engine, book = stats_book(path, timeout=0.3)
     registry = CollectorRegistry()
     stats = TrafficStats(100)
     shared = SharedStats(stats, book, TrafficMetrics(registry), replica="r1", interval=60,
@@ -87,3 +94,31 @@ def test_old_revisions_are_forgotten_once_flushed() -> None:
     stats.record("emb", "1", revision=far, latency_s=0.01, error=False, routed=True, tokens=0)
     # Revision 1 was flushed and is out of reach; revision 2 still waits for its flush.
     assert set(stats.tallies("emb", range(0, far + 1))) == {("1", 2), ("1", far)}
+
+
+async def test_a_clean_stop_writes_what_came_during_a_slow_flush(tmp_path: Path) -> None:
+    path = tmp_path / "hub.db"
+    engine, book = stats_book(path, timeout=10.0)  # a slow database, not a dead one
+    stats = TrafficStats(100)
+    shared = SharedStats(stats, book, TrafficMetrics(CollectorRegistry()), replica="r1",
+                         interval=0.01, sql=SqlWorker(20.0, name="test-sql"))  # fmt: skip
+    blocker = sqlite3.connect(path, isolation_level=None)
+    blocker.execute("BEGIN EXCLUSIVE")  # the flush loop's write waits behind this writer
+    record(stats, 5)
+    shared.start()
+    for _ in range(500):  # until the loop's first flush is under way
+        if shared._pending is not None:
+            break
+        await asyncio.sleep(0.01)
+    record(stats, 2)  # counted while that flush waits; stop() must write it too
+
+    def unblock() -> None:
+        blocker.execute("ROLLBACK")
+        blocker.close()
+
+    asyncio.get_running_loop().call_later(0.3, unblock)
+    await shared.stop()
+    read = book.read("emb", revisions=1, exclude_incarnation="another process")
+    assert sum(row.requests for row in read.rows) == 7
+    shared.sql.shutdown()
+    engine.dispose()
