@@ -214,6 +214,10 @@ class LLMConfig(RuntimeConfig):
     # How tool calls are found in the model's output with `tool_choice: auto`
     # (hub/api/tool_parsers); None: chosen from the chat template.
     tool_parser: Literal["hermes", "llama3_json", "mistral"] | None = None
+    # LoRA adapters (backends/llm/lora): device slots for adapters used at once (more adapters
+    # than that take turns, least recently used out) and the largest rank accepted.
+    max_loras: Annotated[int, Field(strict=True, ge=1, le=256)] = 8
+    max_lora_rank: Annotated[int, Field(strict=True, ge=1, le=512)] = 64
 
     def quantization_method(self) -> str | None:
         """The quantization to apply at load ("int8"), or None."""

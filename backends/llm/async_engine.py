@@ -109,6 +109,7 @@ class AsyncLLMEngine:
         *,
         priority: int = 0,
         request_id: str | None = None,
+        adapter: str | None = None,
     ) -> RequestStream:
         """Queue a request (InputError / CapacityError raised here) and return its stream.
         Call from a running event loop; the stream's deltas arrive on it."""
@@ -120,7 +121,9 @@ class AsyncLLMEngine:
         with self._lock:
             self._streams[request_id] = (loop, stream)
         try:
-            self.engine.add_request(request_id, prompt_token_ids, params, priority=priority)
+            self.engine.add_request(
+                request_id, prompt_token_ids, params, priority=priority, adapter=adapter
+            )
         except BaseException:
             self._forget(request_id)
             raise
@@ -128,10 +131,15 @@ class AsyncLLMEngine:
         return stream
 
     async def generate(
-        self, prompt_token_ids: list[int], params: SamplingParams, *, priority: int = 0
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        adapter: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """`submit` and iterate; leaving the loop early aborts the request."""
-        stream = self.submit(prompt_token_ids, params, priority=priority)
+        stream = self.submit(prompt_token_ids, params, priority=priority, adapter=adapter)
         async with stream:
             async for out in stream:
                 yield out

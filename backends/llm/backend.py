@@ -11,6 +11,15 @@ activations; `memory_bytes` measures parameters, buffers
 and the KV-cache tensors. `offload` parks the weights in one host buffer (backends.parking)
 and drops the KV cache; `restore` copies them back in one transfer and allocates an empty
 cache; `unload` frees the weights in place without waiting for the garbage collector.
+
+LoRA adapters (backends.llm.lora): `load_adapter(key, folder)` checks a PEFT adapter against
+the loaded base and keeps its weights in host memory, ready for requests that name `key`
+(`submit(..., adapter=key)`); the base is neither reloaded nor copied, and one step mixes
+the base and any adapters. Adapters take turns in `max_loras` device slots (least recently
+used out); an offload drops the slots, which refill on demand. `unload_adapter` waits a few
+seconds for the adapter's requests in flight to end (an aborted one leaves at the next step),
+then refuses (`AdapterInUseError`, a retry-later error).
+These methods block; call them from a worker thread.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from backends.llm.async_engine import AsyncLLMEngine, RequestStream
 from backends.llm.config import EngineConfig, kv_cache_reservation, llm_config
 from backends.llm.detokenizer import token_bytes
 from backends.llm.engine import LLMEngine, RequestOutput
+from backends.llm.lora.adapter import check_adapter_fits, read_adapter
 from backends.llm.metrics import EngineMetrics
 from backends.llm.model_runner import ModelRunner
 from backends.llm.quantization import quantized_bytes
@@ -66,6 +76,7 @@ class LLMBackend(Backend):
         self._engine: AsyncLLMEngine | None = None
         self._metrics = EngineMetrics.disabled()
         self._parked: ParkedWeights | None = None
+        self._artifact_dir = Path()
         # One thread tokenizes this model's prompts, in arrival order: a long prompt takes
         # seconds, which the event loop (health probes, every other request) must not wait.
         self._tokenize_pool: ThreadPoolExecutor | None = None
@@ -114,6 +125,7 @@ class LLMBackend(Backend):
         grammar_metrics = GrammarMetrics(ctx.metrics_registry, ctx.model, ctx.version)
         engine = LLMEngine(config, runner, tokenizer, self._metrics, grammar_metrics)
         self.tokenizer = tokenizer
+        self._artifact_dir = artifact_dir
         self._runner = runner
         self._engine = AsyncLLMEngine(engine, name=f"{ctx.model}@{ctx.version}")
         self._tokenize_pool = ThreadPoolExecutor(1, f"tokenize {ctx.model}@{ctx.version}")
@@ -191,17 +203,54 @@ class LLMBackend(Backend):
             await asyncio.to_thread(grammars.compile, params.structured)
 
     def submit(
-        self, prompt_token_ids: list[int], params: SamplingParams, *, priority: int = 0
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        adapter: str | None = None,
     ) -> RequestStream:
-        """Queue one request; raises InputError (400) before anything runs."""
-        return self._require().submit(prompt_token_ids, params, priority=priority)
+        """Queue one request, with the LoRA adapter loaded as `adapter` (None: the base);
+        raises InputError (400) before anything runs, for an unknown adapter too."""
+        return self._require().submit(prompt_token_ids, params, priority=priority, adapter=adapter)
 
     async def generate(
-        self, prompt_token_ids: list[int], params: SamplingParams, *, priority: int = 0
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        adapter: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        async with self.submit(prompt_token_ids, params, priority=priority) as stream:
+        stream = self.submit(prompt_token_ids, params, priority=priority, adapter=adapter)
+        async with stream:
             async for out in stream:
                 yield out
+
+    # ---- LoRA adapters (blocking: call from a worker thread) --------------------------
+    def load_adapter(self, key: str, adapter_dir: Path) -> int:
+        """Check the PEFT adapter in `adapter_dir` against this base and make it usable by
+        requests naming `key` (a key already loaded is replaced); returns its device bytes
+        (slot plus batched copy, in the base's dtype). AdapterError (400) names what does
+        not fit; AdapterInUseError while a replaced key still serves."""
+        runner = self._require_runner()
+        spec = read_adapter(adapter_dir, max_rank=runner.lora.max_rank)
+        check_adapter_fits(spec, self._artifact_dir)
+        nbytes = runner.lora.add(key, spec)
+        log.info("%s: adapter %s loaded (%d bytes)", self.context.model, key, nbytes)
+        return nbytes
+
+    def unload_adapter(self, key: str, *, wait_s: float = 5.0) -> None:
+        """Free `key`'s host copy and device slot. Waits up to `wait_s` for its requests in
+        flight to end (aborted ones leave at the next step), then refuses with
+        AdapterInUseError (503, retry later)."""
+        self._require_runner().lora.remove(key, wait_s)
+
+    def loaded_adapters(self) -> dict[str, int]:
+        """Loaded adapter keys and their device bytes."""
+        if self._runner is None:
+            return {}
+        return self._runner.lora.loaded()
 
     # ---- lifecycle --------------------------------------------------------------------
     def memory_bytes(self) -> int:
@@ -220,6 +269,7 @@ class LLMBackend(Backend):
         if self._loaded_engine().engine.has_work():
             raise RuntimeError(f"{self.context.model} has requests in flight; cannot offload")
         runner.release_kv_cache()
+        runner.lora.move_to(torch.device("cpu"))  # adapter slots refill on demand
         self._parked = park(runner.model)
         self._device = "cpu"
         self._metrics.reset_gauges()
@@ -231,6 +281,7 @@ class LLMBackend(Backend):
             self._parked.restore(device)
             self._parked = None
             runner.device = torch.device(device)
+            runner.lora.move_to(runner.device)
         else:
             runner.to(device)
         runner.allocate_kv_cache()

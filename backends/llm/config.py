@@ -21,6 +21,8 @@ read by the loader; `keep_alive`, `pin`, `device`, read by the hub) are left to 
 | `max_waiting` | 1024 | requests queued before new ones are refused with "retry later" |
 | `max_queue_time_ms` | none | longest estimated wait before a request starts; then 503 |
 | `priority_aging_steps` | 256 | a waiting request gains one priority level per this many steps |
+| `max_loras` | 8 | LoRA adapters on the device at once (slots; more take turns, LRU) |
+| `max_lora_rank` | 64 | largest LoRA rank an adapter may have |
 """
 
 from __future__ import annotations
@@ -77,6 +79,8 @@ class EngineConfig:
     max_waiting: int = _CONFIG.max_waiting
     max_queue_time_s: float | None = None
     priority_aging_steps: int = _CONFIG.priority_aging_steps
+    max_loras: int = _CONFIG.max_loras
+    max_lora_rank: int = _CONFIG.max_lora_rank
 
     @classmethod
     def from_runtime_config(
@@ -101,4 +105,6 @@ class EngineConfig:
                 None if config.max_queue_time_ms is None else config.max_queue_time_ms / 1000
             ),
             priority_aging_steps=config.priority_aging_steps,
+            max_loras=config.max_loras,
+            max_lora_rank=config.max_lora_rank,
         )

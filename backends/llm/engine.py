@@ -6,8 +6,10 @@
 
 `add_request` and `abort_request` may be called from any thread: they validate (raising
 `InputError` / `CapacityError` before anything changes) and queue the change, which the next
-`step` applies. Everything else belongs to the thread that calls `step`. The engine works on
-token ids; with a tokenizer it also produces text deltas and honours stop strings.
+`step` applies. A request may name a LoRA adapter loaded on the runner (`runner.lora`); it
+counts as in flight for that adapter from `add_request` until it finishes or is aborted.
+Everything else belongs to the thread that calls `step`. The engine works on token ids;
+with a tokenizer it also produces text deltas and honours stop strings.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from backends.llm.metrics import EngineMetrics
 from backends.llm.model_runner import ModelRunner
 from backends.llm.sampling_params import MAX_COUNT, SamplingParams
 from backends.llm.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
-from backends.llm.sequence import FinishReason, Logprob, Sequence
+from backends.llm.sequence import ROOT_HASH, FinishReason, Logprob, Sequence
 from backends.llm.structured.compiler import GrammarCompiler
 from backends.llm.structured.guide import TokenGuide
 from backends.llm.structured.metrics import GrammarMetrics
@@ -87,6 +89,7 @@ class _Request:
     seqs: list[Sequence]
     arrival_time: float
     detokenizers: list[IncrementalDetokenizer | None]
+    adapter: str | None = None
     scheduled_time: float | None = None
     first_token_time: float | None = None
     # Sequences whose final output was emitted.
@@ -145,6 +148,7 @@ class LLMEngine:
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             priority_aging_steps=self.config.priority_aging_steps,
+            max_loras=self.config.max_loras,
         )
         self.scheduler = Scheduler(limits, self.kv_cache, self.runner.sampler.eos_token_ids)
 
@@ -156,8 +160,10 @@ class LLMEngine:
         params: SamplingParams,
         *,
         priority: int = 0,
+        adapter: str | None = None,
     ) -> None:
-        """Validate and queue a request; InputError / CapacityError leave no trace."""
+        """Validate and queue a request; InputError / CapacityError leave no trace.
+        `adapter`: a LoRA adapter loaded on the runner, None for the base model."""
         if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) > MAX_COUNT:
             raise InputError(
                 f"priority must be an integer in [-{MAX_COUNT}, {MAX_COUNT}]", param="priority"
@@ -174,6 +180,9 @@ class LLMEngine:
         except CapacityError:
             self.metrics.observe_shed("queue_time")
             raise
+        root_hash = ROOT_HASH
+        if adapter is not None:
+            root_hash = self.runner.lora.peek(adapter)  # InputError for an unknown one
         seqs = [
             Sequence(
                 next(self._seq_ids),
@@ -184,6 +193,8 @@ class LLMEngine:
                 block_size=self.config.block_size,
                 index=i,
                 priority=priority,
+                adapter=adapter,
+                root_hash=root_hash,
             )
             for i in range(params.n)
         ]
@@ -207,7 +218,11 @@ class LLMEngine:
             else None
             for _ in seqs
         ]
-        self._incoming.append(_Request(request_id, seqs, time.monotonic(), detokenizers))
+        request = _Request(request_id, seqs, time.monotonic(), detokenizers, adapter)
+        if adapter is not None and self.runner.lora.acquire(adapter) != root_hash:
+            self.runner.lora.release(adapter)
+            raise InputError(f"adapter {adapter!r} was reloaded meanwhile; retry", param="model")
+        self._incoming.append(request)
 
     def abort_request(self, request_id: str) -> None:
         """Finish the request's sequences at the next step boundary, freeing their blocks."""
@@ -280,6 +295,8 @@ class LLMEngine:
         self._apply_incoming()
         scheduler = self.scheduler
         queries, hits = self.kv_cache.prefix_queries, self.kv_cache.prefix_hits
+        lora = self.runner.lora
+        slot_loads = lora.slot_loads
         started, waited = time.monotonic(), len(scheduler.waiting)
         output = scheduler.schedule()
         scheduled_at = time.monotonic()
@@ -312,6 +329,8 @@ class LLMEngine:
             prefix_hits=self.kv_cache.prefix_hits - hits,
             generated=len(updated),
             preempted=output.num_preempted,
+            lora_slots=lora.slots_in_use,
+            lora_slot_loads=lora.slot_loads - slot_loads,
         )
         return outputs
 
@@ -319,6 +338,7 @@ class LLMEngine:
         while self._incoming:
             request = self._incoming.popleft()
             if request.request_id in self._aborted_early:
+                self._retire(request)
                 continue  # aborted before it ever ran
             self._requests[request.request_id] = request
             request.last_token_times = [request.arrival_time] * len(request.seqs)
@@ -338,6 +358,7 @@ class LLMEngine:
                 # queue is never rebuilt here: another thread may be appending to it.
                 self._aborted_early.add(request_id)
                 continue
+            self._retire(request)
             for seq in request.seqs:
                 self.scheduler.finish(seq, FinishReason.ABORT)
 
@@ -370,7 +391,7 @@ class LLMEngine:
         if seq.is_finished:
             request.num_done += 1
             if request.num_done == len(request.seqs):
-                del self._requests[seq.request_id]
+                self._retire(self._requests.pop(seq.request_id))
                 self.metrics.observe_latency("e2e", now - request.arrival_time)
         return RequestOutput(
             request_id=seq.request_id,
@@ -399,6 +420,7 @@ class LLMEngine:
             request = self._requests.pop(request_id, None)
             if request is None:
                 continue
+            self._retire(request)
             for seq in request.seqs:
                 self.scheduler.finish(seq, FinishReason.ABORT)
             errors[request_id] = RequestFailedError(request_id, cause)
@@ -408,6 +430,11 @@ class LLMEngine:
         self.kv_cache.reset_prefix_cache()
         return EngineStepError(list(errors), error, errors)
 
+    def _retire(self, request: _Request) -> None:
+        """The request left the engine (finished, aborted, failed): its adapter may unload."""
+        if request.adapter is not None:
+            self.runner.lora.release(request.adapter)
+
     def _fail_all(self) -> list[str]:
         """After a failed step: end every request and forget cached blocks (their contents
         are undefined), so the engine can serve new requests. Returns the ended ids."""
@@ -416,6 +443,8 @@ class LLMEngine:
             for seq in request.seqs:
                 self.scheduler.finish(seq, FinishReason.ABORT)
         failed = list(self._requests)
+        for request in self._requests.values():
+            self._retire(request)
         self._requests.clear()
         self.kv_cache.reset_prefix_cache()
         return failed

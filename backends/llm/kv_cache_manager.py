@@ -10,7 +10,7 @@ layer's new KV before any attention reads it, so another sequence scheduled in t
 from __future__ import annotations
 
 from backends.llm.block_pool import BlockPool
-from backends.llm.sequence import ROOT_HASH, Sequence
+from backends.llm.sequence import Sequence
 
 
 class KVCacheManager:
@@ -45,7 +45,7 @@ class KVCacheManager:
         hits: list[int] = []
         max_blocks = (seq.num_tokens - 1) // self.block_size
         for i in range(max_blocks):
-            parent = seq.block_hashes[i - 1] if i else ROOT_HASH
+            parent = seq.block_hashes[i - 1] if i else seq.root_hash
             block_id = self.pool.lookup(seq.block_hashes[i], parent, seq.block_tokens(i))
             if block_id is None:
                 break
@@ -99,5 +99,5 @@ class KVCacheManager:
             return
         bs = self.block_size
         for i in range(computed // bs, total // bs):
-            parent = seq.block_hashes[i - 1] if i else ROOT_HASH
+            parent = seq.block_hashes[i - 1] if i else seq.root_hash
             self.pool.register(seq.block_ids[i], seq.block_hashes[i], parent, seq.block_tokens(i))

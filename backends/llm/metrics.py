@@ -36,6 +36,8 @@ class _Series:
     prompt_tokens: Counter
     generation_tokens: Counter
     preemptions: Counter
+    lora_slots: Gauge
+    lora_slot_loads: Counter
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> _Series:
@@ -77,6 +79,10 @@ class _Series:
             prompt_tokens=counter("hub_llm_prompt_tokens", "Prompt tokens received"),
             generation_tokens=counter("hub_llm_generation_tokens", "Tokens generated"),
             preemptions=counter("hub_llm_preemptions", "Sequences preempted for KV blocks"),
+            lora_slots=gauge("hub_llm_lora_slots_in_use", "LoRA adapters in device slots"),
+            lora_slot_loads=counter(
+                "hub_llm_lora_slot_loads", "LoRA adapters copied from host memory into a slot"
+            ),
         )
 
 
@@ -116,6 +122,8 @@ class EngineMetrics:
         self.prompt_tokens = s.prompt_tokens.labels(model, version)
         self.generation_tokens = s.generation_tokens.labels(model, version)
         self.preemptions = s.preemptions.labels(model, version)
+        self.lora_slots = s.lora_slots.labels(model, version)
+        self.lora_slot_loads = s.lora_slot_loads.labels(model, version)
         self.shed = ShedMetrics(registry, model, version)
 
     @classmethod
@@ -132,6 +140,8 @@ class EngineMetrics:
         prefix_hits: int,
         generated: int,
         preempted: int,
+        lora_slots: int = 0,
+        lora_slot_loads: int = 0,
     ) -> None:
         if not self.enabled:
             return
@@ -146,6 +156,9 @@ class EngineMetrics:
             self.generation_tokens.inc(generated)
         if preempted:
             self.preemptions.inc(preempted)
+        self.lora_slots.set(lora_slots)
+        if lora_slot_loads:
+            self.lora_slot_loads.inc(lora_slot_loads)
 
     def observe_arrival(self, prompt_tokens: int) -> None:
         if self.enabled:
@@ -167,3 +180,4 @@ class EngineMetrics:
             self.running.set(0)
             self.waiting.set(0)
             self.kv_usage.set(0)
+            self.lora_slots.set(0)

@@ -6,7 +6,8 @@ that sample, and returns the sampled tokens. The model is the stock transformers
 with our registered attention (`backends.llm.attention`), so no architecture is rewritten;
 only the ones verified against transformers' own `generate` are accepted. The runner owns the
 KV-cache tensors (per layer, keys and values: `(2, blocks, block_size, kv_heads, head_dim)`)
-and knows nothing about requests, text or HTTP.
+and knows nothing about requests, text or HTTP. Its `lora` manager holds the LoRA adapters
+loaded on the model; a step's tokens run with their sequence's adapter (`seq.adapter`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from backends.llm import attention, cpu_kernels
 from backends.llm.architectures import unsupported_reason
 from backends.llm.attention import NativeDecode, PagedAttentionMetadata, PrefillChunk
 from backends.llm.config import EngineConfig
+from backends.llm.lora.manager import LoRAManager
 from backends.llm.quantization import quantize_model
 from backends.llm.sampler import Sampler, SamplerOutput
 from backends.llm.scheduler import ScheduledSequence, SchedulerOutput
@@ -82,6 +84,13 @@ class ModelRunner:
         self.kernels = kernels or cpu_kernels.KernelSettings()
         self.kv_caches: list[torch.Tensor] = []
         self.allocate_kv_cache()
+        self.lora = LoRAManager(
+            model,
+            self.device,
+            self.dtype,
+            max_loras=engine_config.max_loras,
+            max_rank=engine_config.max_lora_rank,
+        )
 
     @classmethod
     def load(
@@ -160,6 +169,7 @@ class ModelRunner:
         """Move the weights (and any KV cache, reallocated empty) to `device`."""
         self.device = torch.device(device)
         self.model.to(self.device)
+        self.lora.move_to(self.device)
         if self.kv_caches:
             self.allocate_kv_cache()
 
@@ -171,13 +181,17 @@ class ModelRunner:
             return SamplerOutput([], [])
         inputs = self._prepare(output)
         self.sampler.prepare(inputs.sampling_seqs)  # grammar masks fill during the forward
-        logits = self.model(
-            input_ids=inputs.input_ids,
-            position_ids=inputs.positions,
-            logits_to_keep=inputs.logits_indices,
-            use_cache=False,
-            paged_metadata=inputs.metadata,
-        ).logits[0]  # (S, V)
+        self.lora.begin_step(inputs.adapter_segments)
+        try:
+            logits = self.model(
+                input_ids=inputs.input_ids,
+                position_ids=inputs.positions,
+                logits_to_keep=inputs.logits_indices,
+                use_cache=False,
+                paged_metadata=inputs.metadata,
+            ).logits[0]  # (S, V)
+        finally:
+            self.lora.end_step()
         return self.sampler(logits, inputs.sampling_seqs)
 
     # ---- isolation: which request broke a step (backends.llm.isolation) ----------------
@@ -254,6 +268,9 @@ class ModelRunner:
             )
 
         sampling = [item.seq for item in output.scheduled if item.sample]
+        # Decodes first, then the chunks: the order the tokens were packed in above.
+        packed = sorted(output.scheduled, key=lambda item: item.num_tokens != 1)
+        segments = [(item.seq.adapter, item.num_tokens) for item in packed]
         metadata = PagedAttentionMetadata(
             kv_caches=self.kv_caches,
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
@@ -271,6 +288,7 @@ class ModelRunner:
             ),
             metadata=metadata,
             sampling_seqs=sampling,
+            adapter_segments=segments,
         )
 
     def _native_kernel(self) -> cpu_kernels.PagedDecodeKernel | None:
@@ -288,6 +306,8 @@ class _StepInputs:
     logits_indices: torch.Tensor  # (S,): the packed index of each sampling sequence's token
     metadata: PagedAttentionMetadata
     sampling_seqs: list[Sequence]
+    # Runs of packed tokens with one adapter each (None: the base), in packing order.
+    adapter_segments: list[tuple[str | None, int]]
 
 
 def _eos_ids(model: Any) -> list[int]:

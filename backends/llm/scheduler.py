@@ -58,6 +58,8 @@ class SchedulerLimits:
     max_num_batched_tokens: int
     max_model_len: int
     priority_aging_steps: int
+    # Distinct LoRA adapters among running sequences at most (the device's adapter slots).
+    max_loras: int = 8
 
 
 class Scheduler:
@@ -181,18 +183,25 @@ class Scheduler:
     # ---- helpers ----------------------------------------------------------------------
     def _admit(self, chosen: dict[int, ScheduledSequence], budget: int) -> int:
         self.waiting.sort(key=self._precedence)
-        admitted = 0
-        while (
-            admitted < len(self.waiting)
-            and budget > 0
-            and len(self.running) < self.limits.max_num_seqs
-        ):
-            seq = self.waiting[admitted]
+        adapters = {s.adapter for s in self.running if s.adapter is not None}
+        held_back = False
+        admitted: set[int] = set()
+        for seq in self.waiting:
+            if budget <= 0 or len(self.running) >= self.limits.max_num_seqs:
+                break
+            if seq.adapter is not None and seq.adapter not in adapters:
+                if held_back or len(adapters) >= self.limits.max_loras:
+                    held_back = True
+                    continue
+            elif seq.adapter is not None and held_back:
+                continue
             cached = self.kv_cache.find_cached_prefix(seq)
             num_new = min(seq.num_tokens - len(cached) * self.kv_cache.block_size, budget)
             if not self.kv_cache.allocate_slots(seq, num_new, cached):
                 break
-            admitted += 1
+            admitted.add(seq.seq_id)
+            if seq.adapter is not None:
+                adapters.add(seq.adapter)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             start = seq.num_computed_tokens
@@ -200,7 +209,8 @@ class Scheduler:
                 seq, start, num_new, start + num_new == seq.num_tokens
             )
             budget -= num_new
-        del self.waiting[:admitted]
+        if admitted:
+            self.waiting = [s for s in self.waiting if s.seq_id not in admitted]
         return budget
 
     def _preempt(self, seq: Sequence) -> None:

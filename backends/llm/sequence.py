@@ -6,7 +6,9 @@ difference. A prompt is a long difference (spread over steps by chunked prefill)
 a difference of one, a preempted sequence (its blocks freed) starts again from zero.
 
 Full blocks of tokens get a chained hash, `hash((parent hash, block tokens))`, computed as
-blocks fill; the prefix cache finds identical prefixes by these hashes.
+blocks fill; the prefix cache finds identical prefixes by these hashes. The chain starts at
+`root_hash`: `ROOT_HASH` for the base model, one of its own for each loaded LoRA adapter, so
+the same tokens under two adapters never share KV.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class Sequence:
     """One sample of one request: its tokens, progress, KV blocks and stopping state."""
 
     __slots__ = (
+        "adapter",
         "arrival",
         "block_hashes",
         "block_ids",
@@ -68,6 +71,7 @@ class Sequence:
         "params",
         "priority",
         "request_id",
+        "root_hash",
         "seq_id",
         "status",
         "stop_reason",
@@ -86,6 +90,8 @@ class Sequence:
         index: int = 0,
         priority: int = 0,
         arrival: int = 0,
+        adapter: str | None = None,
+        root_hash: int = ROOT_HASH,
     ) -> None:
         self.seq_id = seq_id
         self.request_id = request_id
@@ -95,6 +101,10 @@ class Sequence:
         self.priority = priority
         # The step at which the request arrived: FCFS order and priority aging.
         self.arrival = arrival
+        # The LoRA adapter the sequence runs with (None: the base model) and the root of its
+        # block-hash chain.
+        self.adapter = adapter
+        self.root_hash = root_hash
         self.block_size = block_size
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -146,7 +156,7 @@ class Sequence:
     def _hash_full_blocks(self) -> None:
         num_full = len(self.token_ids) // self.block_size
         for i in range(len(self.block_hashes), num_full):
-            parent = self.block_hashes[i - 1] if i else ROOT_HASH
+            parent = self.block_hashes[i - 1] if i else self.root_hash
             self.block_hashes.append(block_hash(parent, self.block_tokens(i)))
 
     def __repr__(self) -> str:

@@ -91,13 +91,15 @@ class Completion:
 
 
 def run_all(
-    engine: LLMEngine, requests: list[tuple[list[int], SamplingParams]]
+    engine: LLMEngine,
+    requests: list[tuple[list[int], SamplingParams]],
+    adapters: list[str | None] | None = None,
 ) -> list[list[Completion]]:
-    """Submit every request at once, step to completion; per request, one Completion per
-    sample."""
+    """Submit every request at once (request i with LoRA adapter `adapters[i]`, if given),
+    step to completion; per request, one Completion per sample."""
     results = [[Completion() for _ in range(p.n)] for _, p in requests]
     for i, (prompt, params) in enumerate(requests):
-        engine.add_request(str(i), prompt, params)
+        engine.add_request(str(i), prompt, params, adapter=adapters[i] if adapters else None)
     steps = 0
     while engine.has_work():
         for out in engine.step():
@@ -110,3 +112,26 @@ def run_all(
         steps += 1
         assert steps < 100_000
     return results
+
+
+def greedy_with_tops(
+    model: Any, prompts: list[list[int]], max_tokens: int, top: int
+) -> list[tuple[list[int], list[set[int]]]]:
+    """Per prompt: a transformers model's greedy tokens (`generate`) and its top-`top` token
+    ids at each position, the reference engine outputs are compared with."""
+    model.eval()
+    refs = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            out = model.generate(
+                input_ids=torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+            tokens = out.sequences[0, len(prompt) :].tolist()
+            tops = [set(step[0].topk(top).indices.tolist()) for step in out.logits]
+            refs.append((tokens, tops))
+    return refs

@@ -24,6 +24,7 @@ from backends.tiny import TINY_LLM_ARCHITECTURES
 from tests.backends.llm.support import (
     Completion,
     build_model,
+    greedy_with_tops,
     kv_bytes,
     make_engine,
     random_prompts,
@@ -65,22 +66,7 @@ def hf_reference(folder: Path, prompts: list[list[int]]) -> list[tuple[list[int]
     model = AutoModelForCausalLM.from_pretrained(
         folder, dtype=torch.float32, attn_implementation="eager"
     )
-    model.eval()
-    refs = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            out = model.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=MAX_TOKENS,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-            tokens = out.sequences[0, len(prompt) :].tolist()
-            tops = [set(step[0].topk(TOP).indices.tolist()) for step in out.logits]
-            refs.append((tokens, tops))
-    return refs
+    return greedy_with_tops(model, prompts, MAX_TOKENS, TOP)
 
 
 def compare(ref: tuple[list[int], list[set[int]]], ours: Completion) -> str:
