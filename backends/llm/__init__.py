@@ -11,6 +11,8 @@ The parts, one concept a file, from the bottom up:
 - `sampler`: logits to tokens; `detokenizer`: tokens to text, with stop strings.
 - `engine`: the step loop; `async_engine`: that loop in a thread behind `async` generators.
 - `backend`: the `Backend` contract for the hub; `metrics`: Prometheus series.
+- `lora/`: LoRA adapters on the base model: reading and checking PEFT folders, device slots,
+  the batched per-token LoRA matmul.
 
 The block pool, KV-cache manager and scheduler are pure Python and never import torch; the
 package itself imports nothing so they stay importable (and testable) without it.

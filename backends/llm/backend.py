@@ -16,9 +16,10 @@ LoRA adapters (backends.llm.lora): `load_adapter(key, folder)` checks a PEFT ada
 the loaded base and keeps its weights in host memory, ready for requests that name `key`
 (`submit(..., adapter=key)`); the base is neither reloaded nor copied, and one step mixes
 the base and any adapters. Adapters take turns in `max_loras` device slots (least recently
-used out); an offload drops the slots, which refill on demand. `unload_adapter` waits a few
-seconds for the adapter's requests in flight to end (an aborted one leaves at the next step),
-then refuses (`AdapterInUseError`, a retry-later error).
+used out); an offload drops the slots, which refill on demand, and `offload_adapter` /
+`restore_adapter` move one adapter out of its slot (its host copy stays) and back.
+`unload_adapter` waits a few seconds for the adapter's requests in flight to end (an aborted
+one leaves at the next step), then refuses (`AdapterInUseError`, a retry-later error).
 These methods block; call them from a worker thread.
 """
 
@@ -234,7 +235,7 @@ class LLMBackend(Backend):
         (slot plus batched copy, in the base's dtype). AdapterError (400) names what does
         not fit; AdapterInUseError while a replaced key still serves."""
         runner = self._require_runner()
-        spec = read_adapter(adapter_dir, max_rank=runner.lora.max_rank)
+        spec = read_adapter(adapter_dir)  # the rank is checked against max_lora_rank below
         check_adapter_fits(spec, self._artifact_dir)
         nbytes = runner.lora.add(key, spec)
         log.info("%s: adapter %s loaded (%d bytes)", self.context.model, key, nbytes)
@@ -245,6 +246,20 @@ class LLMBackend(Backend):
         flight to end (aborted ones leave at the next step), then refuses with
         AdapterInUseError (503, retry later)."""
         self._require_runner().lora.remove(key, wait_s)
+
+    def offload_adapter(self, key: str) -> None:
+        """Free `key`'s device slot now; its host copy stays and it remains usable (its next
+        request, or `restore_adapter`, copies it back into a slot)."""
+        lora = self._require_runner().lora
+        lora.peek(key)  # InputError for an adapter that is not loaded
+        lora.evict(key)
+
+    def restore_adapter(self, key: str) -> None:
+        """Copy `key` from host memory into a device slot now (the least recently used
+        adapter's slot when all are taken), as its next request would."""
+        lora = self._require_runner().lora
+        lora.peek(key)
+        lora.ensure_resident([key])
 
     def loaded_adapters(self) -> dict[str, int]:
         """Loaded adapter keys and their device bytes."""

@@ -189,7 +189,8 @@ def check_adapter_fits(spec: AdapterSpec, base_dir: Path) -> None:
 
 def adapter_bytes(spec: AdapterSpec, element_size: int | None = None) -> int:
     """Device bytes of the adapter at `element_size` bytes an element (None: the file's
-    dtype): its slot copy plus its share of the step's batched copy (two copies)."""
+    dtype): its slot copy plus its share of the step's stacked copy (two copies; the stacked
+    one grows when adapters of a larger rank share the step, ranks being padded to it)."""
     size = element_size or _SAFETENSORS_BYTES[spec.dtype]
     elements = sum(m.rank * (m.in_features + m.out_features) for m in spec.modules)
     return 2 * elements * size

@@ -88,7 +88,13 @@ def test_adapters_load_on_the_resident_base_and_serve(folders: dict[str, Path]) 
         asyncio.run(backend.compile_grammar(choice))
         assert asyncio.run(collect(backend, choice, "support-bot@1"))[0] in ("yes", "no")
 
-        # An offload drops the device slots; after a restore the adapter serves the same.
+        # Out of its device slot and back (host copy kept): it serves the same.
+        backend.offload_adapter("support-bot@1")
+        assert backend.engine.runner.lora.resident() == ["support-bot@2"]
+        backend.restore_adapter("support-bot@1")
+        assert backend.engine.runner.lora.resident() == ["support-bot@2", "support-bot@1"]
+        assert asyncio.run(collect(backend, greedy, "support-bot@1")) == one
+        # An offload of the base drops the device slots; after a restore the same again.
         backend.offload()
         backend.restore("cpu")
         assert asyncio.run(collect(backend, greedy, "support-bot@1")) == one
@@ -98,7 +104,7 @@ def test_adapters_load_on_the_resident_base_and_serve(folders: dict[str, Path]) 
         assert e.value.param == "model"
         with pytest.raises(AdapterError, match="another architecture"):
             backend.load_adapter("phi3", folders["phi3"])
-        with pytest.raises(AdapterError, match="exceeds the largest supported rank 8"):
+        with pytest.raises(AdapterError, match="rank 16, above this model's max_lora_rank=8"):
             backend.load_adapter("big", folders["rank16"])
         assert asyncio.run(_unload_while_serving(backend)) == "refused"
         backend.unload_adapter("support-bot@1")  # once the aborted request has left
