@@ -1,13 +1,17 @@
-"""Where a decode step's time goes: GEMM, attention, the rest of the forward, sampling, and
-everything else (scheduling, input preparation, detokenizing: Python).
+"""Where a decode step's time goes: GEMM, attention, the rest of the forward, sampling,
+scheduling, input preparation, detokenizing and output handling, and what is left (Python).
 
 The benchmark Llama (~25M parameters, float32, or int8 with `--quantization int8`) decodes
 `--batch` sequences at once; after a warm-up, each part is timed over `--steps` decode steps
 with wall-clock wrappers around `nn.Linear` / `Int8Linear` forwards (GEMM), the paged
-attention function (attention), the sampler, the model's forward and the engine's step.
-Prints a JSON breakdown (milliseconds per step and fractions).
+attention function (attention), the sampler, the model's forward, the scheduler's
+`schedule` and `update` (with the block manager), the runner's input preparation, the
+engine's per-sequence output (detokenizer included) and the engine's step; the process's CPU
+time per step is reported beside the wall time (on a shared machine the steadier figure).
+Prints a JSON breakdown (milliseconds per step and fractions); `--out` also writes it.
 
     python benchmarks/llm_step_profile.py [--batch 64] [--steps 20] [--quantization int8]
+        [--out FILE]
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ def main() -> None:
     parser.add_argument("--quantization", default=None)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--model-dir", type=Path)
+    parser.add_argument("--out", type=Path, help="also write the JSON here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = args.model_dir or Path(tempfile.mkdtemp(prefix="llm-profile-")) / "model"
@@ -65,7 +70,10 @@ def main() -> None:
     runner = ModelRunner.load(
         model_dir, "cpu", torch.float32, config, quantization=args.quantization
     )
-    engine = LLMEngine(config, runner, None)
+    from transformers import AutoTokenizer
+
+    # With the tokenizer, as served: each step's tokens are detokenized.
+    engine = LLMEngine(config, runner, AutoTokenizer.from_pretrained(model_dir))
     params = SamplingParams(temperature=0.0, max_tokens=1024, ignore_eos=True)
     for i in range(args.batch):
         engine.add_request(str(i), [7 + (i * 13 + j) % 8000 for j in range(128)], params)
@@ -85,27 +93,42 @@ def main() -> None:
     sampler_class = type(runner.sampler)
     sampler_class.__call__ = timed("sampling", sampler_class.__call__)  # type: ignore[method-assign]
     runner.model = timed("forward", runner.model)
+    runner._prepare = timed("inputs", runner._prepare)  # type: ignore[method-assign]
+    scheduler.schedule = timed("schedule", scheduler.schedule)  # type: ignore[method-assign]
+    scheduler.update = timed("update", scheduler.update)  # type: ignore[method-assign]
+    engine._emit = timed("outputs", engine._emit)  # type: ignore[method-assign]
     step = timed("step", engine.step)
+    cpu = time.process_time()
     for _ in range(args.steps):
         step()
+    cpu_per_step = 1000 * (time.process_time() - cpu) / args.steps
     per_step = {k: 1000 * v / args.steps for k, v in totals.items()}
     forward_other = per_step["forward"] - per_step["gemm"] - per_step["attention"]
-    python = per_step["step"] - per_step["forward"] - per_step["sampling"]
+    named = ("forward", "sampling", "inputs", "schedule", "update", "outputs")
+    python = per_step["step"] - sum(per_step[k] for k in named)
     parts = {
         "gemm": per_step["gemm"],
         "attention": per_step["attention"],
         "forward_other (norms, rotary, activations, module calls)": forward_other,
         "sampling": per_step["sampling"],
-        "engine_other (scheduling, inputs, detokenizing)": python,
+        "inputs (runner: tensors, tables)": per_step["inputs"],
+        "schedule (scheduler + block manager)": per_step["schedule"],
+        "update (scheduler: append, stop checks)": per_step["update"],
+        "outputs (detokenizer, RequestOutput, latencies)": per_step["outputs"],
+        "engine_other (step loop, metrics)": python,
     }
     result = {
         "batch": args.batch,
         "quantization": args.quantization or "none",
+        "threads": args.threads,
         "ms_per_step": per_step["step"],
+        "cpu_ms_per_step": cpu_per_step,
         "ms": parts,
         "fraction": {k: v / per_step["step"] for k, v in parts.items()},
     }
     print(json.dumps(result, indent=2))
+    if args.out is not None:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -153,6 +153,31 @@ class PagedDecodeKernel:
             if int(low) < 0 or int(high) >= num_blocks:
                 raise ValueError(f"paged decode: block ids must be in [0, {num_blocks})")
 
+    @staticmethod
+    def check_index_lists(
+        tables: list[int],
+        table_starts: list[int],
+        lens: list[int],
+        num_blocks: int,
+        block_size: int,
+    ) -> None:
+        """`check_indices` on the Python lists the tensors are made from: the same checks
+        and errors, without the handful of tiny tensor ops (a runner's step at batch 1 pays
+        more for those than for the lists' few elements)."""
+        if not lens:
+            return
+        if min(lens) < 1:
+            raise ValueError("paged decode: context lengths must be >= 1")
+        if min(table_starts) < 0:
+            raise ValueError("paged decode: table starts must be >= 0")
+        if len(table_starts) != len(lens):
+            raise ValueError("paged decode: one table start and length per row")
+        widths = ((n + block_size - 1) // block_size for n in lens)
+        if max(s + w for s, w in zip(table_starts, widths, strict=False)) > len(tables):
+            raise ValueError("paged decode: a row's context needs more blocks than its table")
+        if tables and (min(tables) < 0 or max(tables) >= num_blocks):
+            raise ValueError(f"paged decode: block ids must be in [0, {num_blocks})")
+
 
 @functools.cache
 def paged_decode(settings: KernelSettings = KernelSettings()) -> PagedDecodeKernel | None:

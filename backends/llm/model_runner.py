@@ -12,6 +12,7 @@ loaded on the model; a step's tokens run with their sequence's adapter (`seq.ada
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -229,9 +230,8 @@ class ModelRunner:
             decode_lens.append(pos + 1)
             decode_blocks.extend(seq.block_ids[: pos // bs + 1])
             decode_widths.append(pos // bs + 1)
-        # One tensor for all tables, split per sequence (views cost less than tensors).
+        # One tensor for all tables (views of it cost less than a tensor per sequence).
         all_tables = torch.tensor(decode_blocks, dtype=torch.long, device=device)
-        decode_tables = all_tables.split(decode_widths)
 
         prefills: list[PrefillChunk] = []
         for item in output.scheduled:
@@ -248,18 +248,17 @@ class ModelRunner:
             prefills.append(PrefillChunk(t0, len(token_ids), start, blocks))
 
         decode_batch = native = None
+        decode_tables: list[torch.Tensor] = []
         batched = self.batched_decode
         if batched is None:
             batched = self.device.type != "cpu"
         kernel = self._native_kernel() if not batched else None
         if kernel is not None and decode_lens:
-            starts = [0]
-            for width in decode_widths[:-1]:
-                starts.append(starts[-1] + width)
+            starts = [0, *itertools.accumulate(decode_widths[:-1])]
+            # Once a step, on the lists (no tensor ops), so that every layer's call skips it.
+            kernel.check_index_lists(decode_blocks, starts, decode_lens, self.num_blocks, bs)
             starts_t = torch.tensor(starts, dtype=torch.long)
             lens_t = torch.tensor(decode_lens, dtype=torch.long)
-            # Once a step, so that every layer's call can skip it.
-            kernel.check_indices(all_tables, starts_t, lens_t, self.num_blocks, bs)
             native = NativeDecode(kernel, all_tables, starts_t, lens_t, indices_checked=True)
         elif batched and decode_lens:
             width = max(decode_widths)
@@ -268,15 +267,16 @@ class ModelRunner:
                 torch.tensor(rows, dtype=torch.long, device=device),
                 torch.tensor(decode_lens, dtype=torch.long, device=device),
             )
+        elif decode_lens:  # the torch path reads each decode's own table
+            decode_tables = list(all_tables.split(decode_widths))
 
         sampling = [item.seq for item in output.scheduled if item.sample]
-        # Decodes first, then the chunks: the order the tokens were packed in above.
-        packed = sorted(output.scheduled, key=lambda item: item.num_tokens != 1)
-        segments = [(item.seq.adapter, item.num_tokens) for item in packed]
+        # The scheduler's order (single tokens first, then the chunks) is the packing order.
+        segments = [(item.seq.adapter, item.num_tokens) for item in output.scheduled]
         metadata = PagedAttentionMetadata(
             kv_caches=self.kv_caches,
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-            decode_tables=list(decode_tables),
+            decode_tables=decode_tables,
             decode_batch=decode_batch,
             native_decode=native,
             decode_lens=decode_lens,

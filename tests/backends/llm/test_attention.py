@@ -142,6 +142,15 @@ def test_the_native_kernel_refuses_tensors_it_cannot_read() -> None:
         kernel(q, cache, ids, ids, five, args[4], sliding_window=None, softcap=None)
     with pytest.raises(ValueError, match="lengths must be >= 1"):
         kernel(q, cache, ids, ids, ids, args[4], sliding_window=None, softcap=None)
+    # The runner's once-a-step check on the Python lists refuses the same indices.
+    check = kernel.check_index_lists
+    with pytest.raises(ValueError, match=r"block ids must be in \[0, 4\)"):
+        check([5], [0], [1], 4, 4)
+    with pytest.raises(ValueError, match="more blocks than its table"):
+        check([0], [0], [5], 4, 4)
+    with pytest.raises(ValueError, match="lengths must be >= 1"):
+        check([0], [0], [0], 4, 4)
+    check([0, 3], [0], [5], 4, 4)  # two blocks of 4 hold 5 tokens
 
 
 def test_a_failed_build_is_remembered_and_not_retried(
