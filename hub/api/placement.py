@@ -81,7 +81,14 @@ class PlacementMiddleware:
             await self.app(scope, receive, send)
             return
         if headers.get(FORWARDED_BY):
-            route = _forwarded_route(headers.get(ROUTE_HEADER), router)
+            named = headers.get(ROUTE_HEADER)
+            route = _forwarded_route(named, router)
+            if route is None and named:
+                # The forwarding replica knows a version this one has not read yet (it was
+                # registered a moment ago): catch up with SQL once rather than answer 404.
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(hub.control.refresh(), timeout=5)
+                route = _forwarded_route(named, router)
             if route is not None:
                 scope[DECIDED_ROUTE] = route
             await self.app(scope, receive, send)

@@ -23,8 +23,14 @@ from tests.support.cluster import Cluster, Replica, wait_for
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 
 
+# What each replica does on its own is the point here, so requests carry the hop header a
+# forwarding peer sets: served where they land, never placed elsewhere (test_placement.py
+# covers placement).
+HERE = {"X-Hub-Forwarded-By": "test"}
+
+
 def embed(replica: Replica, model: str) -> httpx.Response:
-    return replica.post("/v1/embeddings", json={"model": model, "input": ["hello"]})
+    return replica.post("/v1/embeddings", json={"model": model, "input": ["hello"]}, headers=HERE)
 
 
 def served_by(replica: Replica, model: str) -> str | None:

@@ -29,10 +29,16 @@ def ok(r: httpx.Response) -> Any:
     return r.json()
 
 
+# Every replica serves its share itself (as a model resident on all of them would): the
+# hop header a forwarding peer sets keeps placement from sending it all to one holder.
+HERE = {"X-Hub-Forwarded-By": "test"}
+
+
 def embed(replica: Replica) -> str:
-    """One routed request (a fresh sticky key) through `replica`; the version that served."""
+    """One routed request (a fresh sticky key) served by `replica`; the version that served."""
     r = replica.post("/v1/embeddings", json={"model": MODEL, "input": ["a b c"],
-                                             "user": f"u-{next(_keys)}"})  # fmt: skip
+                                             "user": f"u-{next(_keys)}"},
+                     headers=HERE)  # fmt: skip
     assert r.status_code == 200, r.text
     return r.headers["X-Hub-Model-Version"]
 
@@ -74,6 +80,11 @@ def two_versions(cluster: Cluster, tiny_embedder_dir: Path, tiny_embedder_v2_dir
         ok(first.post("/admin/registry/models", json={"name": MODEL, "kind": "embedder",
                                                       "source": str(source),
                                                       "aliases": aliases}))  # fmt: skip
+    for replica in cluster.replicas:  # every catalog has read both versions (one poll)
+        wait_for(
+            lambda r=replica: r.get(f"/v1/models/{MODEL}@2").status_code == 200,
+            f"{replica.base} never listed {MODEL}@2",
+        )
 
 
 def test_every_replica_reads_the_traffic_of_all(cluster: Cluster, two_versions: None) -> None:
