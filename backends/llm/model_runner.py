@@ -25,7 +25,7 @@ from backends.llm.architectures import unsupported_reason
 from backends.llm.attention import NativeDecode, PagedAttentionMetadata, PrefillChunk
 from backends.llm.config import EngineConfig
 from backends.llm.lora.manager import LoRAManager
-from backends.llm.quantization import quantize_model
+from backends.llm.quantization import WeightQuantizer
 from backends.llm.sampler import Sampler, SamplerOutput
 from backends.llm.scheduler import ScheduledSequence, SchedulerOutput
 from backends.llm.sequence import Sequence
@@ -124,6 +124,11 @@ class ModelRunner:
         if reason is not None:
             raise LoadError(reason)
         attention.register()
+        if quantization not in (None, "int8"):
+            raise LoadError(f"quantization {quantization!r} is not supported; use int8")
+        # Quantized tensor by tensor as the checkpoint is read: the load's peak is near the
+        # quantized size, not the float one.
+        quantizer = WeightQuantizer() if quantization is not None else None
         try:
             # Weights go straight from the safetensors files onto the device (no random init
             # of parameters about to be overwritten, no copy into preallocated ones).
@@ -133,16 +138,15 @@ class ModelRunner:
                 dtype,
                 trust_remote_code=trust_remote_code,
                 attn_implementation=attention.ATTENTION_NAME,
+                transform=quantizer,
             )
         except LoadError:
             raise
         except Exception as e:
             raise LoadError(f"cannot load the model in {artifact_dir}: {e}") from e
-        if quantization == "int8":
-            layers = quantize_model(model)
-            log.info("%s: %d linear layers quantized to int8", artifact_dir, layers)
-        elif quantization is not None:
-            raise LoadError(f"quantization {quantization!r} is not supported; use int8")
+        if quantizer is not None:
+            layers = quantizer.layer_count(model)
+            log.info("%s: %d linear layers quantized (%s)", artifact_dir, layers, quantization)
         return cls(
             model,
             engine_config,
