@@ -24,6 +24,7 @@ from backends.llm import attention, cpu_kernels
 from backends.llm.architectures import unsupported_reason
 from backends.llm.attention import NativeDecode, PagedAttentionMetadata, PrefillChunk
 from backends.llm.config import EngineConfig
+from backends.llm.int4 import require_int4_kernel
 from backends.llm.lora.manager import LoRAManager
 from backends.llm.quantization import WeightQuantizer
 from backends.llm.sampler import Sampler, SamplerOutput
@@ -107,9 +108,12 @@ class ModelRunner:
         native_decode: bool | None = None,
         kernels: cpu_kernels.KernelSettings | None = None,
         quantization: str | None = None,
+        group_size: int = 128,
     ) -> ModelRunner:
         """The model in `artifact_dir` on `device`; `quantization` "int8" stores its linear
-        layers as int8 (`backends.llm.quantization`), None keeps the checkpoint's weights."""
+        layers as int8 (`backends.llm.quantization`), "int4" as int4 in groups of
+        `group_size` where the kernel takes their shape (`backends.llm.int4`), None keeps the
+        checkpoint's weights."""
         from transformers import AutoConfig
 
         from backends.loading import load_causal_lm
@@ -124,11 +128,15 @@ class ModelRunner:
         if reason is not None:
             raise LoadError(reason)
         attention.register()
-        if quantization not in (None, "int8"):
-            raise LoadError(f"quantization {quantization!r} is not supported; use int8")
+        if quantization not in (None, "int8", "int4"):
+            raise LoadError(f"quantization {quantization!r} is not supported; use int8 or int4")
+        if quantization == "int4":
+            require_int4_kernel(device)
         # Quantized tensor by tensor as the checkpoint is read: the load's peak is near the
         # quantized size, not the float one.
-        quantizer = WeightQuantizer() if quantization is not None else None
+        quantizer = None
+        if quantization is not None:
+            quantizer = WeightQuantizer(quantization, group_size)
         try:
             # Weights go straight from the safetensors files onto the device (no random init
             # of parameters about to be overwritten, no copy into preallocated ones).

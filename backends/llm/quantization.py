@@ -31,7 +31,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-QUANTIZATION_METHODS = ("none", "int8")
+from backends.llm.int4 import Int4Linear, int4_bytes, int4_fits, quantize_int4, row_chunks
+
+QUANTIZATION_METHODS = ("none", "int8", "int4")
 
 # Up to this many rows the int8 matrix-vector kernel beats dequantize + matmul on a CPU.
 GEMV_MAX_ROWS = 16
@@ -51,22 +53,13 @@ def is_quantized_weight(name: str, shape: tuple[int, ...] | list[int]) -> bool:
     return "experts" not in parts and parts[-2] not in ("gate", "router")
 
 
-def row_chunks(rows: int, width: int) -> list[slice]:
-    """Row ranges of an `(rows, width)` weight to quantize one at a time: multiples of 64 rows
-    of about 256K elements. The float temporaries of a chunk stay small enough for the
-    allocator to reuse, where whole-matrix temporaries would be left fragmenting the heap
-    (glibc keeps freed blocks between live ones), so the load's peak is the quantized size."""
-    step = max(64, (2**18 // max(width, 1)) // 64 * 64)
-    return [slice(start, min(start + step, rows)) for start in range(0, rows, step)]
-
-
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`weight` (out, in) as int8 with one bfloat16 scale per output channel (absmax / 127)."""
     out_features, in_features = weight.shape
     quantized = torch.empty(out_features, in_features, dtype=torch.int8, device=weight.device)
     scale = torch.empty(out_features, dtype=torch.bfloat16, device=weight.device)
     for rows in row_chunks(out_features, in_features):
-        chunk = weight[rows].float()
+        chunk = weight[rows].to(torch.float32, copy=True)  # never written through
         # Rounded to bfloat16 before quantizing, so the stored scale is the one divided by.
         chunk_scale = (chunk.abs().amax(dim=1).clamp_min(1e-12) / 127.0).to(torch.bfloat16)
         chunk.div_(chunk_scale.float()[:, None]).round_().clamp_(-127, 127)
@@ -129,12 +122,16 @@ class WeightQuantizer:
     """Which weights of a model are quantized and how, applied either to a loaded model
     (`apply`) or tensor by tensor while its checkpoint is read (`prepare` + `convert`, the
     `backends.loading.WeightTransform` protocol): then no float copy of the model exists at
-    any time, only the tensor being converted."""
+    any time, only the tensor being converted.
+
+    `method` "int4" stores the layers whose shape the int4 kernel takes (`int4_fits`) as
+    `Int4Linear` in groups of `group_size`, the others as int8."""
 
     method: str = "int8"
+    group_size: int = 128
 
     def layer_count(self, model: torch.nn.Module) -> int:
-        return sum(isinstance(m, Int8Linear) for m in model.modules())
+        return sum(isinstance(m, Int8Linear | Int4Linear) for m in model.modules())
 
     def apply(self, model: torch.nn.Module) -> int:
         """Replace the selected `nn.Linear` layers of a loaded `model` in place; returns how
@@ -142,7 +139,12 @@ class WeightQuantizer:
         names = self._selected(model)
         for name in names:
             parent, child = _parent(model, name)
-            setattr(parent, child, Int8Linear.from_linear(getattr(parent, child)))
+            linear = getattr(parent, child)
+            if self._int4(tuple(linear.weight.shape)):
+                layer: torch.nn.Module = Int4Linear.from_linear(linear, self.group_size)
+            else:
+                layer = Int8Linear.from_linear(linear)
+            setattr(parent, child, layer)
         return len(names)
 
     def prepare(self, model: torch.nn.Module) -> set[str]:
@@ -152,15 +154,34 @@ class WeightQuantizer:
         for name in names:
             parent, child = _parent(model, name)
             linear = getattr(parent, child)
+            sizes = (linear.in_features, linear.out_features)
             bias = linear.bias is not None
-            setattr(parent, child, Int8Linear(linear.in_features, linear.out_features, bias=bias))
+            if self._int4(tuple(linear.weight.shape)):
+                layer: torch.nn.Module = Int4Linear(*sizes, bias=bias, group_size=self.group_size)
+            else:
+                layer = Int8Linear(*sizes, bias=bias)
+            setattr(parent, child, layer)
         return {f"{name}.weight" for name in names}
 
     def convert(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
         """The quantized layer's buffers for the float weight `name` (one `prepare` named)."""
         layer = name.removesuffix(".weight")
-        weight, scale = quantize_int8(tensor)  # from the checkpoint's own (mapped) memory
+        # Quantized from the checkpoint's own (mapped) memory.
+        if self._int4(tuple(tensor.shape)):
+            packed, scales = quantize_int4(tensor, self.group_size)
+            return {name: packed, f"{layer}.scales_and_zeros": scales}
+        weight, scale = quantize_int8(tensor)
         return {name: weight, f"{layer}.scale": scale}
+
+    def tensor_bytes(self, name: str, shape: list[int], element_size: int) -> int:
+        """Bytes the tensor `name` of `shape` takes once loaded, where it would take
+        `element_size` bytes an element unquantized (`tensor_bytes_from_headers`'s size_of)."""
+        if is_quantized_weight(name, shape) and self._int4(tuple(shape)):
+            return int4_bytes(shape, self.group_size)
+        return quantized_bytes(name, shape, element_size)
+
+    def _int4(self, shape: tuple[int, ...]) -> bool:
+        return self.method == "int4" and int4_fits(shape, self.group_size)
 
     def _selected(self, model: torch.nn.Module) -> list[str]:
         tied = _tied_head(model)
