@@ -18,10 +18,9 @@ sums round the same way (tests/backends/llm/test_moe.py).
 
 Not switched on: with torch 2.13 and transformers 5.23 a model loads with transformers'
 `grouped_mm` experts implementation (one `grouped_mm` call per projection, CPU kernel
-included), not the loop, and this is no faster than that on this CPU
-(benchmarks/moe_experts.py, 5 rounds: `grouped_mm` takes 1.17x this one's time at 1 token,
-1.01x at 32, 1.14x at 256; an earlier run 0.97x, 1.05x, 1.04x: within the machine's noise at
-decode sizes). `group_experts` is
+included), not the loop, and this is not reliably faster than that at decode sizes on this
+CPU (benchmarks/moe_experts.py, 5 rounds: `grouped_mm` takes 1.17x this one's time at 1
+token, 1.01x at 32, 1.14x at 256; an earlier run 0.97x, 1.05x, 1.04x). `group_experts` is
 kept for a transformers or configuration that falls back to the loop ("eager").
 """
 
