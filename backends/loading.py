@@ -13,7 +13,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from safetensors import safe_open
@@ -43,6 +43,19 @@ SAFETENSORS_DTYPE_BYTES: dict[str, int] = {
     "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
     "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1,
 }  # fmt: skip
+
+
+class WeightTransform(Protocol):
+    """Changes a model's weights as its checkpoint is read (quantization while loading):
+    `prepare` adapts the just-built model and names the checkpoint tensors to convert,
+    `convert` turns one of them into the model's tensors (name -> tensor), and `apply` does
+    the same to a model that was loaded whole (the reference path)."""
+
+    def prepare(self, model: torch.nn.Module) -> set[str]: ...
+
+    def convert(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]: ...
+
+    def apply(self, model: torch.nn.Module) -> int: ...
 
 
 def parse_dtype(name: str | None) -> torch.dtype | None:
@@ -175,6 +188,7 @@ def load_pretrained(
     *,
     trust_remote_code: bool = False,
     attn_implementation: str | None = None,
+    transform: WeightTransform | None = None,
 ) -> Any:
     """A transformers model of `auto_class` (`AutoModelForCausalLM`, ...) from a verified
     folder, on `device`, in `dtype` (None: the checkpoint's), with `attn_implementation`
@@ -184,7 +198,9 @@ def load_pretrained(
     files straight onto `device` and assigns their tensors (no copy into preallocated
     parameters), so a load costs about `load_file` plus building the module tree.
     Checkpoints it cannot map one to one (renamed keys, quantisation) go through
-    `from_pretrained`, the reference path, with the reason logged.
+    `from_pretrained`, the reference path, with the reason logged. `transform` (quantization)
+    converts each tensor as it is read on the fast path, so the load never holds more than
+    one unconverted tensor; on the reference path it converts the loaded model.
     """
     from transformers import AutoConfig
 
@@ -201,10 +217,12 @@ def load_pretrained(
     try:
         if getattr(config, "quantization_config", None) is not None:
             raise _NeedsReferenceLoader("the checkpoint is quantised")
-        model = _load_assigned(auto_class, config, files, device, dtype, options)
+        model = _load_assigned(auto_class, config, files, device, dtype, options, transform)
     except _NeedsReferenceLoader as why:
         log.info("loading %s with from_pretrained: %s", artifact_dir, why)
         model = _load_reference(auto_class, artifact_dir, device, dtype, options)
+        if transform is not None:
+            transform.apply(model)
     generation_config = artifact_dir / "generation_config.json"
     if generation_config.is_file() and hasattr(model, "generation_config"):
         from transformers import GenerationConfig
@@ -222,6 +240,7 @@ def load_causal_lm(
     *,
     trust_remote_code: bool = False,
     attn_implementation: str | None = None,
+    transform: WeightTransform | None = None,
 ) -> Any:
     """A causal LM (`AutoModelForCausalLM`) loaded by `load_pretrained`."""
     from transformers import AutoModelForCausalLM
@@ -233,6 +252,7 @@ def load_causal_lm(
         dtype,
         trust_remote_code=trust_remote_code,
         attn_implementation=attn_implementation,
+        transform=transform,
     )
 
 
@@ -247,11 +267,13 @@ def _load_assigned(
     device: str,
     dtype: torch.dtype | None,
     options: dict[str, Any],
+    transform: WeightTransform | None = None,
 ) -> Any:
     # Built on the CPU whatever the target: its uninitialised parameters are never touched,
     # so they cost no memory there, and the checkpoint's tensors land on `device` directly.
     with skip_parameter_init():
         model = auto_class.from_config(config, **options)
+    converted = transform.prepare(model) if transform is not None else set()
     expected = set(model.state_dict().keys())
     prefix = getattr(model, "base_model_prefix", "")
     state: dict[str, torch.Tensor] = {}
@@ -260,6 +282,13 @@ def _load_assigned(
             name = _model_key(key, expected, prefix)
             if name is None:
                 continue  # not part of this architecture (e.g. a stale rotary buffer)
+            if name in converted and transform is not None:
+                # Converted from the checkpoint's tensor (memory-mapped, no copy); cast only
+                # to a narrower dtype, whose rounding the model would have seen.
+                if dtype is not None and torch.finfo(dtype).bits < torch.finfo(tensor.dtype).bits:
+                    tensor = tensor.to(dtype)
+                state.update(transform.convert(name, tensor))
+                continue
             if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
                 tensor = tensor.to(dtype)
             state[name] = tensor

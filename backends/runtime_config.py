@@ -208,9 +208,11 @@ class LLMConfig(RuntimeConfig):
     priority_aging_steps: Count = 256
     # The model's context length, recorded from its config.json at registration, for reading.
     context_length: Count | None = None
-    # Weight-only quantization applied at load (backends/llm/quantization.py); none: the
-    # model's dtype.
-    quantization: Literal["none", "int8"] | None = None
+    # Weight-only quantization applied at load (backends/llm/quantization.py, int4.py);
+    # none: the model's dtype. int4 runs on the CPU only, in groups of
+    # `quantization_group_size` input channels (the sizes torch's int4 kernel takes).
+    quantization: Literal["none", "int8", "int4"] | None = None
+    quantization_group_size: Literal[32, 64, 128, 256] = 128
     # How tool calls are found in the model's output with `tool_choice: auto`
     # (hub/api/tool_parsers); None: chosen from the chat template.
     tool_parser: Literal["hermes", "llama3_json", "mistral"] | None = None
@@ -220,7 +222,7 @@ class LLMConfig(RuntimeConfig):
     max_lora_rank: Annotated[int, Field(strict=True, ge=1, le=512)] = 64
 
     def quantization_method(self) -> str | None:
-        """The quantization to apply at load ("int8"), or None."""
+        """The quantization to apply at load ("int8", "int4"), or None."""
         return None if self.quantization in (None, "none") else self.quantization
 
     @model_validator(mode="after")

@@ -5,7 +5,7 @@ step thread). Requests come in as text or chat messages, become token ids here, 
 back as `RequestOutput` deltas; the hub's routes shape them into OpenAI responses.
 
 Memory: `predict_memory` is the weights (from safetensors headers, in the configured dtype,
-int8 where the runtime config asks `quantization: int8`) plus the KV-cache reservation
+int8 or int4 where the runtime config asks `quantization`) plus the KV-cache reservation
 (`kv_cache_bytes`, or `kv_cache_fraction` of the device budget) plus a small allowance for
 activations; `memory_bytes` measures parameters, buffers
 and the KV-cache tensors. `offload` parks the weights in one host buffer (backends.parking)
@@ -44,7 +44,7 @@ from backends.llm.engine import LLMEngine, RequestOutput
 from backends.llm.lora.adapter import check_adapter_fits, read_adapter
 from backends.llm.metrics import EngineMetrics
 from backends.llm.model_runner import ModelRunner
-from backends.llm.quantization import quantized_bytes
+from backends.llm.quantization import WeightQuantizer
 from backends.llm.sampling_params import SamplingParams
 from backends.llm.structured.metrics import GrammarMetrics
 from backends.loading import (
@@ -95,9 +95,10 @@ class LLMBackend(Backend):
         config = llm_config(runtime_config)
         files = require_safe_weights(artifact_dir)
         dtype = parse_dtype(config.dtype)
-        quantized = config.quantization == "int8"
+        method = config.quantization_method()
+        quantizer = WeightQuantizer(method, config.quantization_group_size) if method else None
         weights = tensor_bytes_from_headers(
-            files, dtype, size_of=quantized_bytes if quantized else None
+            files, dtype, size_of=quantizer.tensor_bytes if quantizer else None
         )
         kv_cache = kv_cache_reservation(config, device_budget_bytes)
         return weights + kv_cache + _RUNTIME_OVERHEAD_BYTES
@@ -123,6 +124,7 @@ class LLMBackend(Backend):
             trust_remote_code=ctx.trust_remote_code,
             kernels=ctx.kernels,
             quantization=self.config.quantization_method(),
+            group_size=self.config.quantization_group_size,
         )
         self._metrics = EngineMetrics(ctx.metrics_registry, ctx.model, ctx.version)
         grammar_metrics = GrammarMetrics(ctx.metrics_registry, ctx.model, ctx.version)

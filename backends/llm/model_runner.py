@@ -25,8 +25,9 @@ from backends.llm import attention, cpu_kernels
 from backends.llm.architectures import unsupported_reason
 from backends.llm.attention import NativeDecode, PagedAttentionMetadata, PrefillChunk
 from backends.llm.config import EngineConfig
+from backends.llm.int4 import require_int4_kernel
 from backends.llm.lora.manager import LoRAManager
-from backends.llm.quantization import quantize_model
+from backends.llm.quantization import WeightQuantizer
 from backends.llm.sampler import Sampler, SamplerOutput
 from backends.llm.scheduler import ScheduledSequence, SchedulerOutput
 from backends.llm.sequence import Sequence
@@ -108,9 +109,12 @@ class ModelRunner:
         native_decode: bool | None = None,
         kernels: cpu_kernels.KernelSettings | None = None,
         quantization: str | None = None,
+        group_size: int = 128,
     ) -> ModelRunner:
         """The model in `artifact_dir` on `device`; `quantization` "int8" stores its linear
-        layers as int8 (`backends.llm.quantization`), None keeps the checkpoint's weights."""
+        layers as int8 (`backends.llm.quantization`), "int4" as int4 in groups of
+        `group_size` where the kernel takes their shape (`backends.llm.int4`), None keeps the
+        checkpoint's weights."""
         from transformers import AutoConfig
 
         from backends.loading import load_causal_lm
@@ -125,6 +129,15 @@ class ModelRunner:
         if reason is not None:
             raise LoadError(reason)
         attention.register()
+        if quantization not in (None, "int8", "int4"):
+            raise LoadError(f"quantization {quantization!r} is not supported; use int8 or int4")
+        if quantization == "int4":
+            require_int4_kernel(device)
+        # Quantized tensor by tensor as the checkpoint is read: the load's peak is near the
+        # quantized size, not the float one.
+        quantizer = None
+        if quantization is not None:
+            quantizer = WeightQuantizer(quantization, group_size)
         try:
             # Weights go straight from the safetensors files onto the device (no random init
             # of parameters about to be overwritten, no copy into preallocated ones).
@@ -134,16 +147,15 @@ class ModelRunner:
                 dtype,
                 trust_remote_code=trust_remote_code,
                 attn_implementation=attention.ATTENTION_NAME,
+                transform=quantizer,
             )
         except LoadError:
             raise
         except Exception as e:
             raise LoadError(f"cannot load the model in {artifact_dir}: {e}") from e
-        if quantization == "int8":
-            layers = quantize_model(model)
-            log.info("%s: %d linear layers quantized to int8", artifact_dir, layers)
-        elif quantization is not None:
-            raise LoadError(f"quantization {quantization!r} is not supported; use int8")
+        if quantizer is not None:
+            layers = quantizer.layer_count(model)
+            log.info("%s: %d linear layers quantized (%s)", artifact_dir, layers, quantization)
         return cls(
             model,
             engine_config,

@@ -26,10 +26,14 @@ dequantized to the activations' dtype for one matmul.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-QUANTIZATION_METHODS = ("none", "int8")
+from backends.llm.int4 import Int4Linear, int4_bytes, int4_fits, quantize_int4, row_chunks
+
+QUANTIZATION_METHODS = ("none", "int8", "int4")
 
 # Up to this many rows the int8 matrix-vector kernel beats dequantize + matmul on a CPU.
 GEMV_MAX_ROWS = 16
@@ -49,25 +53,49 @@ def is_quantized_weight(name: str, shape: tuple[int, ...] | list[int]) -> bool:
     return "experts" not in parts and parts[-2] not in ("gate", "router")
 
 
-class Int8Linear(torch.nn.Module):
-    """A linear layer with an int8 weight and a per-output-channel scale (bfloat16)."""
-
-    def __init__(self, linear: torch.nn.Linear) -> None:
-        super().__init__()
-        weight = linear.weight.detach()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        scale = weight.abs().amax(dim=1).float().clamp_min(1e-12) / 127.0  # (out,)
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`weight` (out, in) as int8 with one bfloat16 scale per output channel (absmax / 127)."""
+    out_features, in_features = weight.shape
+    quantized = torch.empty(out_features, in_features, dtype=torch.int8, device=weight.device)
+    scale = torch.empty(out_features, dtype=torch.bfloat16, device=weight.device)
+    for rows in row_chunks(out_features, in_features):
+        chunk = weight[rows].to(torch.float32, copy=True)  # never written through
         # Rounded to bfloat16 before quantizing, so the stored scale is the one divided by.
-        scale = scale.to(torch.bfloat16)
-        quantized = torch.round(weight.float() / scale.float()[:, None]).clamp_(-127, 127)
+        chunk_scale = (chunk.abs().amax(dim=1).clamp_min(1e-12) / 127.0).to(torch.bfloat16)
+        chunk.div_(chunk_scale.float()[:, None]).round_().clamp_(-127, 127)
+        quantized[rows] = chunk.to(torch.int8)
+        scale[rows] = chunk_scale
+    return quantized, scale
+
+
+class Int8Linear(torch.nn.Module):
+    """A linear layer with an int8 weight and a per-output-channel scale (bfloat16).
+
+    Built empty (`Int8Linear(in, out, bias=...)`, its buffers then assigned from quantized
+    checkpoint tensors as they are read) or from a float layer (`from_linear`)."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
         self.weight: torch.Tensor
         self.scale: torch.Tensor
         self.bias: torch.Tensor | None
-        self.register_buffer("weight", quantized.to(torch.int8).contiguous())
-        self.register_buffer("scale", scale)
-        bias = linear.bias.detach() if linear.bias is not None else None
-        self.register_buffer("bias", bias)
+        # Placeholders on the meta device (no memory): the load assigns the real tensors.
+        self.register_buffer(
+            "weight", torch.empty(out_features, in_features, dtype=torch.int8, device="meta")
+        )
+        self.register_buffer(
+            "scale", torch.empty(out_features, dtype=torch.bfloat16, device="meta")
+        )
+        self.register_buffer("bias", torch.empty(out_features, device="meta") if bias else None)
         self._kernel_ok = self.in_features % _KERNEL_IN_MULTIPLE == 0
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear) -> Int8Linear:
+        layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None)
+        layer.weight, layer.scale = quantize_int8(linear.weight.detach())
+        layer.bias = linear.bias.detach() if linear.bias is not None else None
+        return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -89,22 +117,87 @@ class Int8Linear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
 
 
+@dataclass(frozen=True)
+class WeightQuantizer:
+    """Which weights of a model are quantized and how, applied either to a loaded model
+    (`apply`) or tensor by tensor while its checkpoint is read (`prepare` + `convert`, the
+    `backends.loading.WeightTransform` protocol): then no float copy of the model exists at
+    any time, only the tensor being converted.
+
+    `method` "int4" stores the layers whose shape the int4 kernel takes (`int4_fits`) as
+    `Int4Linear` in groups of `group_size`, the others as int8."""
+
+    method: str = "int8"
+    group_size: int = 128
+
+    def layer_count(self, model: torch.nn.Module) -> int:
+        return sum(isinstance(m, Int8Linear | Int4Linear) for m in model.modules())
+
+    def apply(self, model: torch.nn.Module) -> int:
+        """Replace the selected `nn.Linear` layers of a loaded `model` in place; returns how
+        many. Each float weight is freed as soon as its layer is converted."""
+        names = self._selected(model)
+        for name in names:
+            parent, child = _parent(model, name)
+            linear = getattr(parent, child)
+            if self._int4(tuple(linear.weight.shape)):
+                layer: torch.nn.Module = Int4Linear.from_linear(linear, self.group_size)
+            else:
+                layer = Int8Linear.from_linear(linear)
+            setattr(parent, child, layer)
+        return len(names)
+
+    def prepare(self, model: torch.nn.Module) -> set[str]:
+        """Swap the selected layers of a just-built `model` for empty quantized ones; returns
+        the names of the checkpoint weights `convert` quantizes."""
+        names = self._selected(model)
+        for name in names:
+            parent, child = _parent(model, name)
+            linear = getattr(parent, child)
+            sizes = (linear.in_features, linear.out_features)
+            bias = linear.bias is not None
+            if self._int4(tuple(linear.weight.shape)):
+                layer: torch.nn.Module = Int4Linear(*sizes, bias=bias, group_size=self.group_size)
+            else:
+                layer = Int8Linear(*sizes, bias=bias)
+            setattr(parent, child, layer)
+        return {f"{name}.weight" for name in names}
+
+    def convert(self, name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The quantized layer's buffers for the float weight `name` (one `prepare` named)."""
+        layer = name.removesuffix(".weight")
+        # Quantized from the checkpoint's own (mapped) memory.
+        if self._int4(tuple(tensor.shape)):
+            packed, scales = quantize_int4(tensor, self.group_size)
+            return {name: packed, f"{layer}.scales_and_zeros": scales}
+        weight, scale = quantize_int8(tensor)
+        return {name: weight, f"{layer}.scale": scale}
+
+    def tensor_bytes(self, name: str, shape: list[int], element_size: int) -> int:
+        """Bytes the tensor `name` of `shape` takes once loaded, where it would take
+        `element_size` bytes an element unquantized (`tensor_bytes_from_headers`'s size_of)."""
+        if is_quantized_weight(name, shape) and self._int4(tuple(shape)):
+            return int4_bytes(shape, self.group_size)
+        return quantized_bytes(name, shape, element_size)
+
+    def _int4(self, shape: tuple[int, ...]) -> bool:
+        return self.method == "int4" and int4_fits(shape, self.group_size)
+
+    def _selected(self, model: torch.nn.Module) -> list[str]:
+        tied = _tied_head(model)
+        return [
+            name
+            for name, module in model.named_modules()
+            if isinstance(module, torch.nn.Linear)
+            and is_quantized_weight(f"{name}.weight", tuple(module.weight.shape))
+            and module.weight is not tied
+        ]
+
+
 def quantize_model(model: torch.nn.Module) -> int:
-    """Replace the selected `nn.Linear` layers of `model` by `Int8Linear` in place; returns
-    how many. Each float weight is freed as soon as its layer is converted."""
-    tied = _tied_head(model)
-    names = [
-        name
-        for name, module in model.named_modules()
-        if isinstance(module, torch.nn.Linear)
-        and is_quantized_weight(f"{name}.weight", tuple(module.weight.shape))
-        and module.weight is not tied
-    ]
-    for name in names:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, Int8Linear(getattr(parent, child)))
-    return len(names)
+    """Replace the selected `nn.Linear` layers of a loaded `model` by `Int8Linear` in place;
+    returns how many."""
+    return WeightQuantizer().apply(model)
 
 
 def quantized_bytes(name: str, shape: list[int], element_size: int) -> int:
@@ -116,6 +209,11 @@ def quantized_bytes(name: str, shape: list[int], element_size: int) -> int:
     if is_quantized_weight(name, shape):
         return numel + 2 * shape[0]  # int8 weight, bfloat16 scale per row
     return numel * element_size
+
+
+def _parent(model: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
+    parent_name, _, child = name.rpartition(".")
+    return (model.get_submodule(parent_name) if parent_name else model), child
 
 
 def _tied_head(model: torch.nn.Module) -> torch.Tensor | None:

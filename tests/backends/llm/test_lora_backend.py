@@ -2,7 +2,7 @@
 base without reloading or copying it, serves requests that name it (streaming, n > 1 with a
 seed, a structured output) and shows in the slot metrics, survives an offload, refuses to
 unload while it serves, and an adapter that does not fit or is not loaded is the caller's
-error. An int8 base serves adapters too."""
+error. int8 and int4 bases serve adapters too."""
 
 from __future__ import annotations
 
@@ -126,9 +126,12 @@ async def _unload_while_serving(backend: LLMBackend) -> str:
     return "unloaded"
 
 
-def test_an_int8_base_serves_adapters_beside_its_own_requests(folders: dict[str, Path]) -> None:
-    config = {"kv_cache_bytes": 2 * 2**20, "quantization": "int8"}
-    backend = LLMBackend(BackendContext("tiny-int8", "1", config))
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_a_quantized_base_serves_adapters_beside_its_own_requests(
+    folders: dict[str, Path], method: str
+) -> None:
+    config = {"kv_cache_bytes": 2 * 2**20, "quantization": method, "quantization_group_size": 32}
+    backend = LLMBackend(BackendContext(f"tiny-{method}", "1", config))
     backend.load(folders["base"], "cpu", torch.float32)
     greedy = SamplingParams(temperature=0.0, max_tokens=8)
     try:

@@ -156,3 +156,28 @@ def test_int8_next_token_agrees_with_float32_on_held_out_text(models_root: Path)
     agreement = (top1["fp32"] == top1["int8"]).float().mean().item()
     print(f"int8 top-1 agreement with float32 over 512 held-out positions: {agreement:.3f}")
     assert agreement >= 0.9
+
+
+def test_quantizing_while_loading_builds_the_model_quantizing_after_did(
+    models_root: Path,
+) -> None:
+    """The load quantizes each tensor as it is read (no float copy of the model at any time):
+    same int8 tensors and same tokens as a float32 load quantized afterwards (the old path)."""
+    from backends.llm.quantization import quantize_model
+
+    folder = build_model(models_root, "llama")
+    options = {"block_size": BLOCK_SIZE, "max_num_seqs": 8, "max_num_batched_tokens": 64}
+    while_loading = make_engine(folder, quantization="int8", **options)
+    after = make_engine(folder, **options)
+    assert quantize_model(after.runner.model) == 2 * 7 + 1
+    new, old = while_loading.runner.model.state_dict(), after.runner.model.state_dict()
+    assert new.keys() == old.keys()
+    assert all(torch.equal(new[k], old[k]) and new[k].dtype == old[k].dtype for k in new)
+    requests = [
+        (prompt, SamplingParams(temperature=0.0, max_tokens=8)) for prompt, _ in workload()[:6]
+    ]
+    outputs = [
+        [c.token_ids for samples in run_all(engine, requests) for c in samples]
+        for engine in (while_loading, after)
+    ]
+    assert outputs[0] == outputs[1]
