@@ -71,6 +71,7 @@ class Stream:
     gaps: list[float]
     events: int
     output_tokens: int
+    text: str
 
 
 def make_prompts(tokenizer: Any, lengths: list[int], seed: int) -> list[tuple[list[int], str]]:
@@ -106,6 +107,7 @@ async def stream_one(session: Any, ep: Endpoint, r: Request) -> Stream:
             "max_tokens": r.max_tokens, "temperature": 0.0, "stream": True,
             **ep.extra(r.max_tokens)}  # fmt: skip
     times: list[float] = []
+    pieces: list[str] = []
     tokens = 0
     start = time.perf_counter()
     async with session.post(f"{ep.base}/v1/completions", json=body) as resp:
@@ -121,32 +123,35 @@ async def stream_one(session: Any, ep: Endpoint, r: Request) -> Stream:
             event = json.loads(data)
             if isinstance(event.get("usage"), dict):
                 tokens = event["usage"]["completion_tokens"]
-            if any(c.get("text") for c in event.get("choices") or []):
+            texts = [c["text"] for c in event.get("choices") or [] if c.get("text")]
+            if texts:
                 times.append(now)
+                pieces += texts
     if not times:
         raise RuntimeError(f"{ep.name} streamed no text for a {len(r.prompt)}-token prompt")
     gaps = [b - a for a, b in itertools.pairwise(times)]
-    return Stream(times[0] - start, gaps, len(times), tokens or len(times))
+    return Stream(times[0] - start, gaps, len(times), tokens or len(times), "".join(pieces))
 
 
 async def run_phase(ep: Endpoint, requests: list[Request], concurrency: int) -> dict[str, Any]:
     import aiohttp
 
     timeout = aiohttp.ClientTimeout(total=1800, sock_read=300)
-    connector = aiohttp.TCPConnector(limit=concurrency)
-    streams: list[Stream] = []
+    # A connection per request: llama-server may close a kept-alive one after a stream ends.
+    connector = aiohttp.TCPConnector(limit=concurrency, force_close=True)
+    streams: dict[int, Stream] = {}
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-        todo = iter(requests)
+        todo = iter(enumerate(requests))
 
         async def worker() -> None:
-            for r in todo:  # the workers share one iterator
-                streams.append(await stream_one(session, ep, r))
+            for i, r in todo:  # the workers share one iterator
+                streams[i] = await stream_one(session, ep, r)
 
         load = os.getloadavg()[0]
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         seconds = time.perf_counter() - start
-    return summarize(streams, requests, seconds, load)
+    return summarize([streams[i] for i in range(len(requests))], requests, seconds, load)
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -173,6 +178,8 @@ def summarize(
         # Below 1: some events carried several tokens (their gaps are then per event).
         "events_per_token": sum(s.events for s in streams) / max(tokens, 1),
         "load_average_1m": load,
+        # Dropped before the JSON is written, once compared across servers.
+        "texts": [s.text for s in streams],
     }
 
 
@@ -230,7 +237,24 @@ def aggregate(rounds: list[dict[str, dict[str, Any]]], names: list[str]) -> dict
                 "ttft_p50": hub["ttft_p50_ms"] / other["ttft_p50_ms"],
                 "itl_p50": hub["itl_p50_ms"] / other["itl_p50_ms"],
             }
-    return {"medians": summary, "ratios": ratios}
+    return {"medians": summary, "ratios": ratios, "same_text_as_hub": same_text(rounds, names)}
+
+
+def same_text(rounds: list[dict[str, dict[str, Any]]], names: list[str]) -> dict[str, str]:
+    """How many greedy answers each peer streamed with exactly the hub's text, over every
+    request of every round (the same weights, so all but numeric near-ties should match);
+    the texts are then dropped from the measurements."""
+    out: dict[str, list[int]] = {peer: [0, 0] for peer in names if peer != "hub"}
+    for measured in rounds:
+        for conc, hub in measured["hub"].items():
+            for peer in out:
+                pairs = zip(hub["texts"], measured[peer][conc]["texts"], strict=True)
+                out[peer][0] += sum(a == b for a, b in pairs)
+                out[peer][1] += len(hub["texts"])
+        for phases in measured.values():
+            for phase in phases.values():
+                phase.pop("texts", None)
+    return {peer: f"{same}/{total}" for peer, (same, total) in out.items()}
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
@@ -264,6 +288,35 @@ def plot(results: dict[str, Any], path: Path) -> None:
                  f"{results['load_average']['end'][0]:.1f} on {os.cpu_count()} cores")  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def run_rounds(
+    args: argparse.Namespace, tokenizer: Any, factories: dict[str, Callable[[], Any]]
+) -> tuple[list[dict[str, dict[str, Any]]], list[Request]]:
+    """Every server at every concurrency, once a round, one server running at a time (the
+    order rotated each round); each round's measurements and the last round's workload."""
+    names = list(factories)
+    rounds: list[dict[str, dict[str, Any]]] = []
+    steps = args.rounds * len(names) * len(args.concurrency)
+    with tqdm(total=steps, desc="phases") as bar:
+        for rnd in range(args.rounds):
+            work = workload(tokenizer, args.requests, args.seed, rnd, args.quick)
+            warm = Request(work[0].prompt[:8], str(tokenizer.decode(work[0].prompt[:8])), 4)
+            measured: dict[str, dict[str, Any]] = {}
+            for name in names[rnd % len(names) :] + names[: rnd % len(names)]:
+                with warmed(factories[name], warm) as ep:
+                    for conc in args.concurrency:
+                        requests = work[: args.c1_requests] if conc == 1 else work
+                        bar.set_postfix_str(f"round {rnd + 1}: {name} at {conc}")
+                        phase = asyncio.run(run_phase(ep, requests, conc))
+                        measured.setdefault(name, {})[str(conc)] = phase
+                        tqdm.write(f"round {rnd + 1} {name} c={conc}: "
+                                   f"{phase['tokens_per_s']:.0f} tok/s, TTFT p50 "
+                                   f"{phase['ttft_p50_ms']:.0f} ms, ITL p50 "
+                                   f"{phase['itl_p50_ms']:.1f} ms")  # fmt: skip
+                        bar.update()
+            rounds.append({n: measured[n] for n in names})
+    return rounds, work
 
 
 def main() -> None:
@@ -306,31 +359,11 @@ def main() -> None:
     if not (args.model_dir / "config.json").is_file():
         build_benchmark_llm(args.model_dir)
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
-    root = Path(tempfile.mkdtemp(prefix="llm-peers-"))
-    (root / "hub").mkdir()
-    factories = servers(args, args.model_dir, root)
-    names = list(factories)
-    load_start = os.getloadavg()
-    rounds: list[dict[str, dict[str, Any]]] = []
-    steps = args.rounds * len(names) * len(args.concurrency)
-    with tqdm(total=steps, desc="phases") as bar:
-        for rnd in range(args.rounds):
-            work = workload(tokenizer, args.requests, args.seed, rnd, args.quick)
-            warm = Request(work[0].prompt[:8], str(tokenizer.decode(work[0].prompt[:8])), 4)
-            measured: dict[str, dict[str, Any]] = {}
-            for name in names[rnd % len(names) :] + names[: rnd % len(names)]:
-                with warmed(factories[name], warm) as ep:
-                    for conc in args.concurrency:
-                        requests = work[: args.c1_requests] if conc == 1 else work
-                        bar.set_postfix_str(f"round {rnd + 1}: {name} at {conc}")
-                        phase = asyncio.run(run_phase(ep, requests, conc))
-                        measured.setdefault(name, {})[str(conc)] = phase
-                        tqdm.write(f"round {rnd + 1} {name} c={conc}: "
-                                   f"{phase['tokens_per_s']:.0f} tok/s, TTFT p50 "
-                                   f"{phase['ttft_p50_ms']:.0f} ms, ITL p50 "
-                                   f"{phase['itl_p50_ms']:.1f} ms")  # fmt: skip
-                        bar.update()
-            rounds.append({n: measured[n] for n in names})
+    with tempfile.TemporaryDirectory(prefix="llm-peers-") as tmp:
+        (Path(tmp) / "hub").mkdir()
+        rounds_load = os.getloadavg()
+        rounds, work = run_rounds(args, tokenizer, servers(args, args.model_dir, Path(tmp)))
+    names = list(rounds[0])
 
     import transformers
 
@@ -339,7 +372,7 @@ def main() -> None:
         "threads": args.threads,
         "rounds": args.rounds,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-        "load_average": {"start": load_start, "end": os.getloadavg()},
+        "load_average": {"start": rounds_load, "end": os.getloadavg()},
         "versions": {"llama.cpp": args.llama_version, "transformers": transformers.__version__},
         "workload": {
             "requests": args.requests,

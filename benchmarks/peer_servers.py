@@ -195,4 +195,5 @@ def ensure_gguf(model_dir: Path, converter: Path | None, cache: Path) -> Path:
 
 def llama_version(binary: Path) -> str:
     done = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=60)
-    return (done.stdout + done.stderr).strip().splitlines()[-1] if done.returncode == 0 else "?"
+    lines = (done.stdout + done.stderr).splitlines()
+    return next((line for line in lines if line.startswith("version")), "?")
