@@ -15,7 +15,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from hub.api.serving import KeepAlive
 from hub.api.structured import JsonSchemaFormat
-from hub.api.tool_schemas import FunctionDef, NamedFunction, NamedToolChoice, ToolChoice, ToolDef
+from hub.api.tool_schemas import (
+    FunctionDef,
+    FunctionName,
+    NamedFunction,
+    NamedToolChoice,
+    ToolChoice,
+    ToolDef,
+)
 from hub.errors import BadRequest
 
 
@@ -65,7 +72,7 @@ class FunctionTool(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     type: Literal["function"]
-    name: str
+    name: FunctionName
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
@@ -80,7 +87,7 @@ class FunctionTool(BaseModel):
 
 class NamedResponsesTool(BaseModel):
     type: Literal["function"]
-    name: str
+    name: FunctionName
 
 
 class TextFormat(BaseModel):
