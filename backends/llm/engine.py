@@ -29,6 +29,7 @@ from backends.llm.isolation import RequestFailedError, blame_is_attributable, fi
 from backends.llm.kv_cache_manager import KVCacheManager
 from backends.llm.metrics import EngineMetrics
 from backends.llm.model_runner import ModelRunner
+from backends.llm.request_limits import RequestLimits, checked_max_tokens
 from backends.llm.sampling_params import MAX_COUNT, SamplingParams
 from backends.llm.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
 from backends.llm.sequence import ROOT_HASH, FinishReason, Logprob, Sequence
@@ -113,6 +114,14 @@ class LLMEngine:
         self.max_model_len = runner.max_model_len
         self.max_tokens_limit = min(
             config.max_tokens_limit or self.max_model_len, self.max_model_len
+        )
+        self.limits = RequestLimits(
+            vocab_size=runner.vocab_size,
+            max_model_len=self.max_model_len,
+            max_tokens_limit=self.max_tokens_limit,
+            max_n=config.max_n,
+            max_logprobs=config.max_logprobs,
+            default_max_tokens=config.default_max_tokens,
         )
         self._seq_ids = itertools.count()
         self._incoming: collections.deque[_Request] = collections.deque()
@@ -231,60 +240,7 @@ class LLMEngine:
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Raise InputError for a request this engine cannot serve; return its max_tokens."""
-        params.validate()
-        n_prompt = len(prompt_token_ids)
-        if n_prompt == 0:
-            raise InputError("the prompt is empty; send at least one token", param="prompt")
-        vocab = self.runner.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise InputError(f"prompt token ids {bad[:5]} are outside [0, {vocab})", param="prompt")
-        if params.n > self.config.max_n:
-            raise InputError(
-                f"n={params.n} exceeds this model's limit of {self.config.max_n}", param="n"
-            )
-        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
-            raise InputError(
-                f"logprobs={params.logprobs} exceeds this model's limit of "
-                f"{self.config.max_logprobs}",
-                param="logprobs",
-            )
-        for token in (*params.logit_bias, *params.stop_token_ids):
-            if token >= vocab:
-                param = "logit_bias" if token in params.logit_bias else "stop_token_ids"
-                raise InputError(
-                    f"token id {token} is outside the vocabulary [0, {vocab})", param=param
-                )
-        room = self.max_model_len - n_prompt
-        if room < 1:
-            raise InputError(
-                f"the prompt has {n_prompt} tokens but this model's context is "
-                f"{self.max_model_len} tokens, leaving no room to generate",
-                param="prompt",
-            )
-        if params.max_tokens is None:
-            max_tokens = min(self.config.default_max_tokens, room, self.max_tokens_limit)
-            if params.min_tokens > max_tokens:
-                raise InputError(
-                    f"min_tokens={params.min_tokens} exceeds the {max_tokens} tokens this "
-                    "request may generate; lower it or set max_tokens",
-                    param="min_tokens",
-                )
-            return max_tokens
-        if params.max_tokens > self.max_tokens_limit:
-            raise InputError(
-                f"max_tokens={params.max_tokens} exceeds this model's limit of "
-                f"{self.max_tokens_limit}",
-                param="max_tokens",
-            )
-        if params.max_tokens > room:
-            raise InputError(
-                f"this model's context is {self.max_model_len} tokens, but the request needs "
-                f"{n_prompt + params.max_tokens} ({n_prompt} in the prompt plus max_tokens="
-                f"{params.max_tokens}); shorten the prompt or lower max_tokens",
-                param="max_tokens",
-            )
-        return params.max_tokens
+        return checked_max_tokens(prompt_token_ids, params, self.limits)
 
     # ---- the loop (engine thread) ------------------------------------------------------
     def has_work(self) -> bool:
