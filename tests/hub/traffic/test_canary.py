@@ -7,6 +7,7 @@ time; the background loop is parked (`canary_tick: 1h`) except in the one test a
 from __future__ import annotations
 
 import itertools
+import random
 import time
 from pathlib import Path
 from typing import Any
@@ -86,6 +87,7 @@ async def test_a_failing_canary_is_rolled_back(two_versions: TrafficHub) -> None
     assert r.status_code == 200
     started = await start(t)
     assert (started["state"], started["weight"], started["baseline_version"]) == ("running", 30, 1)
+    t.hub.traffic.faults.rng = random.Random(7)  # the 50% fault, reproducibly
     controller = t.hub.traffic.canaries
     assert await controller.tick(now=time.time()) == {"emb": "observing"}  # interval not over
     assert await controller.tick(now=clock.next_interval()) == {"emb": "waiting"}  # no traffic

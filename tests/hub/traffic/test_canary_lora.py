@@ -6,6 +6,7 @@ adapter versions and a split between an adapter and its base work as for any mod
 from __future__ import annotations
 
 import itertools
+import random
 import time
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,7 @@ async def test_adapter_canaries_roll_back_on_errors_and_promote_when_healthy(
 
     async with running_app(settings) as (app, client):
         controller = app.state.hub.traffic.canaries
+        app.state.hub.traffic.faults.rng = random.Random(7)  # the 50% fault, reproducibly
         await register(client, "tiny", tiny_llm_dir, kind="llm", aliases=["production"])
         await register(client, "bot", adapters[0], kind="llm", base="tiny@1",
                        aliases=["production"])  # fmt: skip
