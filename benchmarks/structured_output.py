@@ -18,13 +18,14 @@ ratios. It also times the grammar compile of a new schema and checks that a seco
 with the same schema compiles nothing (the cache's hit and miss counters). Results go to
 `benchmarks/results/structured_output.json` and `.png`.
 
-    python benchmarks/structured_output.py [--quick] [--rounds N] [--model-dir DIR]
+    python benchmarks/structured_output.py [--quick] [--rounds N] [--threads N] [--model-dir DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
 import statistics
@@ -161,7 +162,15 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--batches", type=int, nargs="*", default=[1, 32])
     parser.add_argument("--out", type=Path, default=RESULTS / "structured_output.json")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="torch intra-op threads (default: torch's). On a shared 2-core machine 1 keeps "
+        "OpenMP's spinning barriers out of the comparison; the mask worker then has a core",
+    )
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.quick:
         args.rounds, args.max_tokens, args.batches = 1, 16, [1, 4]
     model_dir = args.model_dir or Path(tempfile.mkdtemp(prefix="structured-bench-")) / "llm"
@@ -211,7 +220,12 @@ def main() -> None:
         }
     results = {
         "model": "llama ~25M params, vocab 8192, float32, CPU",
-        "machine": {"platform": platform.platform(), "torch_threads": torch.get_num_threads()},
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "load_average_after": os.getloadavg(),
+        },
         "max_tokens": args.max_tokens,
         "rounds": args.rounds,
         "schema": SCHEMA,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 
 from hub.auth import Authenticator
@@ -29,6 +30,10 @@ from registry.outage import dependency_down
 from registry.service import Registry
 
 log = logging.getLogger(__name__)
+
+# Seconds each step of `Hub.stop` may take (the deployment's grace period is 90 s; the
+# manager's step unloads every model, an LLM engine's shutdown included).
+SHUTDOWN_STEP_TIMEOUT = 20.0
 
 
 @dataclass
@@ -194,16 +199,19 @@ class Hub:
         return True, {"status": "ready", "models": models, **body}
 
     async def stop(self) -> None:
+        """Tear down in order; a step that does not finish within `SHUTDOWN_STEP_TIMEOUT`
+        is logged with what every task is waiting on, and the shutdown goes on: a stuck
+        part never keeps the process (or a pod's termination) waiting for ever."""
         self.ready = False
-        await self.replicas.stop()  # first: peers stop listing this replica at once
+        await _step("replica membership", self.replicas.stop())  # peers stop listing us
         for task in self.background:
             task.cancel()
-        await asyncio.gather(*self.background, return_exceptions=True)
-        await self.traffic.stop()
-        await self.reconciler.stop()
-        await self.placement.close()
-        await self.manager.close()
-        await self.dependencies.stop()
+        await _step("background tasks", asyncio.gather(*self.background, return_exceptions=True))
+        await _step("traffic", self.traffic.stop())
+        await _step("reconciler", self.reconciler.stop())
+        await _step("placement", self.placement.close())
+        await _step("model manager", self.manager.close())
+        await _step("dependency checks", self.dependencies.stop())
         self.control.close()
         self.db.dispose()
 
@@ -275,3 +283,31 @@ class Hub:
                 log.error("preloading %s failed: %s", spec.name, e)
             finally:
                 self.preloading.discard(spec.name)
+
+
+async def _step(what: str, work: Awaitable[object]) -> None:
+    task = asyncio.ensure_future(work)
+    done, _ = await asyncio.wait({task}, timeout=SHUTDOWN_STEP_TIMEOUT)
+    if done:
+        task.result()
+        return
+    others = [t for t in asyncio.all_tasks() if t is not task and t is not asyncio.current_task()]
+    log.error(
+        "shutdown: %s did not finish within %gs; going on without it. It waits in %s. "
+        "Other tasks: %s",
+        what, SHUTDOWN_STEP_TIMEOUT, _where(task),
+        "; ".join(f"{t.get_name()} in {_where(t)}" for t in others) or "none",
+    )  # fmt: skip
+    task.cancel()
+    await asyncio.wait({task}, timeout=1.0)
+
+
+def _where(task: asyncio.Future[object]) -> str:
+    frames = task.get_stack() if isinstance(task, asyncio.Task) else []
+    return (
+        " -> ".join(
+            f"{f.f_code.co_name} ({f.f_code.co_filename.rsplit('/', 1)[-1]}:{f.f_lineno})"
+            for f in frames
+        )
+        or "(not started)"
+    )

@@ -20,7 +20,7 @@ from mlflow import MlflowClient
 
 from tests.support.cluster import Cluster, Replica, wait_for
 
-pytestmark = [pytest.mark.postgres, pytest.mark.slow]
+pytestmark = [pytest.mark.postgres, pytest.mark.slow, pytest.mark.serial]
 
 
 # What each replica does on its own is the point here, so requests carry the hop header a

@@ -18,7 +18,7 @@ from tests.hub.replicas.conftest import EXPIRE, PLACEMENT_MODELS
 from tests.support.cluster import Cluster, wait_for
 from tests.support.round_robin import embed, loads, replica_ids, round_robin
 
-pytestmark = [pytest.mark.postgres, pytest.mark.slow]
+pytestmark = [pytest.mark.postgres, pytest.mark.slow, pytest.mark.serial]
 
 WARM_UP, MEASURED = 60, 120
 

@@ -18,7 +18,7 @@ from sqlalchemy import text
 from tests.hub.replicas.conftest import CANARY_LEASE
 from tests.support.cluster import Cluster, Replica, wait_for
 
-pytestmark = [pytest.mark.postgres, pytest.mark.slow]
+pytestmark = [pytest.mark.postgres, pytest.mark.slow, pytest.mark.serial]
 
 MODEL = "ts-emb"
 _keys = itertools.count()

@@ -15,7 +15,7 @@ from sqlalchemy import text
 from tests.hub.replicas.conftest import EXPIRE
 from tests.support.cluster import Cluster, wait_for
 
-pytestmark = [pytest.mark.postgres, pytest.mark.slow]
+pytestmark = [pytest.mark.postgres, pytest.mark.slow, pytest.mark.serial]
 
 
 def listed(base: str) -> set[str]:
