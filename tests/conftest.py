@@ -51,6 +51,7 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     return None
 
 
+@pytest.hookimpl(optionalhook=True)  # the pure venv has no pytest-xdist
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
     """Under `-n N --dist loadscope`: each module runs whole on one worker (its module-scoped
     hubs are built once), and the multi-replica package (one cluster of PostgreSQL, MLflow
