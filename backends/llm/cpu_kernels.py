@@ -29,7 +29,9 @@ import shlex
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -38,6 +40,7 @@ from backends.llm.kernel_settings import KernelSettings
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
+K = TypeVar("K")
 # With OpenMP only where torch itself runs on GNU OpenMP: the library then links the
 # `libgomp.so.1` torch has already loaded, and the decode rows go to torch's own idle (still
 # spinning) OpenMP threads instead of a thread of ours competing with them. A second OpenMP
@@ -201,6 +204,19 @@ def load_paged_decode(
     """Build (or take from the cache) and load the kernel; `openmp` tries the threaded build
     first, with GCC only (its `-fopenmp` links the `libgomp.so.1` torch has loaded).
     RuntimeError saying why when no build loads."""
+    return load_native(SOURCE, PagedDecodeKernel, openmp=openmp, settings=settings)
+
+
+def load_native(
+    source: Path,
+    wrap: Callable[[ctypes.CDLL, Path], K],
+    *,
+    openmp: bool,
+    settings: KernelSettings = KernelSettings(),
+) -> K:
+    """`wrap` of the library built from `source` (or taken from the cache): the OpenMP build
+    first where `openmp` and the compiler is GCC, else the serial one. RuntimeError saying
+    why when no build loads."""
     compiler = shlex.split(settings.compiler)  # "ccache gcc" works too
     if not compiler or shutil.which(compiler[0]) is None:
         raise RuntimeError(f"no C compiler {settings.compiler!r} on PATH (set engine.cc to one)")
@@ -210,16 +226,16 @@ def load_paged_decode(
     errors = []
     for flags in flag_sets:
         try:
-            path = _build(SOURCE, compiler, identity, flags, settings.resolved_cache_dir())
+            path = _build(source, compiler, identity, flags, settings.resolved_cache_dir())
             runtimes = _openmp_runtimes()
-            kernel = PagedDecodeKernel(ctypes.CDLL(str(path)), path)
+            kernel = wrap(ctypes.CDLL(str(path)), path)
             added = _openmp_runtimes() - runtimes
             if added:  # a second OpenMP runtime next to torch's: never run on it
                 raise RuntimeError(f"loading it mapped another OpenMP runtime {sorted(added)}")
             return kernel
         except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
             errors.append(f"[{' '.join(flags)}] {e}")
-    raise RuntimeError("native paged-decode kernel unavailable: " + "; ".join(errors))
+    raise RuntimeError(f"native kernel {source.name} unavailable: " + "; ".join(errors))
 
 
 def _build(

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from backends.errors import LoadError
-from backends.llm import attention, cpu_kernels
+from backends.llm import attention, cpu_kernels, cpu_linear
 from backends.llm.architectures import unsupported_reason
 from backends.llm.attention import NativeDecode, PagedAttentionMetadata, PrefillChunk
 from backends.llm.config import EngineConfig
@@ -85,6 +85,10 @@ class ModelRunner:
         self.native_decode = native_decode
         # How that kernel is built (compiler, cache) or whether at all: the hub's settings.
         self.kernels = kernels or cpu_kernels.KernelSettings()
+        # Few-row products (decode at a small batch) through the native linear kernel.
+        self.native_linear = 0
+        if native_decode is not False and self.device.type == "cpu" and self.dtype == torch.float32:
+            self.native_linear = cpu_linear.install(model, self.kernels)
         self.kv_caches: list[torch.Tensor] = []
         self.allocate_kv_cache()
         self.lora = LoRAManager(
