@@ -239,7 +239,8 @@ class EngineSettings(_Section):
     The defaults read the variables older releases honoured (`MODEL_HUB_CPU_KERNELS`,
     `MODEL_HUB_KERNEL_CACHE`, `CC`); `engine:` in the file and `HUB_ENGINE__*` win over them."""
 
-    # Decode attention on a CPU (float32) in the compiled C kernel; false: the torch path.
+    # Decode attention and few-row linear layers on a CPU (float32) in compiled C kernels;
+    # false: the torch path.
     cpu_kernels: bool = Field(default_factory=lambda: _env_switch("MODEL_HUB_CPU_KERNELS", True))
     # Where compiled kernels are cached; default: $XDG_CACHE_HOME/model-hub/kernels.
     kernel_cache_dir: Path | None = Field(default_factory=_kernel_cache_default)
