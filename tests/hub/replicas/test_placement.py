@@ -1,6 +1,7 @@
 """Model-aware placement on the shared three-replica cluster: six models, each replica fits
-two, requests round-robin across replicas as a load balancer sends them. After warm-up the
-models stay put (at most 5% of requests cause a load), every request succeeds, answers say
+two, requests round-robin across replicas as a load balancer sends them. After warm-up (60
+requests, longer while a step of 30 still causes loads) the models stay put (at most 5% of
+requests cause a load), every request succeeds, answers say
 which replica served them and which version; a replica killed with SIGKILL costs no request.
 
 Without placement the same workload reloads a model on most requests (benchmarks/placement.py
@@ -22,6 +23,7 @@ from tests.support.round_robin import embed, loads, replica_ids, round_robin
 pytestmark = [pytest.mark.postgres, pytest.mark.slow, pytest.mark.serial]
 
 WARM_UP, MEASURED = 60, 120
+SETTLE, SETTLE_STEPS = 30, 6
 
 
 def _unreachable(base: str, peer: str) -> float:
@@ -72,14 +74,29 @@ def _held(cluster: Cluster) -> dict[str, Any]:
     return held
 
 
+def _warm_up(cluster: Cluster) -> int:
+    """WARM_UP requests, then more in steps of SETTLE until a step causes no load (at most
+    SETTLE_STEPS of them): on a loaded machine heartbeats lag the requests and placement
+    takes longer to settle. Returns the requests sent; the measured window follows."""
+    round_robin(cluster, PLACEMENT_MODELS, WARM_UP, seed=1)
+    sent = WARM_UP
+    for step in range(SETTLE_STEPS):
+        before = loads(cluster, PLACEMENT_MODELS)
+        round_robin(cluster, PLACEMENT_MODELS, SETTLE, seed=100 + step, start=sent)
+        sent += SETTLE
+        if loads(cluster, PLACEMENT_MODELS) == before:
+            break
+    return sent
+
+
 def test_six_models_on_three_replicas_stay_put(cluster: Cluster) -> None:
     _wait_whole(cluster)
     _unload_everywhere(cluster, everything=True)
     ids = replica_ids(cluster)
     try:
-        round_robin(cluster, PLACEMENT_MODELS, WARM_UP, seed=1)
+        warmed = _warm_up(cluster)
         before = loads(cluster, PLACEMENT_MODELS)
-        answers = round_robin(cluster, PLACEMENT_MODELS, MEASURED, seed=2, start=WARM_UP)
+        answers = round_robin(cluster, PLACEMENT_MODELS, MEASURED, seed=2, start=warmed)
         caused = loads(cluster, PLACEMENT_MODELS) - before
 
         assert [a.status for a in answers] == [200] * MEASURED
