@@ -49,26 +49,3 @@ def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool 
     if collection_path.name.startswith("test_") and collection_path.suffix == ".py":
         return None if _declares_pure(collection_path) else True
     return None
-
-
-@pytest.hookimpl(optionalhook=True)  # the pure venv has no pytest-xdist
-def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
-    """Under `-n N --dist loadscope`: each module runs whole on one worker (its module-scoped
-    hubs are built once), and the multi-replica package (one cluster of PostgreSQL, MLflow
-    and three hubs shared by its modules) runs whole on one worker."""
-    if config.getoption("dist", None) != "loadscope":
-        return None
-    from xdist.scheduler import LoadScopeScheduling
-
-    class Scheduling(LoadScopeScheduling):  # type: ignore[misc]
-        def _split_scope(self, nodeid: str) -> str:
-            for package in SHARED_PACKAGES:
-                if nodeid.startswith(package):
-                    return package
-            return str(super()._split_scope(nodeid))
-
-    return Scheduling(config, log)
-
-
-# Packages whose package-scoped fixtures must not be built once per worker.
-SHARED_PACKAGES = ("tests/hub/replicas/",)

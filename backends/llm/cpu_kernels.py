@@ -190,7 +190,7 @@ def paged_decode(settings: KernelSettings = KernelSettings()) -> PagedDecodeKern
         log.info("native CPU kernels off (engine.cpu_kernels); decode attention runs in torch")
         return None
     try:
-        return load_paged_decode(openmp=_torch_uses_gnu_openmp(), settings=settings)
+        return load_paged_decode(openmp=torch_uses_gnu_openmp(), settings=settings)
     except (RuntimeError, ValueError) as e:
         log.warning("decode attention runs in torch (slower): %s", e)
         return None
@@ -280,7 +280,7 @@ def _build(
             os.unlink(tmp)
 
 
-def _torch_uses_gnu_openmp() -> bool:
+def torch_uses_gnu_openmp() -> bool:
     """Whether this process has GNU OpenMP loaded as `libgomp.so.1`, as torch's Linux wheels
     do: a library linked against that soname then shares it."""
     return any(Path(p).name == "libgomp.so.1" for p in _openmp_runtimes())

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from backends.llm.cpu_kernels import _torch_uses_gnu_openmp, load_native
+from backends.llm.cpu_kernels import load_native, torch_uses_gnu_openmp
 from backends.llm.kernel_settings import KernelSettings
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ def linear_kernel(settings: KernelSettings = KernelSettings()) -> LinearKernel |
         return None
     try:
         kernel = load_native(
-            SOURCE, LinearKernel, openmp=_torch_uses_gnu_openmp(), settings=settings
+            SOURCE, LinearKernel, openmp=torch_uses_gnu_openmp(), settings=settings
         )
     except (RuntimeError, ValueError) as e:
         log.warning("linear layers run in torch at every batch size: %s", e)

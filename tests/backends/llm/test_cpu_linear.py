@@ -85,7 +85,7 @@ def test_installed_in_a_model_it_runs_few_rows_and_torch_the_rest(tiny_llm_dir: 
         built._fn = counting.fn
 
 
-def test_switched_off_nothing_is_installed(tiny_llm_dir: Path, tmp_path: Path) -> None:
+def test_switched_off_nothing_is_installed(tmp_path: Path) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))
     off = KernelSettings(enabled=False, cache_dir=tmp_path)
     assert cpu_linear.install(model, off) == 0

@@ -84,10 +84,8 @@ def cluster(
 
 
 # Modules that restart parts of the shared cluster (MLflow killed and started, a replica
-# restarted) run after the others in this package. Placement right after that outage module
-# has twice reloaded one of its six models on every request (20 loads in 120; it passes
-# alone and in this order): an open question about placement after a restart, which the
-# placement test's failure message now details (what each replica holds, its free bytes).
+# restarted) run after the others in this package, so those run on a cluster nothing has
+# disturbed yet.
 RUN_LAST = ("test_mlflow_outage.py",)
 
 
