@@ -10,14 +10,27 @@ inputs already waiting would keep a new request queued longer than `max_queue_ti
 the queue's state (inputs ahead, estimated wait, measured rate) in the message and a
 `retry_after` of about the time the queue needs to drain to the bound. The estimate is
 `ahead x seconds per input`, the seconds per input an exponentially weighted average of what
-the forward passes took (`observe`), divided by the forward workers running in parallel. Until
-a first pass has been measured nothing is refused (no rate is known). Pure Python: no clock,
-no threads; the caller serialises calls (the batcher holds its lock).
+the forward passes took (`observe`), divided by the forward workers running in parallel, plus
+what the caller says is left of its passes in flight (`running_s`) and what the other models on
+the same device have queued (`elsewhere_s`, from `DeviceWork`). Until a first pass has been
+measured nothing is refused (no rate is known), and a request to a model with nothing queued
+and nothing running is always admitted (so no model starves behind another's steady load).
+The caller serialises calls (the batcher holds its lock).
+
+Why the passes in flight and the device count: a queue that only counts the inputs still
+waiting empties every time a forward pass takes them, so under a burst each new pass let in
+another round of requests that then waited for it; and two models on one CPU each estimated
+their wait as if they had the cores alone. `DeviceWork` is the device-wide view: each model's
+batcher registers a lock-free reading of its outstanding seconds (queued plus what is left of
+its passes), and an admission check sums the others'.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+import threading
+from collections.abc import Callable
 
 from backends.errors import CapacityError
 
@@ -74,21 +87,84 @@ class QueueTimeAdmission:
         per_input = self.seconds_per_input
         return None if per_input is None else ahead * per_input
 
-    def check(self, ahead: int, size: int) -> None:
+    @property
+    def seconds_per_pass_input(self) -> float | None:
+        """The averaged cost of one input on one worker (not divided by the workers)."""
+        return self._seconds_per_input
+
+    def check(
+        self, ahead: int, size: int, *, running_s: float = 0.0, elsewhere_s: float = 0.0
+    ) -> None:
         """Admit a request of `size` inputs behind `ahead` queued ones, or raise
-        CapacityError naming the queue's state."""
+        CapacityError naming the queue's state. `running_s`: what is left of this model's
+        passes in flight; `elsewhere_s`: the work other models have queued on its device."""
         bound = self.max_queue_time_s
-        wait = self.estimated_wait(ahead)
-        if bound is None or wait is None or wait <= bound:
+        queued = self.estimated_wait(ahead)
+        if bound is None or queued is None or (ahead == 0 and running_s <= 0):
+            return
+        wait = queued + max(0.0, running_s) + max(0.0, elsewhere_s)
+        if wait <= bound:
             return
         per_input = self.seconds_per_input or 0.0
         rate = 1 / per_input if per_input > 0 else float("inf")
         retry_after = max(self.min_retry_after_s, math.ceil(wait - bound))
+        parts = ""
+        if running_s > 0 or elsewhere_s > 0:
+            parts = (
+                f" ({queued:.2f}s queued, {max(0.0, running_s):.2f}s left of passes running, "
+                f"{max(0.0, elsewhere_s):.2f}s of other models' work on its device)"
+            )
         raise CapacityError(
             f"{self.name} is overloaded: {ahead} {self.unit} wait ahead of this request "
-            f"({size} {self.unit}), an estimated {wait:.2f}s at the measured {rate:.0f} "
-            f"{self.unit}/s, "
+            f"({size} {self.unit}), an estimated {wait:.2f}s{parts} at the measured "
+            f"{rate:.0f} {self.unit}/s, "
             f"more than its max_queue_time_ms ({bound * 1000:g}); retry after "
             f"{retry_after:g}s or send fewer concurrent requests",
             retry_after=retry_after,
         )
+
+
+class DeviceWork:
+    """The work every model serving from one device has outstanding, in seconds: models on
+    one device share its compute, so a request to one waits for (or runs beside, as slowly)
+    what the others have queued. Sources are callables returning their outstanding seconds;
+    they must not block or take locks a caller might hold (the batcher's read published
+    numbers only). Thread-safe."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._lock = threading.Lock()
+        self._sources: dict[int, Callable[[], float]] = {}
+        self._ids = itertools.count(1)
+
+    def register(self, source: Callable[[], float]) -> int:
+        """Add a source; returns the token that `unregister` and `outstanding_s` take."""
+        with self._lock:
+            token = next(self._ids)
+            self._sources[token] = source
+            return token
+
+    def unregister(self, token: int) -> None:
+        with self._lock:
+            self._sources.pop(token, None)
+
+    def outstanding_s(self, excluding: int | None = None) -> float:
+        """The sum of every source's outstanding seconds but `excluding`'s."""
+        with self._lock:
+            sources = [f for token, f in self._sources.items() if token != excluding]
+        return sum(max(0.0, source()) for source in sources)
+
+
+_DEVICES: dict[str, DeviceWork] = {}
+_DEVICES_LOCK = threading.Lock()
+
+
+def device_work(device: str) -> DeviceWork:
+    """The process's `DeviceWork` for `device` ("cpu", "cpu:0" and "cpu" are one device;
+    "cuda:0" and "cuda:1" are two)."""
+    key = "cpu" if device.startswith("cpu") else device
+    with _DEVICES_LOCK:
+        work = _DEVICES.get(key)
+        if work is None:
+            work = _DEVICES[key] = DeviceWork(key)
+        return work

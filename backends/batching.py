@@ -28,10 +28,11 @@ requests gets full batches, a lone client pays no wait. With several forward thr
 
 Capacity. At most `max_queue` inputs wait (not yet in a forward pass); beyond that `submit`
 raises `CapacityError`. With `max_queue_time_s` set, a request whose estimated wait (the inputs
-ahead of it times the measured seconds per input, `backends.admission`) exceeds it is refused
-the same way at once, so that a burst is shed rather than absorbed. A cancelled `submit` (the
-client went away) drops its inputs that have not run yet. Results resolve on the submitting
-event loop via `call_soon_threadsafe`, once per batch and loop.
+ahead of it times the measured seconds per input, plus what is left of the passes in flight,
+plus the work the other models on the same device have outstanding: `backends.admission`)
+exceeds it is refused the same way at once, so that a burst is shed rather than absorbed. A
+cancelled `submit` (the client went away) drops its inputs that have not run yet. Results
+resolve on the submitting event loop via `call_soon_threadsafe`, once per batch and loop.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, Generic
 
-from backends.admission import QueueTimeAdmission
+from backends.admission import DeviceWork, QueueTimeAdmission
 from backends.batch_items import (
     BatchStages,
     I,
@@ -75,9 +76,13 @@ class DynamicBatcher(Generic[P, I, R]):
         name: str,
         metrics: BatchMetrics | None = None,
         on_worker_start: Callable[[], None] | None = None,
+        device_work: DeviceWork | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         """Start the threads; `on_worker_start` runs first thing in each forward thread (to
-        set per-thread state such as torch's intra-op thread count)."""
+        set per-thread state such as torch's intra-op thread count). `device_work`: the
+        device's view of every model's outstanding work, which this batcher joins and its
+        admission reads; `clock` times the passes in flight for that estimate."""
         self.stages = stages
         self._on_worker_start = on_worker_start
         self.limits = limits
@@ -95,6 +100,13 @@ class DynamicBatcher(Generic[P, I, R]):
         self._last_batch_size = 1
         self._seq = itertools.count()
         self._closed = False
+        # Passes in flight as (inputs, started at `clock`), keyed by the batch; the tuple is
+        # republished whole on every change, so other threads read it without the lock.
+        self._clock = clock
+        self._passes: dict[int, tuple[int, float]] = {}
+        self._running: tuple[tuple[int, float], ...] = ()
+        self._device_work: DeviceWork | None = None
+        self._device_token: int | None = None
         # Measures the service rate from every pass; refuses only with max_queue_time_s set.
         self.admission = QueueTimeAdmission(
             limits.max_queue_time_s,
@@ -111,11 +123,36 @@ class DynamicBatcher(Generic[P, I, R]):
         ]
         for thread in self._threads:
             thread.start()
+        self.set_device_work(device_work)
 
     @property
     def queued(self) -> int:
         """Inputs waiting for a forward pass."""
         return self._queued
+
+    def set_device_work(self, device_work: DeviceWork | None) -> None:
+        """Count this model's work on `device_work` (the device it now runs on) instead of
+        the previous one's."""
+        if self._device_work is not None and self._device_token is not None:
+            self._device_work.unregister(self._device_token)
+        self._device_work, self._device_token = device_work, None
+        if device_work is not None:
+            self._device_token = device_work.register(self.outstanding_s)
+
+    def outstanding_s(self) -> float:
+        """Seconds of work this model has outstanding: its queue plus what is left of its
+        passes in flight, at the measured cost per input, over its forward workers (0 until
+        a pass was measured). Reads published numbers only: callable from any thread."""
+        per_input = self.admission.seconds_per_pass_input
+        if per_input is None:
+            return 0.0
+        return (self._queued * per_input + self._left_running(per_input)) / self.admission.workers
+
+    def _left_running(self, per_input: float) -> float:
+        """What is left of the passes in flight, at `per_input` seconds an input (a pass
+        that already took longer than that counts nothing)."""
+        now = self._clock()
+        return sum(max(0.0, n * per_input - (now - start)) for n, start in self._running)
 
     async def submit(self, payload: P, size: int) -> list[R]:
         """Results for the `size` inputs of `payload`, in order. Raises the stages' error for a
@@ -140,7 +177,16 @@ class DynamicBatcher(Generic[P, I, R]):
                     retry_after=self.limits.retry_after_s,
                 )
             try:
-                self.admission.check(self._queued, size)
+                per_input = self.admission.seconds_per_pass_input
+                running_s = 0.0
+                if per_input is not None:
+                    running_s = self._left_running(per_input) / self.admission.workers
+                elsewhere_s = 0.0
+                if self._device_work is not None:
+                    elsewhere_s = self._device_work.outstanding_s(excluding=self._device_token)
+                self.admission.check(
+                    self._queued, size, running_s=running_s, elsewhere_s=elsewhere_s
+                )
             except CapacityError:
                 self._shed("queue_time")
                 raise
@@ -165,6 +211,7 @@ class DynamicBatcher(Generic[P, I, R]):
             self._closed = True
             self._arrived.notify_all()
             self._pooled.notify_all()
+        self.set_device_work(None)
         for thread in self._threads:
             if thread is not threading.current_thread():
                 thread.join(timeout=30)
@@ -306,7 +353,14 @@ class DynamicBatcher(Generic[P, I, R]):
             slot.taken = True
         self._queued -= len(batch)
         self._last_batch_size = len(batch)
+        self._passes[id(batch)] = (len(batch), self._clock())
+        self._running = tuple(self._passes.values())
         return batch
+
+    def _pass_done(self, batch: list[PooledInput[I]]) -> None:
+        """Holding the lock: `batch` no longer runs."""
+        self._passes.pop(id(batch), None)
+        self._running = tuple(self._passes.values())
 
     def _run(self, batch: list[PooledInput[I]]) -> None:
         start = time.perf_counter()
@@ -319,10 +373,13 @@ class DynamicBatcher(Generic[P, I, R]):
                 raise RuntimeError(f"forward gave {len(results)} results for {len(batch)} inputs")
         except Exception as e:
             log.exception("%s: forward pass over %d inputs failed", self.name, len(batch))
+            with self._lock:
+                self._pass_done(batch)
             self._fail_requests({id(s.request): s.request for s in batch}.values(), e)
             return
         end = time.perf_counter()
         with self._lock:
+            self._pass_done(batch)
             self.admission.observe(len(batch), end - start)
         done: list[tuple[PendingRequest[P, R], list[R] | BaseException]] = []
         for slot, result in zip(batch, results, strict=True):

@@ -19,6 +19,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import torch
 
+from backends.admission import device_work
 from backends.base import Backend, BackendContext, checked_config
 from backends.batch_limits import BatchLimits
 from backends.batch_metrics import BatchMetrics
@@ -112,6 +113,8 @@ class BatchedEncoderBackend(Backend, Generic[P, R, C]):
         else:
             stages.model.to(device)
         self._device = stages.device = device
+        if self._batcher is not None:
+            self._batcher.set_device_work(device_work(device))
 
     async def aclose(self) -> None:
         """Stop the batcher's threads; requests still queued fail with BackendClosedError."""
@@ -144,6 +147,7 @@ class BatchedEncoderBackend(Backend, Generic[P, R, C]):
             name=f"{self.kind.value} {self.context.model} v{self.context.version}",
             metrics=metrics,
             on_worker_start=on_worker_start,
+            device_work=device_work(device),
         )
         self._stages = stages
         self._device = device

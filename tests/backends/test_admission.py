@@ -10,7 +10,7 @@ import asyncio
 import pytest
 from prometheus_client import CollectorRegistry
 
-from backends.admission import QueueTimeAdmission
+from backends.admission import DeviceWork, QueueTimeAdmission, device_work
 from backends.batch_limits import BatchLimits
 from backends.batch_metrics import BatchMetrics
 from backends.batching import DynamicBatcher
@@ -67,23 +67,44 @@ def _shed(registry: CollectorRegistry, reason: str) -> float:
     return registry.get_sample_value("hub_requests_shed_total", labels) or 0.0
 
 
-async def _burst(max_queue_time_s: float | None, n: int) -> tuple[list[object], CollectorRegistry]:
-    """`n` one-input requests arriving while a pass is parked, the cost of an input measured
-    at 10 ms: what each request got, in arrival order."""
+class Clock:
+    """A clock the test moves: how long the pass in flight has run."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def _burst(
+    max_queue_time_s: float | None,
+    n: int,
+    *,
+    ran_s: float = 1.0,
+    device: DeviceWork | None = None,
+) -> tuple[list[object], CollectorRegistry]:
+    """`n` one-input requests arriving while a pass of one input is parked after running
+    `ran_s`, the cost of an input measured at 10 ms: what each request got, in arrival
+    order."""
     model = UpperModel()
     registry = CollectorRegistry()
     limits = BatchLimits(batch_wait_s=0.0, max_batch_size=1, max_queue_time_s=max_queue_time_s)
+    clock = Clock()
     b: DynamicBatcher[list[str], Item, str] = DynamicBatcher(
         model,  # type: ignore[arg-type]
         limits,
         name="upper",
         metrics=BatchMetrics(registry, "upper", "1"),
+        device_work=device,
+        clock=clock,
     )
     try:
         model.hold()
         running = asyncio.create_task(submit(b, ["first"]))
         await wait_entered(model)
         b.admission.observe(1, 0.010)
+        clock.now += ran_s
         # Tasks start in creation order, each counted in the queue before the next arrives.
         burst = [asyncio.create_task(submit(b, [f"r{i}"])) for i in range(n)]
         await asyncio.sleep(0)
@@ -108,6 +129,99 @@ async def test_a_burst_is_shed_beyond_the_queue_time_and_the_rest_is_served() ->
     assert all(o.retry_after >= 1 for o in refused)  # type: ignore[union-attr]
     assert "3 inputs wait ahead" in str(refused[0])
     assert _shed(registry, "queue_time") == 7 and _shed(registry, "queue_full") == 0
+
+
+async def test_what_is_left_of_the_pass_in_flight_counts_as_queued() -> None:
+    # The pass in flight has run 4 ms of its 10: 6 ms left, then 10 ms for each input ahead.
+    outcomes, _ = await _burst(0.025, 10, ran_s=0.004)
+    # 6 and 16 ms fit 25 ms; 26 ms does not.
+    assert outcomes[:2] == [["R0"], ["R1"]]
+    assert all(isinstance(o, CapacityError) for o in outcomes[2:])
+    message = str(outcomes[2])
+    assert "0.01s left of passes running" in message and "0.02s queued" in message
+
+
+async def test_other_models_work_on_the_device_counts() -> None:
+    device = DeviceWork("cpu")
+    other = device.register(lambda: 0.012)  # another model has 12 ms outstanding
+    outcomes, _ = await _burst(0.025, 10, device=device)
+    # 12 ms elsewhere, then 0 and 10 ms queued here fit 25 ms; 32 ms does not.
+    assert outcomes[:2] == [["R0"], ["R1"]]
+    assert all(isinstance(o, CapacityError) for o in outcomes[2:])
+    assert "0.01s of other models' work on its device" in str(outcomes[2])
+    device.unregister(other)
+    outcomes, _ = await _burst(0.025, 10, device=device)
+    assert sum(not isinstance(o, CapacityError) for o in outcomes) == 3
+
+
+def test_a_model_with_nothing_queued_or_running_is_always_admitted() -> None:
+    admission = QueueTimeAdmission(0.025, name="emb")
+    admission.observe(1, 0.010)
+    admission.check(0, 1, elsewhere_s=10.0)  # other models' backlog does not starve it
+    with pytest.raises(CapacityError):
+        admission.check(1, 1, elsewhere_s=10.0)
+    with pytest.raises(CapacityError):
+        admission.check(0, 1, running_s=0.001, elsewhere_s=10.0)
+
+
+async def test_batchers_on_one_device_see_each_others_queue() -> None:
+    """Two models on one device: while one holds queued work, the other's admission counts
+    it; once the first's work is done it counts nothing, and a closed batcher leaves."""
+    device = DeviceWork("cpu")
+    limits = BatchLimits(batch_wait_s=0.0, max_batch_size=1, max_queue_time_s=0.025)
+    first, second = UpperModel(), UpperModel()
+    clock = Clock()  # frozen: a pass in flight has all of its 10 ms left
+    a: DynamicBatcher[list[str], Item, str] = DynamicBatcher(
+        first,
+        limits,
+        name="a",
+        device_work=device,
+        clock=clock,  # type: ignore[arg-type]
+    )
+    b: DynamicBatcher[list[str], Item, str] = DynamicBatcher(
+        second,
+        limits,
+        name="b",
+        device_work=device,
+        clock=clock,  # type: ignore[arg-type]
+    )
+    try:
+        a.admission.observe(1, 0.010)
+        assert device.outstanding_s() == 0.0
+        first.hold()
+        parked = asyncio.create_task(submit(a, ["one"]))
+        await wait_entered(first)
+        queued = [asyncio.create_task(submit(a, [f"q{i}"])) for i in range(2)]
+        await asyncio.sleep(0)
+        assert a.queued == 2
+        # a: 2 queued x 10 ms, plus the 10 ms of the pass in flight.
+        assert device.outstanding_s() == pytest.approx(0.030)
+        assert a.outstanding_s() == pytest.approx(0.030)
+        clock.now += 0.004
+        assert a.outstanding_s() == pytest.approx(0.026)
+        b.admission.observe(1, 0.010)
+        second.hold()
+        b_first = asyncio.create_task(submit(b, ["b0"]))
+        await wait_entered(second)
+        b_next = asyncio.create_task(submit(b, ["b1"]))  # b's own 10 ms + a's 20+: refused
+        await asyncio.sleep(0)
+        assert b_next.done() and isinstance(b_next.exception(), CapacityError)
+        first.release()
+        second.release()
+        assert await parked == ["ONE"] and await asyncio.gather(*queued) == [["Q0"], ["Q1"]]
+        assert await b_first == ["B0"]
+        assert a.outstanding_s() == 0.0
+    finally:
+        first.release()
+        second.release()
+        a.close()
+        b.close()
+    assert device.outstanding_s() == 0.0  # closed batchers left the device
+
+
+def test_device_work_is_one_per_device() -> None:
+    assert device_work("cpu") is device_work("cpu:0")
+    assert device_work("cuda:0") is not device_work("cuda:1")
 
 
 async def test_with_shedding_off_the_same_burst_is_all_served() -> None:
