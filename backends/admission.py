@@ -93,19 +93,28 @@ class QueueTimeAdmission:
         return self._seconds_per_input
 
     def check(
-        self, ahead: int, size: int, *, running_s: float = 0.0, elsewhere_s: float = 0.0
+        self,
+        ahead: int,
+        size: int,
+        *,
+        running_s: float = 0.0,
+        elsewhere_s: float = 0.0,
+        pass_input_s: float | None = None,
     ) -> None:
         """Admit a request of `size` inputs behind `ahead` queued ones, or raise
         CapacityError naming the queue's state. `running_s`: what is left of this model's
-        passes in flight; `elsewhere_s`: the work other models have queued on its device."""
+        passes in flight; `elsewhere_s`: the work other models have queued on its device;
+        `pass_input_s`: what an input costs one worker now, where the caller knows better
+        than the average (a pass in flight already took longer per input: the device is
+        contended), never less than the average."""
         bound = self.max_queue_time_s
-        queued = self.estimated_wait(ahead)
-        if bound is None or queued is None or (ahead == 0 and running_s <= 0):
+        if bound is None or self._seconds_per_input is None or (ahead == 0 and running_s <= 0):
             return
+        per_input = max(self._seconds_per_input, pass_input_s or 0.0) / self.workers
+        queued = ahead * per_input
         wait = queued + max(0.0, running_s) + max(0.0, elsewhere_s)
         if wait <= bound:
             return
-        per_input = self.seconds_per_input or 0.0
         rate = 1 / per_input if per_input > 0 else float("inf")
         retry_after = max(self.min_retry_after_s, math.ceil(wait - bound))
         parts = ""

@@ -141,18 +141,29 @@ class DynamicBatcher(Generic[P, I, R]):
 
     def outstanding_s(self) -> float:
         """Seconds of work this model has outstanding: its queue plus what is left of its
-        passes in flight, at the measured cost per input, over its forward workers (0 until
-        a pass was measured). Reads published numbers only: callable from any thread."""
+        passes in flight, at the cost per input now, over its forward workers (0 until a
+        pass was measured). Reads published numbers only: callable from any thread."""
+        estimate = self._cost_now()
+        if estimate is None:
+            return 0.0
+        per_input, left = estimate
+        return (self._queued * per_input + left) / self.admission.workers
+
+    def _cost_now(self) -> tuple[float, float] | None:
+        """(seconds an input costs one worker now, seconds left of the passes in flight), or
+        None before a pass was measured. The cost is the measured average, or more where a
+        pass in flight has already taken longer per input: on a contended device (a burst
+        parsed on the event loop, other models' passes) passes slow down at once, long before
+        their end updates the average. A pass counts what is left of it at that cost."""
         per_input = self.admission.seconds_per_pass_input
         if per_input is None:
-            return 0.0
-        return (self._queued * per_input + self._left_running(per_input)) / self.admission.workers
-
-    def _left_running(self, per_input: float) -> float:
-        """What is left of the passes in flight, at `per_input` seconds an input (a pass
-        that already took longer than that counts nothing)."""
+            return None
         now = self._clock()
-        return sum(max(0.0, n * per_input - (now - start)) for n, start in self._running)
+        running = self._running
+        for n, start in running:
+            per_input = max(per_input, (now - start) / n)
+        left = sum(max(0.0, n * per_input - (now - start)) for n, start in running)
+        return per_input, left
 
     async def submit(self, payload: P, size: int) -> list[R]:
         """Results for the `size` inputs of `payload`, in order. Raises the stages' error for a
@@ -177,15 +188,16 @@ class DynamicBatcher(Generic[P, I, R]):
                     retry_after=self.limits.retry_after_s,
                 )
             try:
-                per_input = self.admission.seconds_per_pass_input
-                running_s = 0.0
-                if per_input is not None:
-                    running_s = self._left_running(per_input) / self.admission.workers
+                per_input, left = self._cost_now() or (None, 0.0)
                 elsewhere_s = 0.0
                 if self._device_work is not None:
                     elsewhere_s = self._device_work.outstanding_s(excluding=self._device_token)
                 self.admission.check(
-                    self._queued, size, running_s=running_s, elsewhere_s=elsewhere_s
+                    self._queued,
+                    size,
+                    running_s=left / self.admission.workers,
+                    elsewhere_s=elsewhere_s,
+                    pass_input_s=per_input,
                 )
             except CapacityError:
                 self._shed("queue_time")

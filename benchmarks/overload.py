@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import platform
@@ -278,6 +279,10 @@ def _phases(args: argparse.Namespace, burst: int, probes: int) -> dict[str, Any]
         root = Path(tmp)
         reranker = build_tiny_reranker(root / "reranker", hidden_size=256, num_layers=4)
         shed = Shedding(args.max_queue_time_ms, args.max_in_progress, args.max_event_loop_lag)
+        # This process holds torch and transformers (it built the reranker): a full garbage
+        # collection of its heap mid-burst would stall the client, not the hub; freeze it.
+        gc.collect()
+        gc.freeze()
         with hub_server(root / "shedding", reranker, shed) as base:
             bar.update()
             runs["unloaded"] = asyncio.run(

@@ -60,12 +60,17 @@ def _announce(hub: Hub) -> None:
     print("\n".join(lines), flush=True)
 
 
-def create_app(settings: HubSettings, *, announce: bool = False) -> FastAPI:
-    """The hub as an ASGI app; `announce` prints the URL and a curl to try once ready."""
+def create_app(
+    settings: HubSettings, *, announce: bool = False, freeze_gc: bool = False
+) -> FastAPI:
+    """The hub as an ASGI app; `announce` prints the URL and a curl to try once ready;
+    `freeze_gc` freezes the start-up heap out of the garbage collector's way once the
+    preloads were attempted (`hub.gc_freeze`: a process-wide choice, for `hub serve`)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         hub = Hub.build(settings)
+        hub.freeze_gc = freeze_gc
         app.state.hub = hub
         await hub.start()
         log.info("hub ready: %d models registered", len(hub.catalog.snapshot.models))

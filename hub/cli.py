@@ -52,7 +52,7 @@ def serve(
     settings = _settings(config, host=host, port=port)
     configure_logging(settings.log_level, log_config)
     uvicorn.run(
-        create_app(settings, announce=True),
+        create_app(settings, announce=True, freeze_gc=True),
         host=settings.host,
         port=settings.port,
         log_config=None,

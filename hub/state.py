@@ -7,6 +7,7 @@ import logging
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 
+from hub import gc_freeze
 from hub.auth import Authenticator
 from hub.catalog import Catalog
 from hub.control import Control, build_registry
@@ -70,6 +71,9 @@ class Hub:
     # Configured models whose preload has not finished yet, and those whose preload failed.
     preloading: set[str] = field(default_factory=set)
     preload_failed: dict[str, str] = field(default_factory=dict)
+    # Freeze the start-up heap out of the garbage collector's way once the preloads were
+    # attempted (`hub.gc_freeze`); set by the process that owns the hub (`hub serve`).
+    freeze_gc: bool = False
 
     @classmethod
     def build(cls, settings: HubSettings) -> Hub:
@@ -175,6 +179,8 @@ class Hub:
         self.preloading = {m.name for m in self.settings.models if m.preload or m.pin}
         if self.preloading:
             self.background.append(asyncio.create_task(self._preload(), name="preload"))
+        elif self.freeze_gc:
+            gc_freeze.freeze()
         self.ready = True
 
     def readiness(self) -> tuple[bool, dict[str, object]]:
@@ -283,6 +289,8 @@ class Hub:
                 log.error("preloading %s failed: %s", spec.name, e)
             finally:
                 self.preloading.discard(spec.name)
+        if self.freeze_gc:
+            gc_freeze.freeze()
 
 
 async def _step(what: str, work: Awaitable[object]) -> None:

@@ -18,12 +18,12 @@ that did not help, is logged as a leak.
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import threading
 from collections.abc import Iterable, Iterator, Mapping
 
 from backends.base import Backend
+from hub.gc_freeze import collect_everything
 from hub.manager.devices import Device
 from hub.manager.loader import PreparedVersion, VersionLoader, takes_device_budget
 from hub.units import format_bytes
@@ -100,7 +100,7 @@ class Footprint:
             freed = before - _allocated(device)
             if freed < UNLOAD_TOLERANCE * measured:
                 # Reference cycles kept the tensors alive: a full collection (costly) frees them.
-                gc.collect()
+                collect_everything()
                 freed = before - _allocated(device)
             _release_cached(device)
             if freed < UNLOAD_TOLERANCE * measured:

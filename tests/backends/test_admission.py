@@ -81,12 +81,12 @@ async def _burst(
     max_queue_time_s: float | None,
     n: int,
     *,
-    ran_s: float = 1.0,
+    ran_s: float = 0.010,
     device: DeviceWork | None = None,
 ) -> tuple[list[object], CollectorRegistry]:
     """`n` one-input requests arriving while a pass of one input is parked after running
-    `ran_s`, the cost of an input measured at 10 ms: what each request got, in arrival
-    order."""
+    `ran_s` (by default its measured cost, 10 ms: nothing left of it), the cost of an input
+    measured at 10 ms: what each request got, in arrival order."""
     model = UpperModel()
     registry = CollectorRegistry()
     limits = BatchLimits(batch_wait_s=0.0, max_batch_size=1, max_queue_time_s=max_queue_time_s)
@@ -139,6 +139,15 @@ async def test_what_is_left_of_the_pass_in_flight_counts_as_queued() -> None:
     assert all(isinstance(o, CapacityError) for o in outcomes[2:])
     message = str(outcomes[2])
     assert "0.01s left of passes running" in message and "0.02s queued" in message
+
+
+async def test_a_pass_slower_than_the_average_raises_the_cost_at_once() -> None:
+    # The pass in flight has taken 30 ms for its one input (measured average: 10 ms): the
+    # device is contended now, so a queued input is estimated at 30 ms, before that pass ends.
+    outcomes, _ = await _burst(0.025, 10, ran_s=0.030)
+    assert outcomes[0] == ["R0"]  # nothing queued, nothing left of the pass: admitted
+    assert all(isinstance(o, CapacityError) for o in outcomes[1:])
+    assert "at the measured 33 inputs/s" in str(outcomes[1])
 
 
 async def test_other_models_work_on_the_device_counts() -> None:

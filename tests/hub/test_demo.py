@@ -39,6 +39,9 @@ def test_demo_serves_minilm_to_the_openai_client(tmp_path: Path, minilm_dir: Pat
         # Before the requests below fill the tail of the log with access lines.
         log = read_log(str(next(tmp_path.glob("hub-*.log"))))
         assert f"Model Hub is serving at {base}" in log and "curl" in log
+        # Ready once the preloads were attempted, and by then the start-up heap is frozen.
+        full_log = next(tmp_path.glob("hub-*.log")).read_text()
+        assert "start-up objects out of the garbage collector's way" in full_log
         result = client.embeddings.create(model="minilm", input=SENTENCES)
         got = np.array([d.embedding for d in result.data], dtype=np.float32)
         assert got.shape == (len(SENTENCES), 384)

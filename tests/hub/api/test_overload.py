@@ -34,10 +34,14 @@ async def _burst(
         try:
             first = asyncio.create_task(client.post("/models/emb/embed", json={"input": "a"}))
             await asyncio.to_thread(parked.entered.wait, 30)
-            backend._batcher.admission.observe(1, 0.010)
-            # The parked pass has now run longer than its measured 10 ms: none of it is
-            # counted as left, so each arrival meets only the queue ahead of it.
-            await asyncio.sleep(0.02)
+            batcher = backend._batcher
+            batcher.admission.observe(1, 0.010)
+            # The batcher's clock stops where the parked pass has run exactly its measured
+            # 10 ms: none of it is left and it shows no contention, so each arrival meets
+            # only the queue ahead of it (a parked pass on a running clock would look ever
+            # slower and turn everything away).
+            ((_, started),) = batcher._running
+            batcher._clock = lambda: started + 0.010
             burst = [
                 asyncio.create_task(
                     client.post("/v1/embeddings", json={"model": "emb", "input": f"text {i}"})
