@@ -18,6 +18,10 @@ ignored), so every system produces the same number of useful tokens.
   `engine_c1` and `engine_int8_c1` run the first `--c1-requests` requests one at a time
   (concurrency 1) in float32 and int8. The int8/float32 ratios of each round are reported.
 
+A roofline line (`benchmarks/roofline.py`): the GEMM peak measured in this process (the best
+of a few 2048^3 float32 matmuls), the workload's FLOPs (linear layers, LM head, attention) and
+the fraction of that peak each system reached on the whole workload.
+
 It also measures time to first token for a 512-token shared system prompt without and with
 a prefix-cache hit, and KV-cache waste (allocated block slots against tokens stored, over
 every step of the engine's run). The batched phases run in `--rounds` interleaved rounds
@@ -55,6 +59,7 @@ from backends.llm.engine import LLMEngine  # noqa: E402
 from backends.llm.model_runner import ModelRunner  # noqa: E402
 from backends.llm.sampling_params import SamplingParams  # noqa: E402
 from backends.tiny import build_benchmark_llm  # noqa: E402
+from benchmarks.roofline import gemm_peak_gflops, roofline, workload_flops  # noqa: E402
 
 RESULTS = REPO_ROOT / "benchmarks" / "results"
 # Token ids below this are the tokenizer's special tokens; prompts avoid them.
@@ -287,6 +292,18 @@ def plot(results: dict[str, Any], path: Path) -> None:
     left.set_ylabel("output tokens / s")
     left.set_title(f"Throughput, {results['workload']['requests']} requests, {results['model']}")
     left.tick_params(axis="x", rotation=20)
+    line = results.get("roofline")
+    if line:
+        # Output tokens/s had the workload run at the measured GEMM peak, and at half of it.
+        at_peak = results["phases"][-1]["output_tokens"] / line["seconds_at_peak"]
+        left.axhline(
+            at_peak,
+            color="#d62728",
+            linestyle="--",
+            label=f"GEMM roofline ({line['gemm_peak_gflops']:.0f} GFLOPS)",
+        )
+        left.axhline(at_peak / 2, color="#d62728", linestyle=":", label="50% of roofline")
+        left.legend(fontsize=8)
     t = results["prefix_cache"]
     if t is None:  # --skip ttft
         right.set_visible(False)
@@ -485,6 +502,12 @@ def main() -> None:
         "kv_cache": waste,
         "prefix_cache": prefix,
     }
+    flops = workload_flops(model, [(len(r.prompt), r.max_tokens) for r in work])
+    whole = {p.name: p.seconds for p in phases if p.requests == len(work)}
+    results["roofline"] = {
+        **roofline(flops["total"], gemm_peak_gflops(), whole),
+        "workload_gflop_by_part": {k: round(v / 1e9, 1) for k, v in flops.items()},
+    }
     if "engine_int8" in runs:
         results["int8_vs_fp32"] = int8_ratios(runs, int8_outputs, engine_outputs)
     if hf_outputs is not None:
@@ -498,7 +521,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     plot(results, args.out.with_suffix(".png"))
-    keys = ("engine_speedup", "engine_speedup_cpu_time", "kv_cache", "prefix_cache")
+    keys = ("engine_speedup", "engine_speedup_cpu_time", "kv_cache", "prefix_cache", "roofline")
     keys += ("int8_vs_fp32",) if "int8_vs_fp32" in results else ()
     print(json.dumps({k: results[k] for k in keys}, indent=2))
 
