@@ -5,11 +5,22 @@ every thread that starts later begins with. Work made of many small ops (a batch
 worker, per-sequence decode attention) runs faster on one thread per caller than on an OpenMP
 team that meets at a barrier after every tiny op; the helpers here set a thread's own count
 without changing the count other threads start with.
+
+Only compute threads should own OpenMP teams. Every thread that runs a torch op on more than
+one thread gets a team of worker threads of its own, kept for as long as the thread lives
+(the main thread's forever), and once a process holds more OpenMP threads than it has cores,
+GNU OpenMP stops spinning between parallel regions and puts its workers to sleep at once: each
+region then pays a futex wake-up. A native few-row linear layer took 35 us from a thread that
+was the only one with a team and 90-105 us once the main thread had one too (the LLM engine's
+thread, next to an event loop that had run torch ops while loading). So `hub serve` starts
+every thread at one torch thread (`only_compute_threads`), and the compute threads (an LLM
+engine's step thread, an encoder's forward workers) set their own counts from `cores()`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Callable, Iterator
 
@@ -29,6 +40,23 @@ def set_this_thread(n: int) -> None:
             helper = threading.Thread(target=torch.set_num_threads, args=(default,))
             helper.start()
             helper.join()
+
+
+def cores() -> int:
+    """The cores this process may run on (its CPU affinity), whatever torch's thread count
+    is in the calling thread."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # no affinity API on this platform
+        return max(1, os.cpu_count() or 1)
+
+
+def only_compute_threads() -> None:
+    """Make one torch thread the count every thread starts with, from the calling thread on:
+    threads that do not ask for more (an event loop, loaders, executor threads) never start
+    OpenMP teams; compute threads set theirs (`set_this_thread`). For a process's entry point
+    (`hub serve`), before it loads anything."""
+    torch.set_num_threads(1)
 
 
 def intraop_threads(n: int) -> Callable[[], None]:

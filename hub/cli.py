@@ -46,9 +46,13 @@ def serve(
     """Start the hub: migrate, register configured models, serve HTTP."""
     import uvicorn
 
+    from backends.threads import only_compute_threads
     from hub.app import create_app
     from hub.logs import configure_logging
 
+    # Before anything loads: only the compute threads (LLM engines, encoder workers) start
+    # OpenMP teams, so theirs keep spinning between regions (backends/threads.py).
+    only_compute_threads()
     settings = _settings(config, host=host, port=port)
     configure_logging(settings.log_level, log_config)
     uvicorn.run(

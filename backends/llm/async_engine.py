@@ -21,6 +21,7 @@ from types import TracebackType
 from backends.errors import BackendClosedError
 from backends.llm.engine import EngineStepError, LLMEngine, RequestOutput
 from backends.llm.sampling_params import SamplingParams
+from backends.threads import set_this_thread
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +90,11 @@ class RequestStream:
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine, *, name: str = "llm") -> None:
+    def __init__(self, engine: LLMEngine, *, name: str = "llm", threads: int | None = None) -> None:
+        """Start the step thread; its torch ops run on `threads` threads, set in that thread
+        alone (None: the count threads start with)."""
         self.engine = engine
+        self._threads = threads
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, RequestStream]] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -157,6 +161,8 @@ class AsyncLLMEngine:
 
     # ---- engine thread -----------------------------------------------------------------
     def _run(self) -> None:
+        if self._threads is not None:
+            set_this_thread(self._threads)
         while not self._stopping:
             self._wake.clear()
             if not self.engine.has_work():

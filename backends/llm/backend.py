@@ -57,6 +57,7 @@ from backends.parking import ParkedWeights, park, release
 from backends.runtime_config import LLMConfig, RuntimeConfig
 from backends.text_bounds import MIN_CHARS_PER_TOKEN, CharBound
 from backends.text_input import require_encodable
+from backends.threads import cores
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +136,13 @@ class LLMBackend(Backend):
         # tokenizing (added tokens included: a special token's text is one token too).
         self._prompt_bound = CharBound.for_vocab(runner.max_model_len, tokenizer.get_vocab())
         self._runner = runner
-        self._engine = AsyncLLMEngine(engine, name=f"{ctx.model}@{ctx.version}")
+        # On a CPU the step thread runs torch on every core, whatever the count other threads
+        # start with (`hub serve` starts them at one: backends/threads.py).
+        self._engine = AsyncLLMEngine(
+            engine,
+            name=f"{ctx.model}@{ctx.version}",
+            threads=cores() if device.startswith("cpu") else None,
+        )
         self._tokenize_pool = ThreadPoolExecutor(1, f"tokenize {ctx.model}@{ctx.version}")
         self._device = device
         log.info(

@@ -6,7 +6,7 @@ import threading
 
 import torch
 
-from backends.threads import set_this_thread, single_threaded
+from backends.threads import cores, set_this_thread, single_threaded
 
 
 def _count_in_new_thread() -> int:
@@ -43,3 +43,14 @@ def test_single_threaded_restores_the_count() -> None:
     finally:
         set_this_thread(start)
     assert _count_in_new_thread() == start
+
+
+def test_cores_is_the_process_affinity_not_torchs_count() -> None:
+    import os
+
+    start = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert cores() == len(os.sched_getaffinity(0))
+    finally:
+        torch.set_num_threads(start)

@@ -1,0 +1,63 @@
+"""The LLM step thread's torch threads: under `hub serve` every thread starts at one torch
+thread (so only compute threads own OpenMP teams, backends/threads.py), and a CPU model's
+step thread still runs its steps on every core of the process."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from backends.base import BackendContext
+from backends.llm.backend import LLMBackend
+from backends.llm.engine import LLMEngine, RequestOutput
+from backends.llm.sampling_params import SamplingParams
+from backends.threads import cores, only_compute_threads
+from tests.backends.llm.support import build_model
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_model(tmp_path_factory.mktemp("threads-model"), "llama")
+
+
+def _count_in_new_thread() -> int:
+    seen: list[int] = []
+    thread = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    return seen[0]
+
+
+async def test_steps_run_on_every_core_while_other_threads_start_at_one(
+    llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    before = torch.get_num_threads()
+    seen: list[int] = []
+    original = LLMEngine.step
+
+    def step(self: LLMEngine) -> list[RequestOutput]:
+        seen.append(torch.get_num_threads())
+        return original(self)
+
+    monkeypatch.setattr(LLMEngine, "step", step)
+    only_compute_threads()  # as `hub serve` does first
+    try:
+        backend = LLMBackend(BackendContext("tiny", "1", {"kv_cache_bytes": 2 * 2**20}))
+        backend.load(llama, "cpu", torch.float32)
+        try:
+            params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+            tokens = [t async for delta in backend.generate([30, 31, 32], params)
+                      for t in delta.token_ids]  # fmt: skip
+        finally:
+            await backend.aclose()
+            backend.unload()
+        assert len(tokens) == 4
+        assert seen and set(seen) == {cores()}
+        # Nobody else's count moved: this thread and new threads keep one.
+        assert torch.get_num_threads() == 1
+        assert _count_in_new_thread() == 1
+    finally:
+        torch.set_num_threads(before)
