@@ -28,7 +28,7 @@ from backends.errors import BackendClosedError, LoadError
 from backends.loading import module_bytes, require_safe_weights, tensor_bytes_from_headers
 from backends.parking import ParkedWeights, park, release
 from backends.runtime_config import EncoderConfig, RuntimeConfig
-from backends.threads import cores, intraop_threads
+from backends.threads import compute_threads, intraop_threads
 from backends.tokenization import Encoded, EncoderTokenizer
 
 # Activations and the tokenizer on top of the weights: a small fixed allowance.
@@ -165,7 +165,7 @@ class BatchedEncoderBackend(Backend, Generic[P, R, C]):
             if config.batch_overhead_tokens is None:
                 limits = replace(limits, batch_overhead_tokens=ACCELERATOR_OVERHEAD_TOKENS)
             return limits, None
-        available = cores()
+        available = compute_threads() or torch.get_num_threads()
         if config.forward_workers is None:
             limits = replace(limits, forward_workers=max(1, min(DEFAULT_CPU_WORKERS, available)))
         threads = config.worker_threads or max(1, available // limits.forward_workers)

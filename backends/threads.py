@@ -14,7 +14,9 @@ region then pays a futex wake-up. A native few-row linear layer took 35 us from 
 was the only one with a team and 90-105 us once the main thread had one too (the LLM engine's
 thread, next to an event loop that had run torch ops while loading). So `hub serve` starts
 every thread at one torch thread (`only_compute_threads`), and the compute threads (an LLM
-engine's step thread, an encoder's forward workers) set their own counts from `cores()`.
+engine's step thread, an encoder's forward workers) set their own counts from
+`compute_threads()`. Elsewhere (tests, an app embedded in another process) nothing changes:
+compute threads start with the count every thread starts with.
 """
 
 from __future__ import annotations
@@ -27,19 +29,63 @@ from collections.abc import Callable, Iterator
 import torch
 
 _guard = threading.Lock()
+# Threads a compute thread runs torch on, once a process's entry point chose
+# (`only_compute_threads`); None: the count threads start with.
+_compute: int | None = None
 
 
 def set_this_thread(n: int) -> None:
     """Run the calling thread's torch ops on `n` threads; other threads keep their count, and
     threads started later begin with the count they would have had."""
     with _guard:
-        default = torch.get_num_threads()
+        # torch sets a thread's count from the start-up one at the thread's first query: make
+        # that happen now, or it would undo the count set below.
+        if torch.get_num_threads() == n:
+            return  # setting it anyway would also change MKL's threading mode
+        default = _count_new_threads_start_with()
         torch.set_num_threads(n)
         if n != default:
             # A fresh thread setting the default back restores the start-up count.
             helper = threading.Thread(target=torch.set_num_threads, args=(default,))
             helper.start()
             helper.join()
+
+
+def start_thread_with(n: int | None, thread: threading.Thread, counted: threading.Event) -> None:
+    """Start `thread` so that its torch ops run on `n` threads from its first op on (None:
+    the count threads start with), without it ever setting a count itself. torch gives a
+    thread the start-up count at its first query or op, so the start-up count is `n` (set
+    from helper threads) until `thread` has made one and set `counted`. (Setting the count
+    from inside a thread that began with another one gave run-to-run differences in int8
+    greedy output.)"""
+    if n is None:
+        thread.start()
+        return
+    with _guard:
+        default = _count_new_threads_start_with()
+        if n == default:
+            thread.start()
+            return
+        _set_start_up_count(n)
+        try:
+            thread.start()
+            counted.wait()
+        finally:
+            _set_start_up_count(default)
+
+
+def _set_start_up_count(n: int) -> None:
+    helper = threading.Thread(target=torch.set_num_threads, args=(n,))
+    helper.start()
+    helper.join()
+
+
+def _count_new_threads_start_with() -> int:
+    seen: list[int] = []
+    probe = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+    probe.start()
+    probe.join()
+    return seen[0]
 
 
 def cores() -> int:
@@ -51,12 +97,20 @@ def cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def only_compute_threads() -> None:
-    """Make one torch thread the count every thread starts with, from the calling thread on:
-    threads that do not ask for more (an event loop, loaders, executor threads) never start
-    OpenMP teams; compute threads set theirs (`set_this_thread`). For a process's entry point
-    (`hub serve`), before it loads anything."""
+def only_compute_threads(threads: int | None = None) -> None:
+    """Make one torch thread the count every thread starts with, from the calling thread on,
+    and `threads` (default: every core) what compute threads run on: threads that do not ask
+    for more (an event loop, loaders, executor threads) never start OpenMP teams. For a
+    process's entry point (`hub serve`), before it loads anything."""
+    global _compute
+    _compute = threads or cores()
     torch.set_num_threads(1)
+
+
+def compute_threads() -> int | None:
+    """What a compute thread runs torch on (`only_compute_threads`), or None where the
+    process did not choose: then compute threads keep the count they start with."""
+    return _compute
 
 
 def intraop_threads(n: int) -> Callable[[], None]:

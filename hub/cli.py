@@ -50,11 +50,11 @@ def serve(
     from hub.app import create_app
     from hub.logs import configure_logging
 
+    settings = _settings(config, host=host, port=port)
+    configure_logging(settings.log_level, log_config)
     # Before anything loads: only the compute threads (LLM engines, encoder workers) start
     # OpenMP teams, so theirs keep spinning between regions (backends/threads.py).
     only_compute_threads()
-    settings = _settings(config, host=host, port=port)
-    configure_logging(settings.log_level, log_config)
     uvicorn.run(
         create_app(settings, announce=True, freeze_gc=True),
         host=settings.host,

@@ -18,10 +18,12 @@ import uuid
 from collections.abc import AsyncIterator
 from types import TracebackType
 
+import torch
+
 from backends.errors import BackendClosedError
 from backends.llm.engine import EngineStepError, LLMEngine, RequestOutput
 from backends.llm.sampling_params import SamplingParams
-from backends.threads import set_this_thread
+from backends.threads import start_thread_with
 
 log = logging.getLogger(__name__)
 
@@ -94,13 +96,13 @@ class AsyncLLMEngine:
         """Start the step thread; its torch ops run on `threads` threads, set in that thread
         alone (None: the count threads start with)."""
         self.engine = engine
-        self._threads = threads
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, RequestStream]] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stopping = False
+        self._counted = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"engine {name}", daemon=True)
-        self._thread.start()
+        start_thread_with(threads, self._thread, self._counted)
 
     @property
     def closed(self) -> bool:
@@ -161,8 +163,8 @@ class AsyncLLMEngine:
 
     # ---- engine thread -----------------------------------------------------------------
     def _run(self) -> None:
-        if self._threads is not None:
-            set_this_thread(self._threads)
+        torch.get_num_threads()  # takes the start-up count now (`start_thread_with`)
+        self._counted.set()
         while not self._stopping:
             self._wake.clear()
             if not self.engine.has_work():

@@ -57,7 +57,7 @@ from backends.parking import ParkedWeights, park, release
 from backends.runtime_config import LLMConfig, RuntimeConfig
 from backends.text_bounds import MIN_CHARS_PER_TOKEN, CharBound
 from backends.text_input import require_encodable
-from backends.threads import cores
+from backends.threads import compute_threads
 
 log = logging.getLogger(__name__)
 
@@ -136,12 +136,12 @@ class LLMBackend(Backend):
         # tokenizing (added tokens included: a special token's text is one token too).
         self._prompt_bound = CharBound.for_vocab(runner.max_model_len, tokenizer.get_vocab())
         self._runner = runner
-        # On a CPU the step thread runs torch on every core, whatever the count other threads
-        # start with (`hub serve` starts them at one: backends/threads.py).
+        # On a CPU the step thread runs torch on the compute threads the process chose
+        # (`hub serve`: every core, while other threads start at one: backends/threads.py).
         self._engine = AsyncLLMEngine(
             engine,
             name=f"{ctx.model}@{ctx.version}",
-            threads=cores() if device.startswith("cpu") else None,
+            threads=compute_threads() if device.startswith("cpu") else None,
         )
         self._tokenize_pool = ThreadPoolExecutor(1, f"tokenize {ctx.model}@{ctx.version}")
         self._device = device

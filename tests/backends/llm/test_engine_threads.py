@@ -1,6 +1,7 @@
 """The LLM step thread's torch threads: under `hub serve` every thread starts at one torch
-thread (so only compute threads own OpenMP teams, backends/threads.py), and a CPU model's
-step thread still runs its steps on every core of the process."""
+thread (so only compute threads own OpenMP teams, backends/threads.py), a CPU model's step
+thread still runs its steps on every core of the process, and greedy output stays the same
+from one run to the next (it did not while the step thread set its own count)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from backends import threads as threads_module
 from backends.base import BackendContext
 from backends.llm.backend import LLMBackend
 from backends.llm.engine import LLMEngine, RequestOutput
@@ -43,6 +45,7 @@ async def test_steps_run_on_every_core_while_other_threads_start_at_one(
         return original(self)
 
     monkeypatch.setattr(LLMEngine, "step", step)
+    monkeypatch.setattr(threads_module, "_compute", None)  # restored after the test
     only_compute_threads()  # as `hub serve` does first
     try:
         backend = LLMBackend(BackendContext("tiny", "1", {"kv_cache_bytes": 2 * 2**20}))
@@ -59,5 +62,32 @@ async def test_steps_run_on_every_core_while_other_threads_start_at_one(
         # Nobody else's count moved: this thread and new threads keep one.
         assert torch.get_num_threads() == 1
         assert _count_in_new_thread() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+async def test_greedy_output_repeats_exactly_with_compute_threads(
+    llama: Path, monkeypatch: pytest.MonkeyPatch, quantization: str | None
+) -> None:
+    before = torch.get_num_threads()
+    monkeypatch.setattr(threads_module, "_compute", None)
+    only_compute_threads()
+    try:
+        config: dict[str, object] = {"kv_cache_bytes": 2 * 2**20}
+        if quantization:
+            config["quantization"] = quantization
+        backend = LLMBackend(BackendContext("tiny", "1", config))
+        backend.load(llama, "cpu", torch.float32)
+        try:
+            params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+            runs = []
+            for _ in range(4):
+                runs.append([t async for delta in backend.generate(list(range(7, 19)), params)
+                             for t in delta.token_ids])  # fmt: skip
+        finally:
+            await backend.aclose()
+            backend.unload()
+        assert all(run == runs[0] for run in runs), runs
     finally:
         torch.set_num_threads(before)
