@@ -14,7 +14,8 @@ the forward passes took (`observe`), divided by the forward workers running in p
 what the caller says is left of its passes in flight (`running_s`) and what the other models on
 the same device have queued (`elsewhere_s`, from `DeviceWork`). Until a first pass has been
 measured nothing is refused (no rate is known), and a request to a model with nothing queued
-and nothing running is always admitted (so no model starves behind another's steady load).
+and nothing running is always admitted (so no model starves behind another's steady load),
+as is one that an idle forward worker can start at once (the batcher's rule).
 The caller serialises calls (the batcher holds its lock).
 
 Why the passes in flight and the device count: a queue that only counts the inputs still
@@ -100,28 +101,35 @@ class QueueTimeAdmission:
         running_s: float = 0.0,
         elsewhere_s: float = 0.0,
         pass_input_s: float | None = None,
+        slow_running_s: float | None = None,
     ) -> None:
         """Admit a request of `size` inputs behind `ahead` queued ones, or raise
         CapacityError naming the queue's state. `running_s`: what is left of this model's
-        passes in flight; `elsewhere_s`: the work other models have queued on its device;
-        `pass_input_s`: what an input costs one worker now, where the caller knows better
-        than the average (a pass in flight already took longer per input: the device is
-        contended), never less than the average."""
+        passes in flight at the average cost; `elsewhere_s`: the work other models have
+        queued on its device; `pass_input_s` and `slow_running_s`: what an input costs one
+        worker now and what is left of the passes at that cost, where the caller knows
+        better than the average (a pass in flight is already much slower: the device is
+        contended). A contended device is counted once: the estimate is the larger of this
+        model's work at the cost now and its work at the average plus the others' work."""
         bound = self.max_queue_time_s
-        if bound is None or self._seconds_per_input is None or (ahead == 0 and running_s <= 0):
+        average = self._seconds_per_input
+        if bound is None or average is None or (ahead == 0 and running_s <= 0):
             return
-        per_input = max(self._seconds_per_input, pass_input_s or 0.0) / self.workers
-        queued = ahead * per_input
-        wait = queued + max(0.0, running_s) + max(0.0, elsewhere_s)
+        now = max(average, pass_input_s or 0.0)
+        slow = (ahead * now / self.workers, max(0.0, slow_running_s or running_s), 0.0)
+        shared = (ahead * average / self.workers, max(0.0, running_s), max(0.0, elsewhere_s))
+        queued, running, elsewhere = max(slow, shared, key=sum)
+        wait = queued + running + elsewhere
         if wait <= bound:
             return
+        per_input = now / self.workers if queued == slow[0] else average / self.workers
         rate = 1 / per_input if per_input > 0 else float("inf")
         retry_after = max(self.min_retry_after_s, math.ceil(wait - bound))
         parts = ""
-        if running_s > 0 or elsewhere_s > 0:
+        if running > 0 or elsewhere > 0:
             parts = (
-                f" ({queued:.2f}s queued, {max(0.0, running_s):.2f}s left of passes running, "
-                f"{max(0.0, elsewhere_s):.2f}s of other models' work on its device)"
+                f" ({queued:.2f}s queued, {running:.2f}s left of passes running, "
+                f"{elsewhere:.2f}s of other models' work on its device)"
             )
         raise CapacityError(
             f"{self.name} is overloaded: {ahead} {self.unit} wait ahead of this request "
@@ -156,6 +164,11 @@ class DeviceWork:
     def unregister(self, token: int) -> None:
         with self._lock:
             self._sources.pop(token, None)
+
+    def __len__(self) -> int:
+        """Sources counted now."""
+        with self._lock:
+            return len(self._sources)
 
     def outstanding_s(self, excluding: int | None = None) -> float:
         """The sum of every source's outstanding seconds but `excluding`'s."""

@@ -64,6 +64,10 @@ from backends.errors import BackendClosedError, CapacityError, InputError
 
 log = logging.getLogger(__name__)
 
+# A pass in flight that has taken more than this many times the average per input reprices
+# the queue (the device is contended now).
+SLOW_PASS = 1.5
+
 
 class DynamicBatcher(Generic[P, I, R]):
     """A queue, a tokenizer thread and a forward thread for one loaded model."""
@@ -132,38 +136,42 @@ class DynamicBatcher(Generic[P, I, R]):
 
     def set_device_work(self, device_work: DeviceWork | None) -> None:
         """Count this model's work on `device_work` (the device it now runs on) instead of
-        the previous one's."""
-        if self._device_work is not None and self._device_token is not None:
-            self._device_work.unregister(self._device_token)
-        self._device_work, self._device_token = device_work, None
-        if device_work is not None:
-            self._device_token = device_work.register(self.outstanding_s)
+        the previous one's; a closed batcher counts nowhere."""
+        with self._lock:
+            if self._device_work is not None and self._device_token is not None:
+                self._device_work.unregister(self._device_token)
+            self._device_work, self._device_token = None, None
+            if device_work is not None and not self._closed:
+                self._device_token = device_work.register(self.outstanding_s)
+                self._device_work = device_work
 
     def outstanding_s(self) -> float:
         """Seconds of work this model has outstanding: its queue plus what is left of its
-        passes in flight, at the cost per input now, over its forward workers (0 until a
-        pass was measured). Reads published numbers only: callable from any thread."""
-        estimate = self._cost_now()
-        if estimate is None:
+        passes in flight, at the measured average cost per input, over its forward workers
+        (0 until a pass was measured). Reads published numbers only: callable from any
+        thread (the other models' admission checks call it)."""
+        average = self.admission.seconds_per_pass_input
+        if average is None:
             return 0.0
-        per_input, left = estimate
-        return (self._queued * per_input + left) / self.admission.workers
+        left = _left(self._running, average, self._clock())
+        return (self._queued * average + left) / self.admission.workers
 
-    def _cost_now(self) -> tuple[float, float] | None:
-        """(seconds an input costs one worker now, seconds left of the passes in flight), or
-        None before a pass was measured. The cost is the measured average, or more where a
-        pass in flight has already taken longer per input: on a contended device (a burst
-        parsed on the event loop, other models' passes) passes slow down at once, long before
-        their end updates the average. A pass counts what is left of it at that cost."""
-        per_input = self.admission.seconds_per_pass_input
-        if per_input is None:
+    def _slow_cost(self) -> tuple[float, float] | None:
+        """(seconds an input costs one worker now, seconds left of the passes in flight at
+        that cost) where a pass in flight has already taken more than SLOW_PASS times the
+        average per input, else None. On a contended device (a burst parsed on the event
+        loop, other models' passes) passes slow down at once, long before their end updates
+        the average; the margin keeps a pass that is merely unlike the average (one input and
+        its fixed cost, unusually long inputs) from repricing the queue."""
+        average = self.admission.seconds_per_pass_input
+        if average is None:
             return None
         now = self._clock()
         running = self._running
-        for n, start in running:
-            per_input = max(per_input, (now - start) / n)
-        left = sum(max(0.0, n * per_input - (now - start)) for n, start in running)
-        return per_input, left
+        cost = max([(now - start) / n for n, start in running], default=0.0)
+        if cost <= SLOW_PASS * average:
+            return None
+        return cost, _left(running, cost, now)
 
     async def submit(self, payload: P, size: int) -> list[R]:
         """Results for the `size` inputs of `payload`, in order. Raises the stages' error for a
@@ -188,17 +196,7 @@ class DynamicBatcher(Generic[P, I, R]):
                     retry_after=self.limits.retry_after_s,
                 )
             try:
-                per_input, left = self._cost_now() or (None, 0.0)
-                elsewhere_s = 0.0
-                if self._device_work is not None:
-                    elsewhere_s = self._device_work.outstanding_s(excluding=self._device_token)
-                self.admission.check(
-                    self._queued,
-                    size,
-                    running_s=left / self.admission.workers,
-                    elsewhere_s=elsewhere_s,
-                    pass_input_s=per_input,
-                )
+                self._admit(size)
             except CapacityError:
                 self._shed("queue_time")
                 raise
@@ -210,6 +208,29 @@ class DynamicBatcher(Generic[P, I, R]):
         except asyncio.CancelledError:
             self._cancel(request)
             raise
+
+    def _admit(self, size: int) -> None:
+        """Holding the lock: raise CapacityError if `size` more inputs would wait too long.
+        With nothing queued and a forward worker idle, a request starts at once."""
+        workers = self.admission.workers
+        running = self._running
+        if self._queued == 0 and len(running) < workers:
+            return
+        average = self.admission.seconds_per_pass_input
+        if average is None:
+            return
+        elsewhere_s = 0.0
+        if self._device_work is not None:
+            elsewhere_s = self._device_work.outstanding_s(excluding=self._device_token)
+        slow = self._slow_cost()
+        self.admission.check(
+            self._queued,
+            size,
+            running_s=_left(running, average, self._clock()) / workers,
+            elsewhere_s=elsewhere_s,
+            pass_input_s=None if slow is None else slow[0],
+            slow_running_s=None if slow is None else slow[1] / workers,
+        )
 
     def _shed(self, reason: str) -> None:
         if self._metrics is not None:
@@ -455,6 +476,12 @@ class DynamicBatcher(Generic[P, I, R]):
             # A closed loop raises RuntimeError: nobody is waiting for these results any more.
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(_resolve, items)
+
+
+def _left(running: tuple[tuple[int, float], ...], per_input: float, now: float) -> float:
+    """What is left of the passes in flight, (inputs, started at) each, at `per_input`
+    seconds an input (a pass that already took longer counts nothing)."""
+    return sum(max(0.0, n * per_input - (now - start)) for n, start in running)
 
 
 def _resolve(outcomes: list[tuple[PendingRequest[Any, Any], Any]]) -> None:

@@ -13,10 +13,13 @@ GNU OpenMP stops spinning between parallel regions and puts its workers to sleep
 region then pays a futex wake-up. A native few-row linear layer took 35 us from a thread that
 was the only one with a team and 90-105 us once the main thread had one too (the LLM engine's
 thread, next to an event loop that had run torch ops while loading). So `hub serve` starts
-every thread at one torch thread (`only_compute_threads`), and the compute threads (an LLM
-engine's step thread, an encoder's forward workers) set their own counts from
-`compute_threads()`. Elsewhere (tests, an app embedded in another process) nothing changes:
-compute threads start with the count every thread starts with.
+every thread at one torch thread (`only_compute_threads`), and the compute threads run on
+`compute_threads()`: an LLM engine's step thread starts with that count
+(`start_thread_with`); an encoder's forward workers set theirs first thing
+(`set_this_thread`, before any op, which has not shown the run-to-run differences that a
+step thread raising its own count mid-life gave). Elsewhere (tests, an app embedded in
+another process) nothing changes: compute threads start with the count every thread starts
+with.
 """
 
 from __future__ import annotations
@@ -55,7 +58,8 @@ def start_thread_with(n: int | None, thread: threading.Thread, counted: threadin
     """Start `thread` so that its torch ops run on `n` threads from its first op on (None:
     the count threads start with), without it ever setting a count itself. torch gives a
     thread the start-up count at its first query or op, so the start-up count is `n` (set
-    from helper threads) until `thread` has made one and set `counted`. (Setting the count
+    from helper threads) until `thread` has made one and set `counted` (meanwhile a thread
+    that makes its first torch query elsewhere starts with `n` too). (Setting the count
     from inside a thread that began with another one gave run-to-run differences in int8
     greedy output.)"""
     if n is None:
@@ -69,7 +73,9 @@ def start_thread_with(n: int | None, thread: threading.Thread, counted: threadin
         _set_start_up_count(n)
         try:
             thread.start()
-            counted.wait()
+            # Until it has counted, or died trying (then nothing waits on it forever).
+            while not counted.wait(0.1) and thread.is_alive():
+                pass
         finally:
             _set_start_up_count(default)
 
@@ -99,11 +105,13 @@ def cores() -> int:
 
 def only_compute_threads(threads: int | None = None) -> None:
     """Make one torch thread the count every thread starts with, from the calling thread on,
-    and `threads` (default: every core) what compute threads run on: threads that do not ask
+    and `threads` (default: torch's own count, within the process's CPUs) what compute
+    threads run on: threads that do not ask
     for more (an event loop, loaders, executor threads) never start OpenMP teams. For a
     process's entry point (`hub serve`), before it loads anything."""
     global _compute
-    _compute = threads or cores()
+    # torch's own default (physical cores, OMP_NUM_THREADS), within the process's CPUs.
+    _compute = threads or min(torch.get_num_threads(), cores())
     torch.set_num_threads(1)
 
 
@@ -122,7 +130,10 @@ def intraop_threads(n: int) -> Callable[[], None]:
 def single_threaded() -> Iterator[None]:
     """Run the calling thread's torch ops on one thread inside the block. Cheap (a few
     hundred nanoseconds each way) so it can wrap work inside a model's forward pass; a thread
-    started by another thread while inside the block begins with one thread."""
+    started by another thread while inside the block begins with one thread. Where the
+    process chose compute threads (`only_compute_threads`), the count threads start with is
+    one again afterwards (set from a helper thread, some 0.1 ms: restoring this thread's
+    count also sets the start-up count)."""
     previous = torch.get_num_threads()
     if previous == 1:
         yield
@@ -132,3 +143,5 @@ def single_threaded() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(previous)
+        if _compute is not None:
+            _set_start_up_count(1)

@@ -11,7 +11,12 @@ and how much of that peak a run of it reached.
   and layer). Multiply-adds count two. Padding, recomputation and wasted tokens are the
   system's own cost and are not counted.
 
-The fraction of the roofline is `flops / seconds / peak`.
+The fraction of the roofline is `flops / seconds / peak`. Every run is put against the
+float32 peak, also one that computes in another dtype (int8 weights run bfloat16 GEMMs for
+long chunks, whose peak on a CPU with AVX512-BF16 is ~2.4x float32's): its fraction says how
+it compares with float32 work, not how close it is to its own roofline. Sliding-window
+attention and prefix-cache reuse are not modelled (the benchmark's Llama and workload have
+neither).
 """
 
 from __future__ import annotations

@@ -93,8 +93,8 @@ class RequestStream:
 
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine, *, name: str = "llm", threads: int | None = None) -> None:
-        """Start the step thread; its torch ops run on `threads` threads, set in that thread
-        alone (None: the count threads start with)."""
+        """Start the step thread; its torch ops run on `threads` threads from its start,
+        other threads' counts unchanged (None: the count threads start with)."""
         self.engine = engine
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, RequestStream]] = {}
         self._lock = threading.Lock()
@@ -163,8 +163,10 @@ class AsyncLLMEngine:
 
     # ---- engine thread -----------------------------------------------------------------
     def _run(self) -> None:
-        torch.get_num_threads()  # takes the start-up count now (`start_thread_with`)
-        self._counted.set()
+        try:
+            torch.get_num_threads()  # takes the start-up count now (`start_thread_with`)
+        finally:
+            self._counted.set()
         while not self._stopping:
             self._wake.clear()
             if not self.engine.has_work():

@@ -225,7 +225,7 @@ async def test_batchers_on_one_device_see_each_others_queue() -> None:
         second.release()
         a.close()
         b.close()
-    assert device.outstanding_s() == 0.0  # closed batchers left the device
+    assert len(device) == 0  # closed batchers left the device
 
 
 def test_device_work_is_one_per_device() -> None:
@@ -237,3 +237,46 @@ async def test_with_shedding_off_the_same_burst_is_all_served() -> None:
     outcomes, registry = await _burst(None, 10)
     assert outcomes == [[f"R{i}"] for i in range(10)]
     assert _shed(registry, "queue_time") == 0
+
+
+def test_a_contended_device_is_counted_once() -> None:
+    admission = QueueTimeAdmission(0.035, name="emb")
+    admission.observe(1, 0.010)
+    # One input ahead: 30 ms at the slowed cost now, or 10 ms at the average plus 20 ms of
+    # the other models' work (which is what slowed it): 30 ms either way, not 50.
+    admission.check(1, 1, elsewhere_s=0.020, pass_input_s=0.030, slow_running_s=0.0)
+    with pytest.raises(CapacityError, match=r"an estimated 0\.05s .*0\.04s of other models"):
+        admission.check(1, 1, elsewhere_s=0.040, pass_input_s=0.030, slow_running_s=0.0)
+
+
+async def test_a_pass_only_a_little_slower_does_not_reprice_the_queue() -> None:
+    # 12 ms for an input measured at 10 ms (under SLOW_PASS): the average still holds, so
+    # 0 and 10 ms queued fit 25 ms as when the pass took exactly its cost.
+    outcomes, _ = await _burst(0.025, 10, ran_s=0.012)
+    assert sum(not isinstance(o, CapacityError) for o in outcomes) == 3
+
+
+async def test_with_a_forward_worker_idle_an_empty_queue_admits_at_once() -> None:
+    model = UpperModel()
+    limits = BatchLimits(
+        batch_wait_s=0.0, max_batch_size=1, max_queue_time_s=0.025, forward_workers=2
+    )
+    b: DynamicBatcher[list[str], Item, str] = DynamicBatcher(
+        model,  # type: ignore[arg-type]
+        limits,
+        name="upper",
+        clock=Clock(),
+    )
+    try:
+        model.hold()
+        first = asyncio.create_task(submit(b, ["first"]))
+        await wait_entered(model)
+        b.admission.observe(1, 0.400)  # the pass in flight has 200 ms left per worker
+        second = asyncio.create_task(submit(b, ["second"]))
+        await asyncio.sleep(0)
+        assert not second.done()  # admitted: the other worker is free
+        model.release()
+        assert await first == ["FIRST"] and await second == ["SECOND"]
+    finally:
+        model.release()
+        b.close()
