@@ -45,7 +45,7 @@ def set_this_thread(n: int) -> None:
         # that happen now, or it would undo the count set below.
         if torch.get_num_threads() == n:
             return  # setting it anyway would also change MKL's threading mode
-        default = _count_new_threads_start_with()
+        default = start_up_count()
         torch.set_num_threads(n)
         if n != default:
             # A fresh thread setting the default back restores the start-up count.
@@ -66,7 +66,7 @@ def start_thread_with(n: int | None, thread: threading.Thread, counted: threadin
         thread.start()
         return
     with _guard:
-        default = _count_new_threads_start_with()
+        default = start_up_count()
         if n == default:
             thread.start()
             return
@@ -86,7 +86,7 @@ def _set_start_up_count(n: int) -> None:
     helper.join()
 
 
-def _count_new_threads_start_with() -> int:
+def start_up_count() -> int:
     seen: list[int] = []
     probe = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
     probe.start()

@@ -6,15 +6,7 @@ import threading
 
 import torch
 
-from backends.threads import cores, set_this_thread, single_threaded
-
-
-def _count_in_new_thread() -> int:
-    seen: list[int] = []
-    thread = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
-    thread.start()
-    thread.join()
-    return seen[0]
+from backends.threads import cores, set_this_thread, single_threaded, start_up_count
 
 
 def test_set_this_thread_leaves_other_threads_alone() -> None:
@@ -30,7 +22,7 @@ def test_set_this_thread_leaves_other_threads_alone() -> None:
     thread.join()
     assert seen == [start + 1]
     assert torch.get_num_threads() == start
-    assert _count_in_new_thread() == start
+    assert start_up_count() == start
 
 
 def test_single_threaded_restores_the_count() -> None:
@@ -42,7 +34,7 @@ def test_single_threaded_restores_the_count() -> None:
         assert torch.get_num_threads() == 2
     finally:
         set_this_thread(start)
-    assert _count_in_new_thread() == start
+    assert start_up_count() == start
 
 
 def test_cores_is_the_process_affinity_not_torchs_count() -> None:

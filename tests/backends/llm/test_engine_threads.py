@@ -5,7 +5,6 @@ from one run to the next (it did not while the step thread set its own count).""
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import pytest
@@ -17,21 +16,13 @@ from backends.llm.backend import LLMBackend
 from backends.llm.engine import LLMEngine, RequestOutput
 from backends.llm.kernel_settings import KernelSettings
 from backends.llm.sampling_params import SamplingParams
-from backends.threads import only_compute_threads
+from backends.threads import only_compute_threads, start_up_count
 from tests.backends.llm.support import build_model
 
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_model(tmp_path_factory.mktemp("threads-model"), "llama")
-
-
-def _count_in_new_thread() -> int:
-    seen: list[int] = []
-    thread = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
-    thread.start()
-    thread.join()
-    return seen[0]
 
 
 async def test_steps_run_on_every_core_while_other_threads_start_at_one(
@@ -62,7 +53,7 @@ async def test_steps_run_on_every_core_while_other_threads_start_at_one(
         assert seen and set(seen) == {2}
         # Nobody else's count moved: this thread and new threads keep one.
         assert torch.get_num_threads() == 1
-        assert _count_in_new_thread() == 1
+        assert start_up_count() == 1
     finally:
         torch.set_num_threads(before)
 
@@ -116,6 +107,6 @@ async def test_the_torch_decode_path_leaves_new_threads_at_one(
         finally:
             await backend.aclose()
             backend.unload()
-        assert _count_in_new_thread() == 1
+        assert start_up_count() == 1
     finally:
         torch.set_num_threads(before)
