@@ -48,6 +48,10 @@ async def test_a_silent_mlflow_costs_bounded_time_and_threads(
         assert r.json()["dependencies"]["mlflow"]["up"] is False
         assert r.json()["drift_check"] == "paused"
 
+        # asyncio's default executor starts its threads (at most a handful) on demand as the
+        # app's `to_thread` work comes; start them all now, so that growth below means calls
+        # piling up, not the pool filling.
+        await asyncio.gather(*(asyncio.to_thread(time.sleep, 0.05) for _ in range(64)))
         threads = threading.active_count()
         probes = await asyncio.gather(*(client.get("/health/ready") for _ in range(50)))
         assert all(p.status_code == 200 for p in probes)
