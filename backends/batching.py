@@ -29,10 +29,11 @@ requests gets full batches, a lone client pays no wait. With several forward thr
 Capacity. At most `max_queue` inputs wait (not yet in a forward pass); beyond that `submit`
 raises `CapacityError`. With `max_queue_time_s` set, a request whose estimated wait (the inputs
 ahead of it times the measured seconds per input, plus what is left of the passes in flight,
-plus the work the other models on the same device have outstanding: `backends.admission`)
-exceeds it is refused the same way at once, so that a burst is shed rather than absorbed. A
-cancelled `submit` (the client went away) drops its inputs that have not run yet. Results
-resolve on the submitting event loop via `call_soon_threadsafe`, once per batch and loop.
+plus the work the other models on the same device have outstanding: `backends.batch_work`,
+`backends.admission`) exceeds it is refused the same way at once, so that a burst is shed
+rather than absorbed. A cancelled `submit` (the client went away) drops its inputs that have
+not run yet. Results resolve on the submitting event loop via `call_soon_threadsafe`, once
+per batch and loop.
 """
 
 from __future__ import annotations
@@ -60,13 +61,10 @@ from backends.batch_items import (
 )
 from backends.batch_limits import BatchLimits
 from backends.batch_metrics import BatchMetrics
+from backends.batch_work import BatchWork
 from backends.errors import BackendClosedError, CapacityError, InputError
 
 log = logging.getLogger(__name__)
-
-# A pass in flight that has taken more than this many times the average per input reprices
-# the queue (the device is contended now).
-SLOW_PASS = 1.5
 
 
 class DynamicBatcher(Generic[P, I, R]):
@@ -104,13 +102,6 @@ class DynamicBatcher(Generic[P, I, R]):
         self._last_batch_size = 1
         self._seq = itertools.count()
         self._closed = False
-        # Passes in flight as (inputs, started at `clock`), keyed by the batch; the tuple is
-        # republished whole on every change, so other threads read it without the lock.
-        self._clock = clock
-        self._passes: dict[int, tuple[int, float]] = {}
-        self._running: tuple[tuple[int, float], ...] = ()
-        self._device_work: DeviceWork | None = None
-        self._device_token: int | None = None
         # Measures the service rate from every pass; refuses only with max_queue_time_s set.
         self.admission = QueueTimeAdmission(
             limits.max_queue_time_s,
@@ -118,6 +109,8 @@ class DynamicBatcher(Generic[P, I, R]):
             workers=limits.forward_workers,
             min_retry_after_s=limits.retry_after_s,
         )
+        # The queue and the passes in flight as admission and the device see them.
+        self.work = BatchWork(self.admission, lambda: self._queued, clock)
         self._threads = [
             threading.Thread(target=self._tokenize_loop, name=f"{name} tokenize", daemon=True),
         ]
@@ -138,40 +131,12 @@ class DynamicBatcher(Generic[P, I, R]):
         """Count this model's work on `device_work` (the device it now runs on) instead of
         the previous one's; a closed batcher counts nowhere."""
         with self._lock:
-            if self._device_work is not None and self._device_token is not None:
-                self._device_work.unregister(self._device_token)
-            self._device_work, self._device_token = None, None
-            if device_work is not None and not self._closed:
-                self._device_token = device_work.register(self.outstanding_s)
-                self._device_work = device_work
+            self.work.count_on(None if self._closed else device_work)
 
     def outstanding_s(self) -> float:
-        """Seconds of work this model has outstanding: its queue plus what is left of its
-        passes in flight, at the measured average cost per input, over its forward workers
-        (0 until a pass was measured). Reads published numbers only: callable from any
-        thread (the other models' admission checks call it)."""
-        average = self.admission.seconds_per_pass_input
-        if average is None:
-            return 0.0
-        left = _left(self._running, average, self._clock())
-        return (self._queued * average + left) / self.admission.workers
-
-    def _slow_cost(self) -> tuple[float, float] | None:
-        """(seconds an input costs one worker now, seconds left of the passes in flight at
-        that cost) where a pass in flight has already taken more than SLOW_PASS times the
-        average per input, else None. On a contended device (a burst parsed on the event
-        loop, other models' passes) passes slow down at once, long before their end updates
-        the average; the margin keeps a pass that is merely unlike the average (one input and
-        its fixed cost, unusually long inputs) from repricing the queue."""
-        average = self.admission.seconds_per_pass_input
-        if average is None:
-            return None
-        now = self._clock()
-        running = self._running
-        cost = max([(now - start) / n for n, start in running], default=0.0)
-        if cost <= SLOW_PASS * average:
-            return None
-        return cost, _left(running, cost, now)
+        """Seconds of work this model has outstanding (`BatchWork.outstanding_s`); callable
+        from any thread."""
+        return self.work.outstanding_s()
 
     async def submit(self, payload: P, size: int) -> list[R]:
         """Results for the `size` inputs of `payload`, in order. Raises the stages' error for a
@@ -196,7 +161,7 @@ class DynamicBatcher(Generic[P, I, R]):
                     retry_after=self.limits.retry_after_s,
                 )
             try:
-                self._admit(size)
+                self.work.admit(size)
             except CapacityError:
                 self._shed("queue_time")
                 raise
@@ -208,29 +173,6 @@ class DynamicBatcher(Generic[P, I, R]):
         except asyncio.CancelledError:
             self._cancel(request)
             raise
-
-    def _admit(self, size: int) -> None:
-        """Holding the lock: raise CapacityError if `size` more inputs would wait too long.
-        With nothing queued and a forward worker idle, a request starts at once."""
-        workers = self.admission.workers
-        running = self._running
-        if self._queued == 0 and len(running) < workers:
-            return
-        average = self.admission.seconds_per_pass_input
-        if average is None:
-            return
-        elsewhere_s = 0.0
-        if self._device_work is not None:
-            elsewhere_s = self._device_work.outstanding_s(excluding=self._device_token)
-        slow = self._slow_cost()
-        self.admission.check(
-            self._queued,
-            size,
-            running_s=_left(running, average, self._clock()) / workers,
-            elsewhere_s=elsewhere_s,
-            pass_input_s=None if slow is None else slow[0],
-            slow_running_s=None if slow is None else slow[1] / workers,
-        )
 
     def _shed(self, reason: str) -> None:
         if self._metrics is not None:
@@ -386,14 +328,8 @@ class DynamicBatcher(Generic[P, I, R]):
             slot.taken = True
         self._queued -= len(batch)
         self._last_batch_size = len(batch)
-        self._passes[id(batch)] = (len(batch), self._clock())
-        self._running = tuple(self._passes.values())
+        self.work.started(id(batch), len(batch))
         return batch
-
-    def _pass_done(self, batch: list[PooledInput[I]]) -> None:
-        """Holding the lock: `batch` no longer runs."""
-        self._passes.pop(id(batch), None)
-        self._running = tuple(self._passes.values())
 
     def _run(self, batch: list[PooledInput[I]]) -> None:
         start = time.perf_counter()
@@ -407,12 +343,12 @@ class DynamicBatcher(Generic[P, I, R]):
         except Exception as e:
             log.exception("%s: forward pass over %d inputs failed", self.name, len(batch))
             with self._lock:
-                self._pass_done(batch)
+                self.work.finished(id(batch))
             self._fail_requests({id(s.request): s.request for s in batch}.values(), e)
             return
         end = time.perf_counter()
         with self._lock:
-            self._pass_done(batch)
+            self.work.finished(id(batch))
             self.admission.observe(len(batch), end - start)
         done: list[tuple[PendingRequest[P, R], list[R] | BaseException]] = []
         for slot, result in zip(batch, results, strict=True):
@@ -476,12 +412,6 @@ class DynamicBatcher(Generic[P, I, R]):
             # A closed loop raises RuntimeError: nobody is waiting for these results any more.
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(_resolve, items)
-
-
-def _left(running: tuple[tuple[int, float], ...], per_input: float, now: float) -> float:
-    """What is left of the passes in flight, (inputs, started at) each, at `per_input`
-    seconds an input (a pass that already took longer counts nothing)."""
-    return sum(max(0.0, n * per_input - (now - start)) for n, start in running)
 
 
 def _resolve(outcomes: list[tuple[PendingRequest[Any, Any], Any]]) -> None:

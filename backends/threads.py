@@ -46,12 +46,9 @@ def set_this_thread(n: int) -> None:
         if torch.get_num_threads() == n:
             return  # setting it anyway would also change MKL's threading mode
         default = start_up_count()
-        torch.set_num_threads(n)
+        torch.set_num_threads(n)  # this thread's count, and the start-up count too
         if n != default:
-            # A fresh thread setting the default back restores the start-up count.
-            helper = threading.Thread(target=torch.set_num_threads, args=(default,))
-            helper.start()
-            helper.join()
+            _set_start_up_count(default)
 
 
 def start_thread_with(n: int | None, thread: threading.Thread, counted: threading.Event) -> None:
@@ -81,12 +78,15 @@ def start_thread_with(n: int | None, thread: threading.Thread, counted: threadin
 
 
 def _set_start_up_count(n: int) -> None:
+    """Make `n` the count threads start with, leaving the calling thread's (a fresh thread
+    sets it)."""
     helper = threading.Thread(target=torch.set_num_threads, args=(n,))
     helper.start()
     helper.join()
 
 
 def start_up_count() -> int:
+    """The torch thread count a thread started now begins with."""
     seen: list[int] = []
     probe = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
     probe.start()
@@ -106,9 +106,9 @@ def cores() -> int:
 def only_compute_threads(threads: int | None = None) -> None:
     """Make one torch thread the count every thread starts with, from the calling thread on,
     and `threads` (default: torch's own count, within the process's CPUs) what compute
-    threads run on: threads that do not ask
-    for more (an event loop, loaders, executor threads) never start OpenMP teams. For a
-    process's entry point (`hub serve`), before it loads anything."""
+    threads run on: threads that do not ask for more (an event loop, loaders, executor
+    threads) never start OpenMP teams. For a process's entry point (`hub serve`), before it
+    loads anything."""
     global _compute
     # torch's own default (physical cores, OMP_NUM_THREADS), within the process's CPUs.
     _compute = threads or min(torch.get_num_threads(), cores())

@@ -180,19 +180,15 @@ async def test_batchers_on_one_device_see_each_others_queue() -> None:
     limits = BatchLimits(batch_wait_s=0.0, max_batch_size=1, max_queue_time_s=0.025)
     first, second = UpperModel(), UpperModel()
     clock = Clock()  # frozen: a pass in flight has all of its 10 ms left
-    a: DynamicBatcher[list[str], Item, str] = DynamicBatcher(
-        first,
-        limits,
-        name="a",
-        device_work=device,
-        clock=clock,  # type: ignore[arg-type]
-    )
-    b: DynamicBatcher[list[str], Item, str] = DynamicBatcher(
-        second,
-        limits,
-        name="b",
-        device_work=device,
-        clock=clock,  # type: ignore[arg-type]
+    a, b = (
+        DynamicBatcher[list[str], Item, str](
+            model,  # type: ignore[arg-type]
+            limits,
+            name=name,
+            device_work=device,
+            clock=clock,
+        )
+        for model, name in ((first, "a"), (second, "b"))
     )
     try:
         a.admission.observe(1, 0.010)

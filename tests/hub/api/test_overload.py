@@ -40,8 +40,8 @@ async def _burst(
             # 10 ms: none of it is left and it shows no contention, so each arrival meets
             # only the queue ahead of it (a parked pass on a running clock would look ever
             # slower and turn everything away).
-            ((_, started),) = batcher._running
-            batcher._clock = lambda: started + 0.010
+            ((_, started),) = batcher.work.running
+            batcher.work.clock = lambda: started + 0.010
             burst = [
                 asyncio.create_task(
                     client.post("/v1/embeddings", json={"model": "emb", "input": f"text {i}"})
