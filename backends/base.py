@@ -118,6 +118,11 @@ class Backend(abc.ABC):
         Models hold reference cycles, so dropping references alone frees nothing until the
         garbage collector runs: empty the tensors first (`backends.parking.release`)."""
 
+    def worker_pids(self) -> list[int]:
+        """Processes besides the hub's own that run this model's compute now (an encoder's
+        forward workers on a CPU); default: none."""
+        return []
+
     async def aclose(self) -> None:  # noqa: B027 - optional hook, most backends need nothing
         """Stop background workers (queues, threads) before `unload`; default: nothing."""
 

@@ -12,7 +12,8 @@ queued fails with BackendClosedError, the weights are freed at once).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping, Sequence
+import logging
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
@@ -25,11 +26,14 @@ from backends.batch_limits import BatchLimits
 from backends.batch_metrics import BatchMetrics
 from backends.batching import DynamicBatcher
 from backends.errors import BackendClosedError, LoadError
+from backends.forward_process import ForwardProcessError, PooledStages, WorkerShape, by_default
 from backends.loading import module_bytes, require_safe_weights, tensor_bytes_from_headers
 from backends.parking import ParkedWeights, park, release
 from backends.runtime_config import EncoderConfig, RuntimeConfig
 from backends.threads import compute_threads, intraop_threads
 from backends.tokenization import Encoded, EncoderTokenizer
+
+log = logging.getLogger(__name__)
 
 # Activations and the tokenizer on top of the weights: a small fixed allowance.
 _RUNTIME_OVERHEAD_BYTES = 32 * 1024 * 1024
@@ -71,6 +75,10 @@ class BatchedEncoderBackend(Backend, Generic[P, R, C]):
         self.limits = BatchLimits.from_config(self.config)
         self._stages: EncoderStages[P, R] | None = None
         self._batcher: DynamicBatcher[P, Encoded, R] | None = None
+        # What the batcher runs: the stages, their passes in worker processes on a CPU.
+        self._pooled: PooledStages[Encoded, R] | None = None
+        # The forward workers of a pool on a CPU.
+        self._pool_shape: WorkerShape | None = None
         # The weights while offloaded: one host buffer, restored by one copy.
         self._parked: ParkedWeights | None = None
 
@@ -102,6 +110,8 @@ class BatchedEncoderBackend(Backend, Generic[P, R, C]):
     def offload(self) -> None:
         stages = self._require()
         if self._parked is None:
+            if self._pooled is not None:
+                self._pooled.stop()  # the workers map the weights about to be parked
             self._parked = park(stages.model)
             self._device = stages.device = "cpu"
 
@@ -115,50 +125,91 @@ class BatchedEncoderBackend(Backend, Generic[P, R, C]):
         self._device = stages.device = device
         if self._batcher is not None:
             self._batcher.set_device_work(device_work(device))
+        try:
+            self._start_pool(device)
+        except LoadError:
+            log.exception("%s: its forward passes run in the hub's process", self._name)
 
     async def aclose(self) -> None:
         """Stop the batcher's threads; requests still queued fail with BackendClosedError."""
         if self._batcher is not None:
             await asyncio.to_thread(self._batcher.close)
+        if self._pooled is not None:
+            await asyncio.to_thread(self._pooled.stop)
 
     def unload(self) -> None:
         if self._batcher is not None:
             self._batcher.close()
+        if self._pooled is not None:
+            self._pooled.stop()  # before the weights go: the workers map them
         if self._parked is not None:
             self._parked.discard()
         elif self._stages is not None:
             release(self._stages.model)  # frees the weights now, cycles in the model or not
         self._parked = None
         self._batcher = None
+        self._pooled = None
         self._stages = None
         self._device = None
 
     def _start(self, stages: EncoderStages[P, R], device: str) -> None:
-        """Make the loaded model servable: start its batcher."""
+        """Make the loaded model servable: its forward workers (processes on a CPU), then its
+        batcher. LoadError when `forward_process: true` and the workers cannot start."""
         registry = self.context.metrics_registry
         metrics = None
         if registry is not None:
             metrics = BatchMetrics(registry, self.context.model, self.context.version)
-        limits, on_worker_start = self._execution(device)
+        limits, threads = self._execution(device)
         limits = replace(limits, unpadded=stages.unpadded)
+        self._stages = stages
+        self._pooled = PooledStages(stages)
+        if threads is not None:
+            nice = self.config.forward_process_nice
+            self._pool_shape = WorkerShape(limits.forward_workers, threads, nice)
+        self._start_pool(device)
         self._batcher = DynamicBatcher(
-            stages,
+            self._pooled,
             limits,
-            name=f"{self.kind.value} {self.context.model} v{self.context.version}",
+            name=self._name,
             metrics=metrics,
-            on_worker_start=on_worker_start,
+            on_worker_start=None if threads is None else intraop_threads(threads),
             device_work=device_work(device),
         )
-        self._stages = stages
         self._device = device
 
-    def _execution(self, device: str) -> tuple[BatchLimits, Callable[[], None] | None]:
+    @property
+    def _name(self) -> str:
+        return f"{self.kind.value} {self.context.model} v{self.context.version}"
+
+    def _start_pool(self, device: str) -> None:
+        """Run the passes in worker processes when on a CPU and the runtime config says
+        `forward_process: true`, or leaves it unset in a process that made them the default
+        (`hub serve`; backends/forward_process.py). LoadError when it says true and they
+        cannot start; by default that is a warning, and passes run here."""
+        pooled, shape, setting = self._pooled, self._pool_shape, self.config.forward_process
+        wanted = by_default() if setting is None else setting
+        if pooled is None or shape is None or not device.startswith("cpu") or not wanted:
+            return
+        try:
+            pooled.start(shape, name=self._name)
+        except ForwardProcessError as e:
+            if setting:
+                raise LoadError(f"forward_process is true but {e}") from e
+            log.warning("%s; its forward passes run in the hub's process", e)
+
+    def worker_pids(self) -> list[int]:
+        """The worker processes running this model's passes; empty when they run here."""
+        pool = None if self._pooled is None else self._pooled.pool
+        return [] if pool is None else pool.pids
+
+    def _execution(self, device: str) -> tuple[BatchLimits, int | None]:
         """Forward workers, their intra-op threads and the per-pass overhead, by device unless
         the runtime config sets them. On a CPU, several single-threaded workers (each running
         its own batch) lose less than one multi-threaded worker when the cores are shared with
         HTTP, tokenizing and clients: an OpenMP team stalls at every barrier whenever one of its
         threads is descheduled. A GPU pass costs about the same for any small batch, so there
-        batches are split for padding only when they are large."""
+        batches are split for padding only when they are large. Threads None: the device's
+        own (an accelerator)."""
         config = self.config
         limits = self.limits
         if not device.startswith("cpu"):
@@ -169,7 +220,7 @@ class BatchedEncoderBackend(Backend, Generic[P, R, C]):
         if config.forward_workers is None:
             limits = replace(limits, forward_workers=max(1, min(DEFAULT_CPU_WORKERS, available)))
         threads = config.worker_threads or max(1, available // limits.forward_workers)
-        return limits, intraop_threads(threads)
+        return limits, threads
 
     async def _submit(self, payload: P, size: int) -> list[R]:
         batcher = self._batcher

@@ -10,7 +10,8 @@ tensor reachable under two names) and outside references to a parameter (an engi
 `lm_head.weight`) survive both steps, because the same tensor objects are rebound.
 
 `release(module)` frees a module's tensors in place at unload, without waiting for the
-garbage collector.
+garbage collector. `share(module)` lays a CPU module's tensors out the same way in one block of
+shared memory, for worker processes to map (`backends.forward_process`).
 
 The module must be idle for both steps (the manager guarantees it: nothing is in flight).
 Tensors that are not parameters or buffers of the module (caches an engine keeps elsewhere)
@@ -112,6 +113,26 @@ def park(module: torch.nn.Module, *, pin_memory: bool | None = None) -> ParkedWe
         for tensor in slot.tensors:
             tensor.data = empty
     return ParkedWeights(buffer, slots, device)
+
+
+def share(module: torch.nn.Module) -> torch.Tensor:
+    """Put `module`'s parameters and buffers (on the CPU) in one block of shared memory and
+    return it as uint8: every tensor is a view of it, so another process maps all of them
+    with one handle. One copy, none when they already are views of one shared block."""
+    slots, total, device = _layout(module)
+    if device.type != "cpu":
+        raise ValueError(f"only CPU weights can be shared with other processes, not {device}")
+    block = _restored_block(slots, total)
+    if block is not None and block.is_shared():
+        return block
+    block = torch.empty(total, dtype=torch.uint8)
+    block.share_memory_()
+    for slot in slots:
+        view = _typed_view(block, slot)
+        view.copy_(slot.tensors[0])
+        for tensor in slot.tensors:
+            tensor.data = view
+    return block
 
 
 def _free_later(buffer: torch.Tensor) -> None:

@@ -252,18 +252,37 @@ def _logit_mismatch(padded: torch.Tensor, packed: torch.Tensor) -> str | None:
 
 def _first_token_head(classifier: Any) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """`classifier`'s head as a function of its inputs' first-token states `(n, hidden)`, for
-    the architectures whose head reads only that token; None for others."""
+    the architectures whose head reads only that token; None for others. (Objects, not
+    closures: the stages travel to forward worker processes by pickle.)"""
     name = type(classifier).__name__
     if name == "BertForSequenceClassification":
-        pooler = classifier.bert.pooler
-        if pooler is None:
-            return None
-        # BertPooler: dense + tanh on token 0; then dropout (off in eval) and the classifier.
-        return lambda first: classifier.classifier(classifier.dropout(pooler(first[:, None])))
+        return None if classifier.bert.pooler is None else _BertHead(classifier)
     if name in ("RobertaForSequenceClassification", "XLMRobertaForSequenceClassification"):
-        # The classification head reads token 0 of its (n, length, hidden) input itself.
-        return lambda first: classifier.classifier(first[:, None])
+        return _RobertaHead(classifier)
     return None
+
+
+class _BertHead:
+    """BertPooler (dense + tanh on token 0), then dropout (off in eval) and the classifier."""
+
+    def __init__(self, classifier: Any) -> None:
+        self.classifier = classifier
+
+    def __call__(self, first: torch.Tensor) -> torch.Tensor:
+        c = self.classifier
+        out: torch.Tensor = c.classifier(c.dropout(c.bert.pooler(first[:, None])))
+        return out
+
+
+class _RobertaHead:
+    """The classification head reads token 0 of its (n, length, hidden) input itself."""
+
+    def __init__(self, classifier: Any) -> None:
+        self.classifier = classifier
+
+    def __call__(self, first: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.classifier.classifier(first[:, None])
+        return out
 
 
 _KNOWN_HEADS = ", ".join(

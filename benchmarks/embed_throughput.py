@@ -104,9 +104,19 @@ def batch_totals(base: str) -> dict[str, float]:
 
 
 def process_cpu_seconds(pid: int) -> float:
-    """CPU seconds (user + system, all threads) a process has used, from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU seconds (user + system, all threads) a process and its live descendants (the
+    encoders' forward workers) have used."""
+    import psutil
+
+    root = psutil.Process(pid)
+    total = 0.0
+    for process in (root, *root.children(recursive=True)):
+        try:
+            times = process.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total
 
 
 # ---- the hub as a real process --------------------------------------------------------------

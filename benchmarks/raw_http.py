@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -22,6 +23,8 @@ class RawResponse:
     status_code: int
     headers: dict[str, str] = field(default_factory=dict)
     body: bytes = b""
+    # time.perf_counter() once the request was handed to the socket (connected, written).
+    sent_at: float = 0.0
 
     def json(self) -> Any:
         return json.loads(self.body)
@@ -39,10 +42,11 @@ async def post_json(base: str, path: str, body: dict[str, Any]) -> RawResponse:
     reader, writer = await asyncio.open_connection(url.hostname, url.port or 80)
     try:
         writer.write(head + payload)
+        sent_at = time.perf_counter()
         status_line = await reader.readline()
         if not status_line:
             raise ConnectionResetError("the server closed the connection without answering")
-        response = RawResponse(int(status_line.split()[1]))
+        response = RawResponse(int(status_line.split()[1]), sent_at=sent_at)
         while (line := await reader.readline()) not in (b"\r\n", b""):
             name, _, value = line.decode("latin-1").partition(":")
             response.headers[name.strip().lower()] = value.strip()

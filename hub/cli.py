@@ -46,6 +46,7 @@ def serve(
     """Start the hub: migrate, register configured models, serve HTTP."""
     import uvicorn
 
+    from backends import forward_process
     from backends.threads import only_compute_threads
     from hub.app import create_app
     from hub.logs import configure_logging
@@ -55,6 +56,9 @@ def serve(
     # Before anything loads: only the compute threads (LLM engines, encoder workers) start
     # OpenMP teams, so theirs keep spinning between regions (backends/threads.py).
     only_compute_threads()
+    # CPU encoders run their forward passes in worker processes, off this one's interpreter
+    # lock, unless the settings or their runtime config say otherwise.
+    forward_process.use_by_default(settings.encoder_worker_processes)
     uvicorn.run(
         create_app(settings, announce=True, freeze_gc=True),
         host=settings.host,

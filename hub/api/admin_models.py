@@ -41,9 +41,16 @@ class ModelStatusPublic(BaseModel):
         description="on a base: its LoRA adapters on the device now (name@version)",
     )
 
+    worker_pids: list[int] = Field(
+        default_factory=list,
+        description="processes besides the hub's that run the model's compute now (a CPU "
+        "encoder's forward workers)",
+    )
+
     @classmethod
     def of(cls, s: ModelStatus) -> ModelStatusPublic:
-        return cls(**{**s.__dict__, "adapters": list(s.adapters)})
+        return cls(**{**s.__dict__, "adapters": list(s.adapters),
+                      "worker_pids": list(s.worker_pids)})  # fmt: skip
 
 
 class DevicePublic(BaseModel):

@@ -57,6 +57,7 @@ class StatusReports:
             warm_load_s=e.warm_load_s,
             base=str(e.base) if e.base is not None else None,
             adapters=tuple(map(str, self._planner.adapters_on(e.key))),
+            worker_pids=tuple(e.backend.worker_pids()) if e.backend is not None else (),
         )
 
     def devices(self) -> list[DeviceStatus]:

@@ -118,6 +118,8 @@ class ModelStatus:
     # A LoRA adapter's base (`name@version`); on a base, its adapters on the device now.
     base: str | None = None
     adapters: tuple[str, ...] = ()
+    # Processes besides the hub's that run the model's compute (CPU encoders' workers).
+    worker_pids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
+from backends.units import parse_bytes
 from hub.app import create_app
 from hub.settings import HubSettings, load_settings
 from tests.support.process import REPO
@@ -136,6 +137,13 @@ def test_the_configmap_settings_with_the_pod_environment_are_accepted(
     # The MLflow host in the settings is one of the ExternalName Services.
     externals = {d["metadata"]["name"] for d in docs(BASE / "external-services.yaml")}
     assert settings.mlflow_tracking_uri.split("//")[1].split(":")[0] in externals
+    # CPU encoders' forward workers map the weights from /dev/shm: a memory-backed volume
+    # there, as large as the CPU device's budget (a container's own is 64 MiB).
+    [shm] = [m for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+    [volume] = [v for v in pod_spec(deployment)["volumes"] if v["name"] == shm["name"]]
+    assert volume["emptyDir"]["medium"] == "Memory"
+    [cpu] = [d for d in settings.devices if d.name == "cpu"]
+    assert parse_bytes(volume["emptyDir"]["sizeLimit"]) >= cpu.memory_budget
 
 
 def test_the_migration_job_shares_image_config_and_database_with_the_deployment() -> None:

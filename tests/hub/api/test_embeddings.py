@@ -331,10 +331,11 @@ async def test_official_openai_client(
 
 
 class ParkedForward:
-    """Parks the backend's forward passes until `release()`; `entered` is set once one is."""
+    """Parks the backend's forward passes until `release()`; `entered` is set once one is.
+    (The stages the batcher runs: their passes go on to the worker processes, if any.)"""
 
     def __init__(self, backend: Any) -> None:
-        self._stages = backend._stages
+        self._stages = backend._batcher.stages
         self._forward = self._stages.forward
         self.entered = threading.Event()
         self._released = threading.Event()

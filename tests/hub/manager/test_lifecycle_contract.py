@@ -35,6 +35,9 @@ class Handle:
     def offload_bytes(self) -> int:
         return self.nbytes
 
+    def worker_pids(self) -> list[int]:
+        return []
+
     async def aclose(self) -> None:
         pass
 

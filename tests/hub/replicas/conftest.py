@@ -58,6 +58,11 @@ def cluster_config(
             *placement_models,
         ],
         "replica": {"heartbeat_interval": HEARTBEAT, "expire_after": EXPIRE},
+        # The encoders run in the hubs' own processes: these modules are about replicas
+        # (routing, placement, shared statistics), and three hubs each starting a fork server
+        # and workers for every load cost the suite some 40 s on two cores.
+        # tests/hub/test_demo.py and tests/backends/test_forward_process.py cover the workers.
+        "encoder_worker_processes": False,
         # test_shared_traffic.py: statistics flushed often, canaries looked at often, a dead
         # canary analyst replaced within CANARY_LEASE.
         "traffic": {"stats_flush_interval": "200ms", "canary_tick": "200ms",

@@ -1,0 +1,392 @@
+"""An encoder's forward passes in worker processes, off the hub's interpreter lock.
+
+A sentence-transformers forward pass is hundreds of small torch ops, and the Python between
+them needs the interpreter lock. In the hub's process that lock is also what the event loop
+runs on, so under a burst of HTTP requests every op of a pass waited for the loop: MiniLM's
+one-sentence pass took 14 ms alone and 120 ms while the loop answered 500 other requests,
+where the same pass in another process, sharing the same two cores, stayed at 13 ms. So on a
+CPU the forward passes run in worker processes (runtime config `forward_process`):
+
+- The weights are shared, not copied: `start` moves the module's parameters and buffers into
+  shared memory (`torch.Tensor.share_memory_`, one copy at load) and each worker maps the same
+  pages, so the model is counted and held once, and the parent keeps the module for
+  accounting, parking and unload.
+- Workers are forked from multiprocessing's fork server, which imports torch and
+  sentence-transformers once per hub (some 5 s, at the first such load); a worker after that
+  starts in some 20 ms. A worker runs its passes on `threads` torch threads. One worker per
+  forward thread of the batcher: a pass takes an idle worker, sends it the batch's token ids
+  through a pipe, and blocks without the lock until the rows come back (some 0.1 ms each way).
+- A worker that dies (killed, out of memory) is replaced before its next pass; the pass it
+  was running, if any, fails with a `TransientError` (503 with `Retry-After`). A pass's own
+  exception comes back as itself. Workers
+  exit when the pool closes (offload, unload) and when the hub's process goes away (their pipe
+  reaches end of file).
+
+Where shared memory cannot be had (a container whose /dev/shm is too small for the weights),
+`start` raises `ForwardProcessError` and the backend decides: an explicit `forward_process:
+true` fails the load, the default runs the passes in-process with a warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import multiprocessing
+import os
+import pickle
+import queue
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from multiprocessing import popen_forkserver, spawn
+from multiprocessing.connection import Connection
+from multiprocessing.context import ForkServerProcess
+from typing import Any, Generic, TypeVar
+
+import torch
+
+from backends.errors import TransientError
+from backends.parking import share
+
+log = logging.getLogger(__name__)
+
+I = TypeVar("I")  # noqa: E741  # one input
+R = TypeVar("R")  # the result for one input
+
+# Imported once by the fork server, so a worker forked from it starts at once.
+_PRELOAD = ["torch", "sentence_transformers", "backends.embedder", "backends.reranker"]
+# Seconds to wait for a new worker to take the model.
+_START_TIMEOUT_S = 120.0
+_context_guard = threading.Lock()
+_context: Any = None
+# Whether a CPU encoder whose runtime config leaves `forward_process` unset uses workers.
+_by_default = False
+
+
+def use_by_default(on: bool = True) -> None:
+    """Make worker processes the default for CPU encoders in this process: for a process's
+    entry point (`hub serve`). Elsewhere (tests, an app embedded in another process) a model
+    uses them only when its runtime config says `forward_process: true`, so that a process
+    that did not choose does not pay for the fork server."""
+    global _by_default
+    _by_default = on
+
+
+def by_default() -> bool:
+    """Whether `use_by_default` was called (and not undone)."""
+    return _by_default
+
+
+class ForwardProcessError(RuntimeError):
+    """The workers could not start."""
+
+
+def _fork_server() -> Any:
+    """multiprocessing's fork-server context, with torch's tensor sharing registered and the
+    heavy imports preloaded in the server."""
+    global _context
+    with _context_guard:
+        if _context is None:
+            import torch.multiprocessing  # noqa: F401  # registers shared-memory tensor pickling
+
+            context = multiprocessing.get_context("forkserver")
+            context.set_forkserver_preload(_PRELOAD)
+            _context = context
+        return _context
+
+
+@dataclass(frozen=True)
+class PackedStages:
+    """An encoder's stages for a worker: its weights as one block of shared memory (one
+    handle to send, however many tensors the model has: multiprocessing passes at most 252
+    with a new process) and the rest pickled, each weight named by where it lies in the
+    block."""
+
+    block: torch.Tensor  # uint8, shared
+    pickled: bytes
+
+    def unpack(self) -> Any:
+        return _BlockUnpickler(io.BytesIO(self.pickled), self.block).load()
+
+
+def pack_stages(stages: Any) -> PackedStages:
+    """Move the stages' model into shared memory (`backends.parking.share`) and pickle the
+    stages against it."""
+    block = share(stages.model)
+    out = io.BytesIO()
+    _BlockPickler(out, block).dump(stages)
+    return PackedStages(block, out.getvalue())
+
+
+class _BlockPickler(pickle.Pickler):
+    """Pickles tensors that are views of `block` as their place in it."""
+
+    def __init__(self, file: io.BytesIO, block: torch.Tensor) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self._base = block.data_ptr()
+        self._end = self._base + block.numel()
+        self._storage = block.untyped_storage().data_ptr()
+
+    def persistent_id(self, obj: Any) -> Any:
+        if not isinstance(obj, torch.Tensor) or obj.device.type != "cpu":
+            return None
+        if obj.untyped_storage().data_ptr() != self._storage:
+            return None  # not a weight (small, pickled by value)
+        offset = obj.storage_offset() * obj.element_size()
+        parameter = isinstance(obj, torch.nn.Parameter)
+        return ("weight", offset, obj.dtype, tuple(obj.shape), tuple(obj.stride()), parameter,
+                obj.requires_grad)  # fmt: skip
+
+
+class _BlockUnpickler(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, block: torch.Tensor) -> None:
+        super().__init__(file)
+        self._storage = block.untyped_storage()
+
+    def persistent_load(self, pid: Any) -> Any:
+        _, offset, dtype, shape, stride, parameter, requires_grad = pid
+        size = torch.empty(0, dtype=dtype).element_size()
+        view = torch.empty(0, dtype=dtype).set_(self._storage, offset // size, shape, stride)
+        if parameter:
+            return torch.nn.Parameter(view, requires_grad=requires_grad)
+        return view
+
+
+class _Popen(popen_forkserver.Popen):
+    """A fork-server child that does not import the parent's `__main__`: multiprocessing
+    runs the main script again in every child so that its functions can be targets, which
+    costs a worker the script's imports and fails outright for a script without a
+    `__name__ == "__main__"` guard. A worker's target lives in this module."""
+
+    def _launch(self, process_obj: Any) -> None:
+        with _main_guard:
+            original = spawn.get_preparation_data
+
+            def without_main(name: str) -> dict[str, Any]:
+                data = original(name)
+                data.pop("init_main_from_path", None)
+                data.pop("init_main_from_name", None)
+                return data
+
+            spawn.get_preparation_data = without_main
+            try:
+                super()._launch(process_obj)  # type: ignore[misc]  # untyped in typeshed
+            finally:
+                spawn.get_preparation_data = original
+
+
+_main_guard = threading.Lock()
+
+
+class _WorkerProcess(ForkServerProcess):
+    @staticmethod
+    def _Popen(process_obj: Any) -> _Popen:  # multiprocessing's name
+        return _Popen(process_obj)
+
+
+@dataclass(frozen=True)
+class WorkerShape:
+    """How many workers, the torch threads of each, and their niceness (0-19)."""
+
+    workers: int
+    threads: int
+    nice: int = 0
+
+
+def _serve(conn: Connection, shape: WorkerShape, packed: PackedStages) -> None:
+    """A worker's body: unpack the stages, say it is up, then answer ("ok", rows) or
+    ("error", exception) for every batch until the pipe closes or says stop (None)."""
+    stages = packed.unpack()
+    torch.set_num_threads(shape.threads)
+    if shape.nice:
+        os.nice(shape.nice)  # threads started later (torch's) inherit it
+    from backends import unpadded
+
+    unpadded.register()  # the packed path's attention, named in the model's config
+    conn.send(("ok", None))
+    while True:
+        try:
+            items = conn.recv()
+        except EOFError:
+            return  # the hub went away
+        if items is None:
+            return
+        try:
+            reply: tuple[str, Any] = ("ok", stages.forward(items))
+        except BaseException as e:  # the pass's error goes back to its caller
+            reply = ("error", e)
+        try:
+            conn.send(reply)
+        except Exception as e:  # an exception that does not pickle: send what it said
+            conn.send(("error", RuntimeError(f"{type(reply[1]).__name__}: {reply[1]} ({e})")))
+
+
+class _Worker:
+    """One worker process and the parent's end of its pipe."""
+
+    def __init__(self, stages: PackedStages, shape: WorkerShape, name: str) -> None:
+        """Start the process; `ready` waits for it to have unpacked the stages."""
+        context = _fork_server()
+        self._conn, child = context.Pipe()
+        self.name = name
+        # The stages go with the start: the block's shared-memory handle travels in the fork
+        # server's message, not over a connection back to this process.
+        args = (child, shape, stages)
+        self.process = _WorkerProcess(target=_serve, args=args, name=name, daemon=True)
+        try:
+            self.process.start()
+        except Exception as e:  # the stages do not pickle
+            self._conn.close()
+            raise ForwardProcessError(f"{name} could not start: {e}") from e
+        finally:
+            child.close()  # the worker's death then reads as end of file here
+
+    def ready(self) -> _Worker:
+        """Wait until the worker has its model (ForwardProcessError if it never does)."""
+        try:
+            if not self._conn.poll(_START_TIMEOUT_S):
+                raise ForwardProcessError(f"took no model within {_START_TIMEOUT_S:.0f}s")
+            self._conn.recv()
+        except Exception as e:  # the pipe broke, it died
+            self.stop()
+            raise ForwardProcessError(f"{self.name} could not start: {e}") from e
+        return self
+
+    def call(self, items: Sequence[Any]) -> list[Any]:
+        try:
+            self._conn.send(items)
+            status, value = self._conn.recv()
+        except (OSError, EOFError) as e:
+            self.process.join(timeout=1)
+            raise TransientError(
+                f"the forward worker {self.process.name} died during this pass (exit code "
+                f"{self.process.exitcode}); it is being replaced, send the request again"
+            ) from e
+        if status == "error":
+            raise value
+        return list(value)
+
+    @property
+    def alive(self) -> bool:
+        """Whether an idle worker can take a pass: its end of the pipe is still open (the
+        kernel closes it the moment the process dies, before the fork server reaps it and
+        `is_alive` can tell) and the process runs."""
+        try:
+            if self._conn.poll(0):  # an idle worker sends nothing: this is end of file
+                return False
+        except (OSError, ValueError):
+            return False
+        return self.process.is_alive()
+
+    def stop(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self._conn.send(None)
+        self.process.join(timeout=5)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(timeout=5)
+        self._conn.close()
+
+
+class ForwardPool(Generic[I, R]):
+    """`shape.workers` worker processes running `stages.forward` on shared weights; `forward` is
+    called from the batcher's forward threads, at most that many at a time."""
+
+    def __init__(self, stages: Any, shape: WorkerShape, name: str) -> None:
+        self._stages = stages
+        self._shape = shape
+        self._name = name
+        self._idle: queue.SimpleQueue[_Worker] = queue.SimpleQueue()
+        self._all: list[_Worker] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        try:
+            self._packed = pack_stages(stages)
+        except (RuntimeError, ValueError) as e:  # /dev/shm too small or absent, not the CPU
+            raise ForwardProcessError(f"cannot share {name}'s weights with workers: {e}") from e
+        except Exception as e:  # something in the stages does not pickle
+            raise ForwardProcessError(f"cannot send {name}'s stages to workers: {e}") from e
+        try:
+            # Started together, so that they unpack the stages side by side.
+            for i in range(shape.workers):
+                self._all.append(_Worker(self._packed, shape, f"{name} worker {i}"))
+            for worker in self._all:
+                self._idle.put(worker.ready())
+        except ForwardProcessError:
+            self.close()
+            raise
+
+    @property
+    def pids(self) -> list[int]:
+        """The workers' process ids (for tests and the admin view)."""
+        with self._lock:
+            return [w.process.pid for w in self._all if w.process.pid is not None]
+
+    def forward(self, items: Sequence[I]) -> list[R]:
+        worker = self._idle.get()
+        if not worker.alive and not self._closed:  # died while idle: no pass need fail
+            self._release(worker)
+            worker = self._idle.get()
+        try:
+            return worker.call(items)
+        finally:
+            self._release(worker)
+
+    def _release(self, worker: _Worker) -> None:
+        """Back to the idle ones; a dead worker is replaced by a new one first."""
+        if worker.alive or self._closed:
+            self._idle.put(worker)
+            return
+        log.warning("%s exited (code %s); starting another", worker.process.name,
+                    worker.process.exitcode)  # fmt: skip
+        with self._lock:
+            index = self._all.index(worker)
+        worker.stop()
+        try:
+            replacement = _Worker(self._packed, self._shape, worker.name).ready()
+        except ForwardProcessError:
+            log.exception("cannot replace %s", worker.process.name)
+            self._idle.put(worker)  # the next pass on it fails with a clear error again
+            return
+        with self._lock:
+            self._all[index] = replacement
+        self._idle.put(replacement)
+
+    def close(self) -> None:
+        """Stop every worker; idempotent. Passes must not be running (the batcher is idle or
+        closed)."""
+        self._closed = True
+        with self._lock:
+            workers, self._all = self._all, []
+        for worker in workers:
+            worker.stop()
+
+
+class PooledStages(Generic[I, R]):
+    """An encoder's stages (`tokenize`, `forward`) whose `forward` runs in a `ForwardPool`
+    while one is started, and in the calling thread otherwise."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.pool: ForwardPool[I, R] | None = None
+
+    def tokenize(self, payloads: Sequence[Any]) -> list[list[I] | BaseException]:
+        return list(self.inner.tokenize(payloads))
+
+    def forward(self, items: Sequence[I]) -> list[R]:
+        pool = self.pool
+        if pool is None:
+            return list(self.inner.forward(items))
+        return pool.forward(items)
+
+    def start(self, shape: WorkerShape, name: str) -> None:
+        """Run passes in new worker processes."""
+        self.stop()
+        self.pool = ForwardPool(self.inner, shape, name)
+
+    def stop(self) -> None:
+        """Run passes in the calling thread again; the workers exit. Idempotent."""
+        pool, self.pool = self.pool, None
+        if pool is not None:
+            pool.close()

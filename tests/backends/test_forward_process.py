@@ -1,0 +1,172 @@
+"""Encoder forward passes in worker processes (backends/forward_process.py): the same answers
+as in-process passes, weights shared rather than copied, a killed worker replaced, and the
+workers gone after offload and unload."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+from prometheus_client import CollectorRegistry
+
+from backends import forward_process
+from backends.base import BackendContext
+from backends.embedder import EmbedderBackend
+from backends.errors import TransientError
+from backends.reranker import RerankerBackend
+from tests.backends.test_embedder import sentences
+
+
+def embedder(folder: Path, **config: object) -> EmbedderBackend:
+    registry = CollectorRegistry()
+    backend = EmbedderBackend(BackendContext("emb", "1", config, metrics_registry=registry))
+    backend.load(folder, "cpu")
+    return backend
+
+
+def gone(pids: list[int], within_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in pids):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+async def test_passes_run_in_workers_and_equal_in_process_ones(tiny_embedder_dir: Path) -> None:
+    texts = sentences(24, seed=5, longest=50)
+    here = embedder(tiny_embedder_dir, forward_process=False, max_batch_size=8)
+    pooled = embedder(tiny_embedder_dir, forward_process=True, max_batch_size=8)
+    try:
+        assert here.worker_pids() == []
+        pids = pooled.worker_pids()
+        assert len(pids) == 2 and os.getpid() not in pids
+        # They yield the cores to the hub's own threads (forward_process_nice, default 10).
+        assert {psutil.Process(p).nice() for p in pids} == {os.nice(0) + 10}
+        want = await asyncio.gather(*(here.embed([t]) for t in texts))
+        got = await asyncio.gather(*(pooled.embed([t]) for t in texts))
+        # The same module and the same single-threaded kernels: the same bits.
+        for a, b in zip(want, got, strict=True):
+            np.testing.assert_array_equal(a.vectors, b.vectors)
+            assert a.token_counts == b.token_counts
+        # The weights are shared with the workers, not copied: one block of shared memory,
+        # counted once here (plus each tensor's alignment to 256 bytes in the block).
+        tensors = [*pooled.model.parameters(), *pooled.model.buffers()]
+        assert all(t.is_shared() for t in tensors)
+        assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
+        extra = pooled.memory_bytes() - here.memory_bytes()
+        assert 0 <= extra < 256 * len(tensors)
+    finally:
+        here.unload()
+        pooled.unload()
+    assert gone(pids), "the workers outlived the unload"
+
+
+async def test_a_killed_worker_is_replaced_and_no_request_is_lost(tiny_embedder_dir: Path) -> None:
+    backend = embedder(tiny_embedder_dir, forward_process=True, forward_workers=1)
+    try:
+        (pid,) = backend.worker_pids()
+        before = (await backend.embed(["the harbour at dawn"])).vectors
+        os.kill(pid, signal.SIGKILL)
+        assert gone([pid])
+        # Killed while idle: the next pass finds it dead, starts another, and runs there.
+        after = (await backend.embed(["the harbour at dawn"])).vectors
+        np.testing.assert_array_equal(before, after)
+        (replacement,) = backend.worker_pids()
+        assert replacement != pid
+    finally:
+        backend.unload()
+
+
+async def test_a_worker_dying_mid_pass_fails_that_pass_with_a_retryable_error(
+    tiny_embedder_dir: Path,
+) -> None:
+    backend = embedder(tiny_embedder_dir, forward_process=True, forward_workers=1)
+    try:
+        (pid,) = backend.worker_pids()
+        os.kill(pid, signal.SIGSTOP)  # alive, and takes the next batch without answering it
+        pending = asyncio.ensure_future(backend.embed(["lost with its worker"]))
+        batcher = backend._batcher
+        assert batcher is not None
+
+        def sent() -> None:  # the pass has been sent to the worker
+            while not batcher.work.running:
+                time.sleep(0.005)
+
+        await asyncio.wait_for(asyncio.to_thread(sent), 30)
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(TransientError, match="died during this pass"):
+            await pending
+        # The next pass runs on a new worker.
+        assert (await backend.embed(["sent again"])).vectors.shape == (1, 32)
+        assert backend.worker_pids() != [pid]
+    finally:
+        backend.unload()
+
+
+async def test_offload_stops_the_workers_and_restore_starts_new_ones(
+    tiny_reranker_dir: Path,
+) -> None:
+    backend = RerankerBackend(BackendContext("rr", "1", {"forward_process": True}))
+    backend.load(tiny_reranker_dir, "cpu")
+    docs = ["fog over the harbour", "gulls on the pier", "a ferry timetable"]
+    try:
+        first = backend.worker_pids()
+        want = (await backend.rerank("when does the ferry leave", docs)).scores
+        backend.offload()
+        assert backend.worker_pids() == [] and gone(first)
+        backend.restore("cpu")
+        assert backend.worker_pids() and not set(backend.worker_pids()) & set(first)
+        got = (await backend.rerank("when does the ferry leave", docs)).scores
+        assert got == want
+    finally:
+        backend.unload()
+
+
+def test_workers_are_the_default_only_where_the_process_chose_them(
+    tiny_embedder_dir: Path,
+) -> None:
+    plain = embedder(tiny_embedder_dir)
+    try:
+        assert plain.worker_pids() == []  # a test, an embedded app: passes run here
+    finally:
+        plain.unload()
+    forward_process.use_by_default()  # what `hub serve` does
+    try:
+        chosen = embedder(tiny_embedder_dir, forward_process_nice=0)
+        declined = embedder(tiny_embedder_dir, forward_process=False)
+        try:
+            assert len(chosen.worker_pids()) == 2 and declined.worker_pids() == []
+            assert {psutil.Process(p).nice() for p in chosen.worker_pids()} == {os.nice(0)}
+        finally:
+            chosen.unload()
+            declined.unload()
+    finally:
+        forward_process.use_by_default(False)
+
+
+async def test_a_model_of_more_tensors_than_a_fork_message_carries_still_gets_workers(
+    tmp_path: Path,
+) -> None:
+    from backends.tiny import build_tiny_embedder
+
+    # 24 layers: some 400 tensors, past the 252 file handles multiprocessing sends with a
+    # new process; the block is one.
+    folder = build_tiny_embedder(tmp_path / "deep", num_layers=24)
+    here = embedder(folder, forward_process=False)
+    pooled = embedder(folder, forward_process=True)
+    try:
+        assert len([*pooled.model.parameters()]) > 252
+        assert len(pooled.worker_pids()) == 2
+        texts = sentences(6, seed=2)
+        want = (await here.embed(texts)).vectors
+        np.testing.assert_array_equal((await pooled.embed(texts)).vectors, want)
+    finally:
+        here.unload()
+        pooled.unload()
