@@ -121,6 +121,8 @@ class BatchedEncoderBackend(Backend, Generic[P, R, C]):
             self._parked.restore(device)
             self._parked = None
         else:
+            if self._pooled is not None:
+                self._pooled.stop()  # the workers map the weights `to` may replace
             stages.model.to(device)
         self._device = stages.device = device
         if self._batcher is not None:

@@ -35,18 +35,19 @@ import logging
 import multiprocessing
 import os
 import pickle
-import queue
+import signal
 import threading
+import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
-from multiprocessing import popen_forkserver, spawn
+from multiprocessing import forkserver, popen_forkserver, reduction, spawn, util
 from multiprocessing.connection import Connection
-from multiprocessing.context import ForkServerProcess
+from multiprocessing.context import ForkServerProcess, set_spawning_popen
 from typing import Any, Generic, TypeVar
 
 import torch
 
-from backends.errors import TransientError
+from backends.errors import BackendClosedError, TransientError
 from backends.parking import share
 
 log = logging.getLogger(__name__)
@@ -157,26 +158,29 @@ class _Popen(popen_forkserver.Popen):
     """A fork-server child that does not import the parent's `__main__`: multiprocessing
     runs the main script again in every child so that its functions can be targets, which
     costs a worker the script's imports and fails outright for a script without a
-    `__name__ == "__main__"` guard. A worker's target lives in this module."""
+    `__name__ == "__main__"` guard. A worker's target lives in this module. (The launch of
+    `multiprocessing.popen_forkserver` with the preparation data built here, so that other
+    threads starting processes meanwhile see multiprocessing unchanged.)"""
 
     def _launch(self, process_obj: Any) -> None:
-        with _main_guard:
-            original = spawn.get_preparation_data
-
-            def without_main(name: str) -> dict[str, Any]:
-                data = original(name)
-                data.pop("init_main_from_path", None)
-                data.pop("init_main_from_name", None)
-                return data
-
-            spawn.get_preparation_data = without_main
-            try:
-                super()._launch(process_obj)  # type: ignore[misc]  # untyped in typeshed
-            finally:
-                spawn.get_preparation_data = original
-
-
-_main_guard = threading.Lock()
+        data = spawn.get_preparation_data(process_obj._name)
+        data.pop("init_main_from_path", None)
+        data.pop("init_main_from_name", None)
+        payload = io.BytesIO()
+        set_spawning_popen(self)  # file descriptors in the pickles go with the request
+        try:
+            reduction.dump(data, payload)
+            reduction.dump(process_obj, payload)
+        finally:
+            set_spawning_popen(None)
+        fds: list[int] = self._fds  # type: ignore[attr-defined]
+        self.sentinel, data_w = forkserver.connect_to_new_process(fds)
+        # The child watches a duplicate of the data pipe's write end for its parent's death.
+        kept = os.dup(data_w)
+        self.finalizer = util.Finalize(self, util.close_fds, (kept, self.sentinel))  # type: ignore[attr-defined]
+        with open(data_w, "wb", closefd=True) as pipe:
+            pipe.write(payload.getbuffer())
+        self.pid = forkserver.read_signed(self.sentinel)
 
 
 class _WorkerProcess(ForkServerProcess):
@@ -197,10 +201,14 @@ class WorkerShape:
 def _serve(conn: Connection, shape: WorkerShape, packed: PackedStages) -> None:
     """A worker's body: unpack the stages, say it is up, then answer ("ok", rows) or
     ("error", exception) for every batch until the pipe closes or says stop (None)."""
-    stages = packed.unpack()
-    torch.set_num_threads(shape.threads)
     if shape.nice:
-        os.nice(shape.nice)  # threads started later (torch's) inherit it
+        os.nice(shape.nice)  # first: every thread started later (torch's) inherits it
+    # The hub stops its workers through the pipe; a Ctrl-C or a SIGTERM sent to the whole
+    # process group must not end them under passes the hub is still draining.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    torch.set_num_threads(shape.threads)
+    stages = packed.unpack()
     from backends import unpadded
 
     unpadded.register()  # the packed path's attention, named in the model's config
@@ -214,16 +222,26 @@ def _serve(conn: Connection, shape: WorkerShape, packed: PackedStages) -> None:
             return
         try:
             reply: tuple[str, Any] = ("ok", stages.forward(items))
-        except BaseException as e:  # the pass's error goes back to its caller
-            reply = ("error", e)
-        try:
-            conn.send(reply)
-        except Exception as e:  # an exception that does not pickle: send what it said
-            conn.send(("error", RuntimeError(f"{type(reply[1]).__name__}: {reply[1]} ({e})")))
+        except Exception as e:  # the pass's error goes back to its caller
+            reply = ("error", _sendable(e))
+        conn.send(reply)
+
+
+def _sendable(error: Exception) -> Exception:
+    """`error` with the worker's traceback as a note, or a RuntimeError saying what it was
+    when it would not come back through pickle (an exception class whose constructor takes
+    other arguments than it keeps)."""
+    trace = "".join(traceback.format_exception(error))[-4000:]
+    try:
+        error.add_note(f"in the forward worker:\n{trace}")
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:
+        return RuntimeError(f"{type(error).__name__}: {error}\nin the forward worker:\n{trace}")
 
 
 class _Worker:
-    """One worker process and the parent's end of its pipe."""
+    """One worker process and the parent's end of its pipe; one thread uses it at a time."""
 
     def __init__(self, stages: PackedStages, shape: WorkerShape, name: str) -> None:
         """Start the process; `ready` waits for it to have unpacked the stages."""
@@ -258,10 +276,9 @@ class _Worker:
             self._conn.send(items)
             status, value = self._conn.recv()
         except (OSError, EOFError) as e:
-            self.process.join(timeout=1)
             raise TransientError(
-                f"the forward worker {self.process.name} died during this pass (exit code "
-                f"{self.process.exitcode}); it is being replaced, send the request again"
+                f"the forward worker {self.name} ended during this pass; it is being "
+                "replaced, send the request again"
             ) from e
         if status == "error":
             raise value
@@ -269,38 +286,47 @@ class _Worker:
 
     @property
     def alive(self) -> bool:
-        """Whether an idle worker can take a pass: its end of the pipe is still open (the
-        kernel closes it the moment the process dies, before the fork server reaps it and
-        `is_alive` can tell) and the process runs."""
+        """Whether an idle worker can take a pass: its end of the pipe is still open. The
+        kernel closes it the moment the process dies; the process's own status comes from
+        the fork server, which may itself be gone."""
         try:
-            if self._conn.poll(0):  # an idle worker sends nothing: this is end of file
-                return False
+            return not self._conn.poll(0)  # an idle worker sends nothing: this is end of file
         except (OSError, ValueError):
             return False
-        return self.process.is_alive()
+
+    def kill(self) -> None:
+        """End the process at once, without touching the pipe (another thread may be in a
+        pass on it: that pass then fails)."""
+        if self.process.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.process.pid, signal.SIGKILL)
 
     def stop(self) -> None:
+        """Ask it to exit, wait a little, kill it if it has not; close the pipe."""
         with contextlib.suppress(OSError, ValueError):
             self._conn.send(None)
         self.process.join(timeout=5)
-        if self.process.is_alive():
-            self.process.kill()
+        if self.alive:
+            self.kill()
             self.process.join(timeout=5)
         self._conn.close()
 
 
 class ForwardPool(Generic[I, R]):
     """`shape.workers` worker processes running `stages.forward` on shared weights; `forward` is
-    called from the batcher's forward threads, at most that many at a time."""
+    called from the batcher's forward threads, at most that many at a time. A worker found
+    dead is replaced; when a replacement cannot start, `forward` raises ForwardProcessError
+    from then on (`PooledStages` then runs the passes in the hub's process)."""
 
     def __init__(self, stages: Any, shape: WorkerShape, name: str) -> None:
-        self._stages = stages
         self._shape = shape
         self._name = name
-        self._idle: queue.SimpleQueue[_Worker] = queue.SimpleQueue()
+        self._cond = threading.Condition()
+        self._idle: list[_Worker] = []
+        self._busy: set[_Worker] = set()
         self._all: list[_Worker] = []
-        self._lock = threading.Lock()
         self._closed = False
+        self._broken: str | None = None
         try:
             self._packed = pack_stages(stages)
         except (RuntimeError, ValueError) as e:  # /dev/shm too small or absent, not the CPU
@@ -311,8 +337,7 @@ class ForwardPool(Generic[I, R]):
             # Started together, so that they unpack the stages side by side.
             for i in range(shape.workers):
                 self._all.append(_Worker(self._packed, shape, f"{name} worker {i}"))
-            for worker in self._all:
-                self._idle.put(worker.ready())
+            self._idle = [worker.ready() for worker in self._all]
         except ForwardProcessError:
             self.close()
             raise
@@ -320,47 +345,73 @@ class ForwardPool(Generic[I, R]):
     @property
     def pids(self) -> list[int]:
         """The workers' process ids (for tests and the admin view)."""
-        with self._lock:
+        with self._cond:
             return [w.process.pid for w in self._all if w.process.pid is not None]
 
     def forward(self, items: Sequence[I]) -> list[R]:
-        worker = self._idle.get()
-        if not worker.alive and not self._closed:  # died while idle: no pass need fail
-            self._release(worker)
-            worker = self._idle.get()
+        worker = self._take()
+        if not worker.alive:  # died while idle: replaced, and no pass need fail
+            self._give_back(worker)
+            worker = self._take()
         try:
             return worker.call(items)
         finally:
-            self._release(worker)
+            self._give_back(worker)
 
-    def _release(self, worker: _Worker) -> None:
-        """Back to the idle ones; a dead worker is replaced by a new one first."""
-        if worker.alive or self._closed:
-            self._idle.put(worker)
-            return
-        log.warning("%s exited (code %s); starting another", worker.process.name,
-                    worker.process.exitcode)  # fmt: skip
-        with self._lock:
-            index = self._all.index(worker)
+    def _take(self) -> _Worker:
+        with self._cond:
+            while not self._idle and not self._closed and self._broken is None:
+                self._cond.wait()
+            if self._broken is not None:
+                raise ForwardProcessError(self._broken)
+            if self._closed:
+                raise BackendClosedError(f"{self._name}'s forward workers were stopped")
+            worker = self._idle.pop()
+            self._busy.add(worker)
+            return worker
+
+    def _give_back(self, worker: _Worker) -> None:
+        """Back to the idle ones; a dead worker is replaced by a new one first; after
+        `close`, stopped."""
+        with self._cond:
+            self._busy.discard(worker)
+            if not self._closed and worker.alive:
+                self._idle.append(worker)
+                self._cond.notify()
+                return
+            closed = self._closed
         worker.stop()
+        if closed:
+            return
+        log.warning("%s exited; starting another", worker.name)
         try:
             replacement = _Worker(self._packed, self._shape, worker.name).ready()
-        except ForwardProcessError:
-            log.exception("cannot replace %s", worker.process.name)
-            self._idle.put(worker)  # the next pass on it fails with a clear error again
+        except ForwardProcessError as e:
+            with self._cond:
+                self._broken = f"{worker.name} exited and another could not start: {e}"
+                self._cond.notify_all()
             return
-        with self._lock:
-            self._all[index] = replacement
-        self._idle.put(replacement)
+        with self._cond:
+            if not self._closed:
+                self._all[self._all.index(worker)] = replacement
+                self._idle.append(replacement)
+                self._cond.notify()
+                return
+        replacement.stop()
 
     def close(self) -> None:
-        """Stop every worker; idempotent. Passes must not be running (the batcher is idle or
-        closed)."""
-        self._closed = True
-        with self._lock:
-            workers, self._all = self._all, []
-        for worker in workers:
+        """Stop every worker; idempotent. Idle ones are asked to exit; one still in a pass
+        (abandoned: the manager unloads only idle models) is killed, its pass fails, and it
+        is stopped when that thread gives it back."""
+        with self._cond:
+            self._closed = True
+            idle, self._idle, self._all = self._idle, [], []
+            busy = list(self._busy)
+            self._cond.notify_all()
+        for worker in idle:
             worker.stop()
+        for worker in busy:
+            worker.kill()
 
 
 class PooledStages(Generic[I, R]):
@@ -376,9 +427,13 @@ class PooledStages(Generic[I, R]):
 
     def forward(self, items: Sequence[I]) -> list[R]:
         pool = self.pool
-        if pool is None:
-            return list(self.inner.forward(items))
-        return pool.forward(items)
+        if pool is not None:
+            try:
+                return pool.forward(items)
+            except ForwardProcessError as e:
+                log.error("%s; the passes run in the hub's process from now on", e)
+                self.stop()
+        return list(self.inner.forward(items))
 
     def start(self, shape: WorkerShape, name: str) -> None:
         """Run passes in new worker processes."""

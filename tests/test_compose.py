@@ -86,6 +86,14 @@ def test_hub_is_built_from_the_repository_dockerfile(services: dict[str, dict[st
         "8000",
     ]
     assert "./configs/compose.yaml:/app/configs/compose.yaml:ro" in hub["volumes"]
+    # The forward workers map CPU weights from /dev/shm: room for the CPU device's budget.
+    from backends.units import parse_bytes
+
+    config = yaml.safe_load((REPO_ROOT / "configs" / "compose.yaml").read_text())
+    [cpu] = [d for d in config["devices"] if d["name"] == "cpu"]
+    number, unit = re.fullmatch(r"(\d+)([kmg]?)b?", hub["shm_size"]).groups()  # type: ignore[union-attr]
+    docker_bytes = int(number) * 1024 ** "_kmg".index(unit or "_")  # Docker's units are binary
+    assert docker_bytes >= parse_bytes(cpu["memory_budget"])
 
 
 def test_hub_reaches_postgres_and_mlflow_by_service_name(

@@ -5,8 +5,10 @@ workers gone after offload and unload."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -18,7 +20,7 @@ from prometheus_client import CollectorRegistry
 from backends import forward_process
 from backends.base import BackendContext
 from backends.embedder import EmbedderBackend
-from backends.errors import TransientError
+from backends.errors import LoadError, TransientError
 from backends.reranker import RerankerBackend
 from tests.backends.test_embedder import sentences
 
@@ -42,13 +44,13 @@ def gone(pids: list[int], within_s: float = 10.0) -> bool:
 async def test_passes_run_in_workers_and_equal_in_process_ones(tiny_embedder_dir: Path) -> None:
     texts = sentences(24, seed=5, longest=50)
     here = embedder(tiny_embedder_dir, forward_process=False, max_batch_size=8)
-    pooled = embedder(tiny_embedder_dir, forward_process=True, max_batch_size=8)
+    pooled = embedder(tiny_embedder_dir, forward_process=True, forward_workers=2, max_batch_size=8)
     try:
         assert here.worker_pids() == []
         pids = pooled.worker_pids()
         assert len(pids) == 2 and os.getpid() not in pids
         # They yield the cores to the hub's own threads (forward_process_nice, default 10).
-        assert {psutil.Process(p).nice() for p in pids} == {os.nice(0) + 10}
+        assert {psutil.Process(p).nice() for p in pids} == {min(19, os.nice(0) + 10)}
         want = await asyncio.gather(*(here.embed([t]) for t in texts))
         got = await asyncio.gather(*(pooled.embed([t]) for t in texts))
         # The same module and the same single-threaded kernels: the same bits.
@@ -91,17 +93,20 @@ async def test_a_worker_dying_mid_pass_fails_that_pass_with_a_retryable_error(
     try:
         (pid,) = backend.worker_pids()
         os.kill(pid, signal.SIGSTOP)  # alive, and takes the next batch without answering it
+        pool = backend._pooled.pool  # type: ignore[union-attr]
+        (worker,) = pool._all  # type: ignore[union-attr]
+        sent = threading.Event()
+        send = worker._conn.send
+
+        def send_and_tell(obj: object) -> None:  # the batch is in the worker's pipe
+            send(obj)
+            sent.set()
+
+        worker._conn.send = send_and_tell
         pending = asyncio.ensure_future(backend.embed(["lost with its worker"]))
-        batcher = backend._batcher
-        assert batcher is not None
-
-        def sent() -> None:  # the pass has been sent to the worker
-            while not batcher.work.running:
-                time.sleep(0.005)
-
-        await asyncio.wait_for(asyncio.to_thread(sent), 30)
+        assert await asyncio.to_thread(sent.wait, 30)
         os.kill(pid, signal.SIGKILL)
-        with pytest.raises(TransientError, match="died during this pass"):
+        with pytest.raises(TransientError, match="ended during this pass"):
             await pending
         # The next pass runs on a new worker.
         assert (await backend.embed(["sent again"])).vectors.shape == (1, 32)
@@ -139,7 +144,7 @@ def test_workers_are_the_default_only_where_the_process_chose_them(
         plain.unload()
     forward_process.use_by_default()  # what `hub serve` does
     try:
-        chosen = embedder(tiny_embedder_dir, forward_process_nice=0)
+        chosen = embedder(tiny_embedder_dir, forward_process_nice=0, forward_workers=2)
         declined = embedder(tiny_embedder_dir, forward_process=False)
         try:
             assert len(chosen.worker_pids()) == 2 and declined.worker_pids() == []
@@ -160,13 +165,70 @@ async def test_a_model_of_more_tensors_than_a_fork_message_carries_still_gets_wo
     # new process; the block is one.
     folder = build_tiny_embedder(tmp_path / "deep", num_layers=24)
     here = embedder(folder, forward_process=False)
-    pooled = embedder(folder, forward_process=True)
+    pooled = embedder(folder, forward_process=True, forward_workers=1)
     try:
         assert len([*pooled.model.parameters()]) > 252
-        assert len(pooled.worker_pids()) == 2
+        assert len(pooled.worker_pids()) == 1
         texts = sentences(6, seed=2)
         want = (await here.embed(texts)).vectors
         np.testing.assert_array_equal((await pooled.embed(texts)).vectors, want)
     finally:
         here.unload()
         pooled.unload()
+
+
+def test_where_weights_cannot_be_shared_the_passes_stay_here_or_the_load_fails(
+    tiny_embedder_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def no_room(module: object) -> None:  # what a full /dev/shm raises
+        raise RuntimeError("unable to write to file </torch_1_2>: No space left on device (28)")
+
+    monkeypatch.setattr(forward_process, "share", no_room)
+    forward_process.use_by_default()
+    try:
+        with caplog.at_level(logging.WARNING, logger="backends.encoder"):
+            backend = embedder(tiny_embedder_dir)  # the default: a warning, passes here
+        try:
+            assert backend.worker_pids() == []
+            assert "No space left on device" in caplog.text
+            assert "run in the hub's process" in caplog.text
+        finally:
+            backend.unload()
+        with pytest.raises(LoadError, match="forward_process is true but cannot share"):
+            embedder(tiny_embedder_dir, forward_process=True)
+    finally:
+        forward_process.use_by_default(False)
+
+
+async def test_a_worker_ignores_a_ctrl_c_meant_for_the_hub(tiny_embedder_dir: Path) -> None:
+    backend = embedder(tiny_embedder_dir, forward_process=True, forward_workers=1)
+    try:
+        (pid,) = backend.worker_pids()
+        want = (await backend.embed(["the pier at night"])).vectors
+        os.kill(pid, signal.SIGINT)  # what a terminal's Ctrl-C sends the process group
+        os.kill(pid, signal.SIGTERM)
+        await asyncio.sleep(0.2)
+        np.testing.assert_array_equal((await backend.embed(["the pier at night"])).vectors, want)
+        assert backend.worker_pids() == [pid]  # the same worker answered
+    finally:
+        backend.unload()
+
+
+def test_an_error_in_a_worker_comes_back_as_itself_or_says_what_it_was() -> None:
+    from backends.forward_process import _sendable
+
+    class Strict(Exception):
+        def __init__(self, code: int, why: str) -> None:  # pickle cannot rebuild it
+            super().__init__(f"{code}: {why}")
+
+    error = ValueError("a bad shape")
+    try:
+        raise error
+    except ValueError as e:
+        kept = _sendable(e)
+    assert kept is error and "in the forward worker" in "".join(error.__notes__)
+    try:
+        raise Strict(7, "odd")
+    except Strict as e:
+        said = _sendable(e)
+    assert isinstance(said, RuntimeError) and str(said).startswith("Strict: 7: odd")

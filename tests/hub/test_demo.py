@@ -70,7 +70,7 @@ def test_demo_serves_minilm_to_the_openai_client(tmp_path: Path, minilm_dir: Pat
         assert rows["tiny-llama"]["worker_pids"] == []
         for name in ("minilm", "tiny-reranker"):
             pids = rows[name]["worker_pids"]
-            assert len(pids) == 2 and _proc.pid not in pids, rows[name]
+            assert pids and _proc.pid not in pids, rows[name]
             assert all(Path(f"/proc/{pid}").exists() for pid in pids)
 
     model = SentenceTransformer(str(minilm_dir), device="cpu")
