@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from multiprocessing import forkserver, popen_forkserver, reduction, spawn, util
 from multiprocessing.connection import Connection
 from multiprocessing.context import ForkServerProcess, set_spawning_popen
+from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -227,6 +228,21 @@ def _serve(conn: Connection, shape: WorkerShape, packed: PackedStages) -> None:
         conn.send(reply)
 
 
+def _running(pid: int) -> bool:
+    """Whether process `pid` exists and has not exited (a zombie has)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: whether it exists at all
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    return state not in ("Z", "X")
+
+
 def _sendable(error: Exception) -> Exception:
     """`error` with the worker's traceback as a note, or a RuntimeError saying what it was
     when it would not come back through pickle (an exception class whose constructor takes
@@ -286,11 +302,14 @@ class _Worker:
 
     @property
     def alive(self) -> bool:
-        """Whether an idle worker can take a pass: its end of the pipe is still open. The
-        kernel closes it the moment the process dies; the process's own status comes from
-        the fork server, which may itself be gone."""
+        """Whether an idle worker can take a pass: its process runs (read from /proc, not
+        from the fork server, which may itself be gone) and its pipe is not at end of file
+        (an idle worker sends nothing)."""
+        pid = self.process.pid
+        if pid is None or not _running(pid):
+            return False
         try:
-            return not self._conn.poll(0)  # an idle worker sends nothing: this is end of file
+            return not self._conn.poll(0)
         except (OSError, ValueError):
             return False
 
