@@ -60,6 +60,10 @@ R = TypeVar("R")  # the result for one input
 _PRELOAD = ["torch", "sentence_transformers", "backends.embedder", "backends.reranker"]
 # Seconds to wait for a new worker to take the model.
 _START_TIMEOUT_S = 120.0
+# A pass that has not come back after this long is taken for a hung worker: it is killed,
+# the pass fails with TransientError and the worker is replaced (the longest batch a CPU
+# encoder runs takes seconds).
+PASS_TIMEOUT_S = 600.0
 _context_guard = threading.Lock()
 _context: Any = None
 # Whether a CPU encoder whose runtime config leaves `forward_process` unset uses workers.
@@ -290,6 +294,13 @@ class _Worker:
     def call(self, items: Sequence[Any]) -> list[Any]:
         try:
             self._conn.send(items)
+            if not self._conn.poll(PASS_TIMEOUT_S):
+                self.kill()
+                raise TransientError(
+                    f"the forward worker {self.name} took longer than {PASS_TIMEOUT_S:g}s "
+                    "over this pass and was stopped; it is being replaced, send the request "
+                    "again"
+                )
             status, value = self._conn.recv()
         except (OSError, EOFError) as e:
             raise TransientError(
