@@ -147,8 +147,12 @@ class Reconciler:
     async def _loop(self) -> None:
         loops = 0
         while True:
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for loses a cancellation
+            # that arrives as the wait ends, and this loop then outlived the shutdown that
+            # cancelled it (a test's event loop hung tearing down).
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._kick.wait(), self.poll_interval)
+                async with asyncio.timeout(self.poll_interval):
+                    await self._kick.wait()
             self._kick.clear()
             try:
                 await self.reconcile(check_versions=loops % self.version_check_every == 0)
