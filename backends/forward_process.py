@@ -4,23 +4,23 @@ A sentence-transformers forward pass is hundreds of small torch ops, and the Pyt
 them needs the interpreter lock. In the hub's process that lock is also what the event loop
 runs on, so under a burst of HTTP requests every op of a pass waited for the loop: MiniLM's
 one-sentence pass took 14 ms alone and 120 ms while the loop answered 500 other requests,
-where the same pass in another process, sharing the same two cores, stayed at 13 ms. So on a
-CPU the forward passes run in worker processes (runtime config `forward_process`):
+where the same pass in another process, beside a burst of 404s on the same two cores, stayed
+at 13 ms. So on a CPU the forward passes run in worker processes (runtime config
+`forward_process`):
 
-- The weights are shared, not copied: `start` moves the module's parameters and buffers into
-  shared memory (`torch.Tensor.share_memory_`, one copy at load) and each worker maps the same
-  pages, so the model is counted and held once, and the parent keeps the module for
-  accounting, parking and unload.
-- Workers are forked from multiprocessing's fork server, which imports torch and
-  sentence-transformers once per hub (some 5 s, at the first such load); a worker after that
-  starts in some 20 ms. A worker runs its passes on `threads` torch threads. One worker per
-  forward thread of the batcher: a pass takes an idle worker, sends it the batch's token ids
-  through a pipe, and blocks without the lock until the rows come back (some 0.1 ms each way).
-- A worker that dies (killed, out of memory) is replaced before its next pass; the pass it
-  was running, if any, fails with a `TransientError` (503 with `Retry-After`). A pass's own
-  exception comes back as itself. Workers
-  exit when the pool closes (offload, unload) and when the hub's process goes away (their pipe
-  reaches end of file).
+- The weights are shared, not copied: the stages are packed once per pool
+  (`backends.stage_packing`: the weights in one block of shared memory, the rest pickled
+  against it) and each worker maps the same pages, so the model is counted and held once,
+  and the hub keeps the module for accounting, parking and unload.
+- Workers fork from the fork server (`backends.fork_server`); one worker per forward thread
+  of the batcher, each on `threads` torch threads at niceness `nice`. A pass takes an idle
+  worker, sends it the batch's token ids through a pipe, and blocks without the lock until
+  the rows come back.
+- A worker found dead (its process gone, or its pipe at end of file) is replaced before its
+  next pass; a pass it was running fails with a `TransientError` (503 with `Retry-After`), as
+  does one that has not come back within `PASS_TIMEOUT_S` (the worker is killed). A pass's own
+  exception comes back as itself. Workers ignore SIGINT and SIGTERM and exit when the pool
+  closes (offload, unload) or the hub's process goes away (their pipe reaches end of file).
 
 Where shared memory cannot be had (a container whose /dev/shm is too small for the weights),
 `start` raises `ForwardProcessError` and the backend decides: an explicit `forward_process:
@@ -30,9 +30,7 @@ true` fails the load, the default runs the passes in-process with a warning.
 from __future__ import annotations
 
 import contextlib
-import io
 import logging
-import multiprocessing
 import os
 import pickle
 import signal
@@ -40,32 +38,27 @@ import threading
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
-from multiprocessing import forkserver, popen_forkserver, reduction, spawn, util
 from multiprocessing.connection import Connection
-from multiprocessing.context import ForkServerProcess, set_spawning_popen
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 import torch
 
 from backends.errors import BackendClosedError, TransientError
-from backends.parking import share
+from backends.fork_server import WorkerProcess, fork_server
+from backends.stage_packing import PackedStages, pack_stages
 
 log = logging.getLogger(__name__)
 
 I = TypeVar("I")  # noqa: E741  # one input
 R = TypeVar("R")  # the result for one input
 
-# Imported once by the fork server, so a worker forked from it starts at once.
-_PRELOAD = ["torch", "sentence_transformers", "backends.embedder", "backends.reranker"]
 # Seconds to wait for a new worker to take the model.
 _START_TIMEOUT_S = 120.0
 # A pass that has not come back after this long is taken for a hung worker: it is killed,
 # the pass fails with TransientError and the worker is replaced (the longest batch a CPU
 # encoder runs takes seconds).
 PASS_TIMEOUT_S = 600.0
-_context_guard = threading.Lock()
-_context: Any = None
 # Whether a CPU encoder whose runtime config leaves `forward_process` unset uses workers.
 _by_default = False
 
@@ -86,112 +79,6 @@ def by_default() -> bool:
 
 class ForwardProcessError(RuntimeError):
     """The workers could not start."""
-
-
-def _fork_server() -> Any:
-    """multiprocessing's fork-server context, with torch's tensor sharing registered and the
-    heavy imports preloaded in the server."""
-    global _context
-    with _context_guard:
-        if _context is None:
-            import torch.multiprocessing  # noqa: F401  # registers shared-memory tensor pickling
-
-            context = multiprocessing.get_context("forkserver")
-            context.set_forkserver_preload(_PRELOAD)
-            _context = context
-        return _context
-
-
-@dataclass(frozen=True)
-class PackedStages:
-    """An encoder's stages for a worker: its weights as one block of shared memory (one
-    handle to send, however many tensors the model has: multiprocessing passes at most 252
-    with a new process) and the rest pickled, each weight named by where it lies in the
-    block."""
-
-    block: torch.Tensor  # uint8, shared
-    pickled: bytes
-
-    def unpack(self) -> Any:
-        return _BlockUnpickler(io.BytesIO(self.pickled), self.block).load()
-
-
-def pack_stages(stages: Any) -> PackedStages:
-    """Move the stages' model into shared memory (`backends.parking.share`) and pickle the
-    stages against it."""
-    block = share(stages.model)
-    out = io.BytesIO()
-    _BlockPickler(out, block).dump(stages)
-    return PackedStages(block, out.getvalue())
-
-
-class _BlockPickler(pickle.Pickler):
-    """Pickles tensors that are views of `block` as their place in it."""
-
-    def __init__(self, file: io.BytesIO, block: torch.Tensor) -> None:
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self._base = block.data_ptr()
-        self._end = self._base + block.numel()
-        self._storage = block.untyped_storage().data_ptr()
-
-    def persistent_id(self, obj: Any) -> Any:
-        if not isinstance(obj, torch.Tensor) or obj.device.type != "cpu":
-            return None
-        if obj.untyped_storage().data_ptr() != self._storage:
-            return None  # not a weight (small, pickled by value)
-        offset = obj.storage_offset() * obj.element_size()
-        parameter = isinstance(obj, torch.nn.Parameter)
-        return ("weight", offset, obj.dtype, tuple(obj.shape), tuple(obj.stride()), parameter,
-                obj.requires_grad)  # fmt: skip
-
-
-class _BlockUnpickler(pickle.Unpickler):
-    def __init__(self, file: io.BytesIO, block: torch.Tensor) -> None:
-        super().__init__(file)
-        self._storage = block.untyped_storage()
-
-    def persistent_load(self, pid: Any) -> Any:
-        _, offset, dtype, shape, stride, parameter, requires_grad = pid
-        size = torch.empty(0, dtype=dtype).element_size()
-        view = torch.empty(0, dtype=dtype).set_(self._storage, offset // size, shape, stride)
-        if parameter:
-            return torch.nn.Parameter(view, requires_grad=requires_grad)
-        return view
-
-
-class _Popen(popen_forkserver.Popen):
-    """A fork-server child that does not import the parent's `__main__`: multiprocessing
-    runs the main script again in every child so that its functions can be targets, which
-    costs a worker the script's imports and fails outright for a script without a
-    `__name__ == "__main__"` guard. A worker's target lives in this module. (The launch of
-    `multiprocessing.popen_forkserver` with the preparation data built here, so that other
-    threads starting processes meanwhile see multiprocessing unchanged.)"""
-
-    def _launch(self, process_obj: Any) -> None:
-        data = spawn.get_preparation_data(process_obj._name)
-        data.pop("init_main_from_path", None)
-        data.pop("init_main_from_name", None)
-        payload = io.BytesIO()
-        set_spawning_popen(self)  # file descriptors in the pickles go with the request
-        try:
-            reduction.dump(data, payload)
-            reduction.dump(process_obj, payload)
-        finally:
-            set_spawning_popen(None)
-        fds: list[int] = self._fds  # type: ignore[attr-defined]
-        self.sentinel, data_w = forkserver.connect_to_new_process(fds)
-        # The child watches a duplicate of the data pipe's write end for its parent's death.
-        kept = os.dup(data_w)
-        self.finalizer = util.Finalize(self, util.close_fds, (kept, self.sentinel))  # type: ignore[attr-defined]
-        with open(data_w, "wb", closefd=True) as pipe:
-            pipe.write(payload.getbuffer())
-        self.pid = forkserver.read_signed(self.sentinel)
-
-
-class _WorkerProcess(ForkServerProcess):
-    @staticmethod
-    def _Popen(process_obj: Any) -> _Popen:  # multiprocessing's name
-        return _Popen(process_obj)
 
 
 @dataclass(frozen=True)
@@ -265,13 +152,13 @@ class _Worker:
 
     def __init__(self, stages: PackedStages, shape: WorkerShape, name: str) -> None:
         """Start the process; `ready` waits for it to have unpacked the stages."""
-        context = _fork_server()
+        context = fork_server()
         self._conn, child = context.Pipe()
         self.name = name
         # The stages go with the start: the block's shared-memory handle travels in the fork
         # server's message, not over a connection back to this process.
         args = (child, shape, stages)
-        self.process = _WorkerProcess(target=_serve, args=args, name=name, daemon=True)
+        self.process = WorkerProcess(target=_serve, args=args, name=name, daemon=True)
         try:
             self.process.start()
         except Exception as e:  # the stages do not pickle
@@ -453,7 +340,7 @@ class PooledStages(Generic[I, R]):
         self.pool: ForwardPool[I, R] | None = None
 
     def tokenize(self, payloads: Sequence[Any]) -> list[list[I] | BaseException]:
-        return list(self.inner.tokenize(payloads))
+        return self.inner.tokenize(payloads)
 
     def forward(self, items: Sequence[I]) -> list[R]:
         pool = self.pool

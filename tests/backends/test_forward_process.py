@@ -17,7 +17,7 @@ import psutil
 import pytest
 from prometheus_client import CollectorRegistry
 
-from backends import forward_process
+from backends import forward_process, stage_packing
 from backends.base import BackendContext
 from backends.embedder import EmbedderBackend
 from backends.errors import LoadError, TransientError
@@ -183,7 +183,7 @@ def test_where_weights_cannot_be_shared_the_passes_stay_here_or_the_load_fails(
     def no_room(module: object) -> None:  # what a full /dev/shm raises
         raise RuntimeError("unable to write to file </torch_1_2>: No space left on device (28)")
 
-    monkeypatch.setattr(forward_process, "share", no_room)
+    monkeypatch.setattr(stage_packing, "share", no_room)
     forward_process.use_by_default()
     try:
         with caplog.at_level(logging.WARNING, logger="backends.encoder"):
