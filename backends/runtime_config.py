@@ -226,6 +226,9 @@ class LLMConfig(RuntimeConfig):
     # than that take turns, least recently used out) and the largest rank accepted.
     max_loras: Annotated[int, Field(strict=True, ge=1, le=256)] = 8
     max_lora_rank: Annotated[int, Field(strict=True, ge=1, le=512)] = 64
+    # A float32 Llama-family model on the CPU runs its steps through one native call
+    # (backends/llm/fused.py); false: always through the transformers modules.
+    fused_step: Flag = True
 
     def quantization_method(self) -> str | None:
         """The quantization to apply at load ("int8", "int4"), or None."""

@@ -31,9 +31,10 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from backends.llm import attention  # noqa: E402
+from backends.llm import attention, model_runner  # noqa: E402
 from backends.llm.config import EngineConfig  # noqa: E402
 from backends.llm.engine import LLMEngine  # noqa: E402
+from backends.llm.fused.decoder import FusedDecoder  # noqa: E402
 from backends.llm.model_runner import ModelRunner  # noqa: E402
 from backends.llm.quantization import Int8Linear  # noqa: E402
 from backends.llm.sampling_params import SamplingParams  # noqa: E402
@@ -60,13 +61,22 @@ def main() -> None:
     parser.add_argument("--quantization", default=None)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--model-dir", type=Path)
+    parser.add_argument(
+        "--transformers",
+        action="store_true",
+        help="steps through the transformers modules (fused_step off)",
+    )
     parser.add_argument("--out", type=Path, help="also write the JSON here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = args.model_dir or Path(tempfile.mkdtemp(prefix="llm-profile-")) / "model"
     if not (model_dir / "config.json").is_file():
         build_benchmark_llm(model_dir)
-    config = EngineConfig(kv_cache_bytes=256 * 2**20, max_num_seqs=max(64, args.batch))
+    config = EngineConfig(
+        kv_cache_bytes=256 * 2**20,
+        max_num_seqs=max(64, args.batch),
+        fused_step=not args.transformers,
+    )
     runner = ModelRunner.load(
         model_dir, "cpu", torch.float32, config, quantization=args.quantization
     )
@@ -78,13 +88,18 @@ def main() -> None:
     for i in range(args.batch):
         engine.add_request(str(i), [7 + (i * 13 + j) % 8000 for j in range(128)], params)
     scheduler = engine.scheduler
-    while scheduler.waiting or any(s.num_computed_tokens < 128 for s in scheduler.running):
+    # Requests reach the scheduler in the next step: wait for all of them to be running.
+    while len(scheduler.running) < args.batch or any(
+        s.num_computed_tokens < 128 for s in scheduler.running
+    ):
         engine.step()  # prefill
     for _ in range(3):
         engine.step()  # warm-up decodes
 
-    torch.nn.Linear.forward = timed("gemm", torch.nn.Linear.forward)  # type: ignore[method-assign]
-    Int8Linear.forward = timed("gemm", Int8Linear.forward)  # type: ignore[method-assign]
+    # Each layer's own forward: the native few-row kernel replaces it per instance.
+    for module in runner.model.modules():
+        if isinstance(module, torch.nn.Linear | Int8Linear):
+            module.forward = timed("gemm", module.forward)  # type: ignore[method-assign]
     from transformers import AttentionInterface
 
     AttentionInterface.register(
@@ -93,7 +108,9 @@ def main() -> None:
     sampler_class = type(runner.sampler)
     sampler_class.__call__ = timed("sampling", sampler_class.__call__)  # type: ignore[method-assign]
     runner.model = timed("forward", runner.model)
+    FusedDecoder.__call__ = timed("fused", FusedDecoder.__call__)  # type: ignore[method-assign]
     runner._prepare = timed("inputs", runner._prepare)  # type: ignore[method-assign]
+    model_runner.fused_rows = timed("inputs", model_runner.fused_rows)
     scheduler.schedule = timed("schedule", scheduler.schedule)  # type: ignore[method-assign]
     scheduler.update = timed("update", scheduler.update)  # type: ignore[method-assign]
     engine._emit = timed("outputs", engine._emit)  # type: ignore[method-assign]
@@ -102,16 +119,17 @@ def main() -> None:
     for _ in range(args.steps):
         step()
     cpu_per_step = 1000 * (time.process_time() - cpu) / args.steps
-    per_step = {k: 1000 * v / args.steps for k, v in totals.items()}
+    per_step = defaultdict(float, {k: 1000 * v / args.steps for k, v in totals.items()})
     forward_other = per_step["forward"] - per_step["gemm"] - per_step["attention"]
-    named = ("forward", "sampling", "inputs", "schedule", "update", "outputs")
+    named = ("forward", "fused", "sampling", "inputs", "schedule", "update", "outputs")
     python = per_step["step"] - sum(per_step[k] for k in named)
     parts = {
+        "fused step (the whole forward in one native call)": per_step["fused"],
         "gemm": per_step["gemm"],
         "attention": per_step["attention"],
         "forward_other (norms, rotary, activations, module calls)": forward_other,
         "sampling": per_step["sampling"],
-        "inputs (runner: tensors, tables)": per_step["inputs"],
+        "inputs (runner: tensors, tables; the fused step's rows)": per_step["inputs"],
         "schedule (scheduler + block manager)": per_step["schedule"],
         "update (scheduler: append, stop checks)": per_step["update"],
         "outputs (detokenizer, RequestOutput, latencies)": per_step["outputs"],

@@ -12,8 +12,11 @@ ignored), so every system produces the same number of useful tokens.
 - `hf_generate_batch`: transformers' own continuous batching (`generate_batch`'s manager,
   with each request's own max_new_tokens), started before the clock.
 - `engine`: our `LLMEngine`, text detokenized as it would be for a client.
-- `engine_torch_attention`: the same engine with its native CPU decode kernel off (decode
-  attention in plain torch), as it runs where no C compiler is found.
+- `engine_torch_attention`: the same engine with its native CPU kernels off (decode
+  attention in plain torch, no fused step), as it runs where no C compiler is found.
+- `engine_transformers`: the engine with its steps through the transformers modules
+  (`fused_step: false`; the native decode attention and few-row linear kernels on), as it
+  ran before the fused step; `engine_transformers_c1` the same one request at a time.
 - `engine_int8`: the engine with `quantization: int8` (int8 linear layers), same workload;
   `engine_c1` and `engine_int8_c1` run the first `--c1-requests` requests one at a time
   (concurrency 1) in float32 and int8. The int8/float32 ratios of each round are reported.
@@ -44,7 +47,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -409,9 +412,11 @@ def main() -> None:
         "hf_static_batching",
         "hf_generate_batch",
         "engine_torch_attention",
+        "engine_transformers",
         "engine",
         "engine_int8",
         "engine_c1",
+        "engine_transformers_c1",
         "engine_int8_c1",
         "ttft",
     ]
@@ -425,6 +430,7 @@ def main() -> None:
         if step not in args.skip and (r == 0 or step not in once)
     ]
     plain = make_engine(model_dir, config, native_decode=False)
+    modules = make_engine(model_dir, replace(config, fused_step=False))
     int8 = make_engine(model_dir, config, quantization="int8")
     c1_work = work[: 2 if args.quick else args.c1_requests]
     runs: dict[str, list[Phase]] = {}
@@ -438,13 +444,16 @@ def main() -> None:
             phase = hf_generate_batch(model, work, pad)
         elif step == "engine_torch_attention":
             phase, plain_outputs, _ = engine_throughput(plain, work, step)
+        elif step == "engine_transformers":
+            phase, _, _ = engine_throughput(modules, work, step)
         elif step == "engine":
             phase, engine_outputs, engine_waste = engine_throughput(engine, work)
             waste = waste or engine_waste
         elif step == "engine_int8":
             phase, int8_outputs, _ = engine_throughput(int8, work, step)
-        elif step in ("engine_c1", "engine_int8_c1"):
-            phase = engine_one_at_a_time(engine if step == "engine_c1" else int8, c1_work, step)
+        elif step in ("engine_c1", "engine_transformers_c1", "engine_int8_c1"):
+            one = {"engine_c1": engine, "engine_transformers_c1": modules, "engine_int8_c1": int8}
+            phase = engine_one_at_a_time(one[step], c1_work, step)
         else:
             prefix = prefix_ttft(engine, vocab, 512, 2 if args.quick else 5)
             continue

@@ -68,6 +68,15 @@ class NativeDecode:
     indices_checked: bool = False
 
 
+@dataclass(frozen=True)
+class AttentionParams:
+    """What one layer's attention call receives from the model besides its tensors."""
+
+    scaling: float
+    sliding_window: int | None
+    softcap: float | None
+
+
 @dataclass
 class PagedAttentionMetadata:
     """Everything attention needs about one step; built once by the runner, read by every
@@ -88,6 +97,9 @@ class PagedAttentionMetadata:
     # padded into one (B, max_blocks) tensor with block 0, and the lengths as a tensor.
     decode_batch: tuple[torch.Tensor, torch.Tensor] | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # Set to a dict to record each layer's `AttentionParams` by layer index during the step
+    # (how the fused CPU step learns what transformers passes each layer).
+    recorded: dict[int, AttentionParams] | None = None
     _masks: dict[tuple[int, int | None], torch.Tensor | None] = field(default_factory=dict)
 
     def decode_mask(self, sliding_window: int | None) -> torch.Tensor:
@@ -149,6 +161,8 @@ def paged_attention(
     num_heads = query.shape[1]
     if scaling is None:
         scaling = head_dim**-0.5
+    if meta.recorded is not None:
+        meta.recorded[module.layer_idx] = AttentionParams(scaling, sliding_window, softcap)  # type: ignore[index]
 
     # Write the step's K/V into the cache before anything reads it.
     slots = kv_cache.view(2, -1, num_kv_heads, head_dim)

@@ -23,6 +23,7 @@ read by the loader; `keep_alive`, `pin`, `device`, read by the hub) are left to 
 | `priority_aging_steps` | 256 | a waiting request gains one priority level per this many steps |
 | `max_loras` | 8 | LoRA adapters on the device at once (slots; more take turns, LRU) |
 | `max_lora_rank` | 64 | largest LoRA rank an adapter may have |
+| `fused_step` | true | float32 Llama-family models on a CPU: steps in one native call |
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ class EngineConfig:
     priority_aging_steps: int = _CONFIG.priority_aging_steps
     max_loras: int = _CONFIG.max_loras
     max_lora_rank: int = _CONFIG.max_lora_rank
+    fused_step: bool = _CONFIG.fused_step
 
     @classmethod
     def from_runtime_config(
@@ -107,4 +109,5 @@ class EngineConfig:
             priority_aging_steps=config.priority_aging_steps,
             max_loras=config.max_loras,
             max_lora_rank=config.max_lora_rank,
+            fused_step=config.fused_step,
         )

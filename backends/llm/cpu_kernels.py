@@ -242,7 +242,8 @@ def _build(
     source: Path, compiler: list[str], identity: str, flags: list[str], cache_dir: Path
 ) -> Path:
     """The shared library of `source` built with `flags`, from the cache when it is there."""
-    code = source.read_bytes()
+    # The source and the headers beside it (what its quoted includes can name).
+    code = b"\0".join(p.read_bytes() for p in [source, *sorted(source.parent.glob("*.h"))])
     command = " ".join([*compiler, *flags])
     key = hashlib.sha256(
         b"\0".join([code, command.encode(), identity.encode(), _cpu_identity()])

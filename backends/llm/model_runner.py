@@ -23,8 +23,15 @@ import torch
 from backends.errors import LoadError
 from backends.llm import attention, cpu_kernels, cpu_linear
 from backends.llm.architectures import unsupported_reason
-from backends.llm.attention import NativeDecode, PagedAttentionMetadata, PrefillChunk
+from backends.llm.attention import (
+    AttentionParams,
+    NativeDecode,
+    PagedAttentionMetadata,
+    PrefillChunk,
+)
 from backends.llm.config import EngineConfig
+from backends.llm.fused.start import FusedPath
+from backends.llm.fused.step import fused_rows
 from backends.llm.int4 import require_int4_kernel
 from backends.llm.lora.manager import LoRAManager
 from backends.llm.quantization import WeightQuantizer
@@ -90,6 +97,15 @@ class ModelRunner:
         if native_decode is not False and self.device.type == "cpu" and self.dtype == torch.float32:
             self.native_linear = cpu_linear.install(model, self.kernels)
         self.kv_caches: list[torch.Tensor] = []
+        # The fused CPU step (backends.llm.fused): started below, forgotten whenever the
+        # tensors it points at are about to be replaced.
+        self.fused = FusedPath(
+            model,
+            self._reference_chunk,
+            max_context=self.max_model_len,
+            max_rows=engine_config.max_num_batched_tokens,
+            settings=self.kernels,
+        )
         self.allocate_kv_cache()
         self.lora = LoRAManager(
             model,
@@ -98,6 +114,8 @@ class ModelRunner:
             max_loras=engine_config.max_loras,
             max_rank=engine_config.max_lora_rank,
         )
+        if engine_config.fused_step and native_decode is not False:
+            self.fused.start(self.kv_caches)
 
     @classmethod
     def load(
@@ -174,12 +192,14 @@ class ModelRunner:
         layers, kv_heads, head_dim = kv_shape(self.config)
         shape = (2, self.num_blocks, self.block_size, kv_heads, head_dim)
         self.kv_caches = []
+        self.fused.forget()  # it points at the old tensors; rebuilt at the next step
         for _ in range(layers):
             check_cancelled()  # a load that ran out of time stops allocating here too
             self.kv_caches.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
 
     def release_kv_cache(self) -> None:
         self.kv_caches = []
+        self.fused.forget()
 
     def kv_cache_bytes(self) -> int:
         return sum(kv.nbytes for kv in self.kv_caches)
@@ -187,6 +207,7 @@ class ModelRunner:
     def to(self, device: str) -> None:
         """Move the weights (and any KV cache, reallocated empty) to `device`."""
         self.device = torch.device(device)
+        self.fused.forget()
         self.model.to(self.device)
         self.lora.move_to(self.device)
         if self.kv_caches:
@@ -198,6 +219,13 @@ class ModelRunner:
         self.sampler.forget(output.finished_seq_ids)
         if output.is_empty:
             return SamplerOutput([], [])
+        fused = self.fused.decoder_for(output, self.kv_caches)
+        if fused is not None:
+            step = fused_rows(output.scheduled, self.block_size)
+            fused.check(step)
+            sampling = [item.seq for item in output.scheduled if item.sample]
+            self.sampler.prepare(sampling)  # grammar masks fill during the forward
+            return self.sampler(fused(step, checked=True), sampling)
         inputs = self._prepare(output)
         self.sampler.prepare(inputs.sampling_seqs)  # grammar masks fill during the forward
         self.lora.begin_step(inputs.adapter_segments)
@@ -220,9 +248,36 @@ class ModelRunner:
         throwaway sampler (the real one's seeded generators stay as they are). Raises what
         that raises; runs no model and changes no state."""
         self._prepare(SchedulerOutput([item], item.num_tokens))
+        if self.fused.decoder is not None:
+            self.fused.decoder.check(fused_rows([item], self.block_size))
         if item.sample:
             probe = type(self.sampler)(self.sampler.eos_token_ids)
             probe(torch.zeros(1, self.vocab_size, device=self.device), [item.seq])
+
+    @torch.inference_mode()
+    def _reference_chunk(
+        self,
+        tokens: list[int],
+        slots: list[int],
+        blocks: list[int],
+        recorded: dict[int, AttentionParams],
+    ) -> torch.Tensor:
+        """The transformers path on one chunk at positions 0.. (the fused step's check)."""
+        n = len(tokens)
+        metadata = PagedAttentionMetadata(
+            kv_caches=self.kv_caches,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+            prefills=[PrefillChunk(0, n, 0, torch.tensor(blocks, dtype=torch.long))],
+            recorded=recorded,
+        )
+        logits: torch.Tensor = self.model(
+            input_ids=torch.tensor([tokens], dtype=torch.long, device=self.device),
+            position_ids=torch.arange(n, device=self.device)[None],
+            logits_to_keep=torch.arange(n, device=self.device),
+            use_cache=False,
+            paged_metadata=metadata,
+        ).logits[0]
+        return logits
 
     def _prepare(self, output: SchedulerOutput) -> _StepInputs:
         bs = self.block_size

@@ -3,8 +3,10 @@ architecture, with many requests in flight at once and the engine's tricks all e
 chunked prefill (prompts longer than a step's token budget), prefix-cache hits (prompts
 sharing a prefix), `n > 1`, and preemption (a KV cache too small for the load).
 
-The preempting run also takes the decode attention path meant for accelerators (one padded,
-masked call instead of one call per sequence), so both paths are checked on CPU.
+Llama-family models run their steps in the fused CPU kernel (backends/llm/fused) by default;
+the preempting run turns it off and also takes the decode attention path meant for
+accelerators (one padded, masked call instead of one call per sequence), so every path is
+checked on CPU, and a third run checks the fused step under preemption.
 
 A divergence is accepted only at a numeric near-tie, vLLM's rule: at the first position
 where the two differ, each side's token is among the other side's five most likely. The
@@ -20,6 +22,8 @@ import pytest
 import torch
 
 from backends.llm.cpu_linear import linear_kernel
+from backends.llm.fused.decoder import FAMILIES
+from backends.llm.fused.kernel import fused_kernel
 from backends.llm.sampling_params import SamplingParams
 from backends.tiny import TINY_LLM_ARCHITECTURES
 from tests.backends.llm.support import (
@@ -105,26 +109,38 @@ def test_greedy_output_equals_transformers_generate(arch: str, models_root: Path
     refs = hf_reference(folder, [p for p, _ in requests])
 
     # Chunked prefill, prefix caching and n=2, with a queue (8 sequences at a time). Decode
-    # attention: the native CPU kernel where a C compiler is found, else the torch path.
+    # attention: the native CPU kernel where a C compiler is found, else the torch path. A
+    # Llama-family model runs its steps fused (backends/llm/fused) where the kernel builds.
     engine = make_engine(
         folder, block_size=BLOCK_SIZE, max_num_seqs=8, max_num_batched_tokens=STEP_BUDGET
     )
-    # Linear layers at up to 8 rows: the native kernel wherever it builds.
-    assert linear_kernel(engine.runner.kernels) is None or engine.runner.native_linear > 0
+    fused = arch in FAMILIES and fused_kernel(engine.runner.kernels) is not None
+    assert (engine.runner.fused.decoder is not None) == fused
     exact = check_run(f"{arch} chunked+prefix+n", refs, run_all(engine, requests))
     assert engine.kv_cache.prefix_hits > 0
     assert exact >= len(requests) // 2, "near-ties should be the exception"
+    assert (engine.runner.fused.steps > 0) == fused
 
     # 24 blocks of 4 tokens: a third of what the load needs, so sequences get preempted.
-    # This run takes the accelerators' decode path (one padded, masked call per layer).
+    # This run takes the transformers modules (the fused step off) and the accelerators'
+    # decode path (one padded, masked call per layer).
+    preempting = {"kv_cache_bytes": kv_bytes(folder, 24, BLOCK_SIZE), "max_num_batched_tokens": 64}
     engine = make_engine(
         folder,
         batched_decode=True,
         block_size=BLOCK_SIZE,
         max_num_seqs=8,
-        max_num_batched_tokens=64,
-        kv_cache_bytes=kv_bytes(folder, 24, BLOCK_SIZE),
+        fused_step=False,
+        **preempting,
     )
+    # Linear layers at up to 8 rows: the native kernel wherever it builds.
+    assert linear_kernel(engine.runner.kernels) is None or engine.runner.native_linear > 0
     exact = check_run(f"{arch} preemption+batched decode", refs, run_all(engine, requests))
     assert engine.scheduler.num_preemptions > 0
     assert engine.kv_cache.pool.num_used_blocks == 0
+    assert engine.runner.fused.steps == 0
+
+    if fused:  # and fused, under preemption
+        engine = make_engine(folder, block_size=BLOCK_SIZE, max_num_seqs=8, **preempting)
+        check_run(f"{arch} preemption+fused", refs, run_all(engine, requests))
+        assert engine.scheduler.num_preemptions > 0 and engine.runner.fused.steps > 0

@@ -17,6 +17,7 @@ from backends.base import BackendContext
 from backends.errors import InputError
 from backends.llm.backend import LLMBackend
 from backends.llm.engine import EngineStepError, LLMEngine
+from backends.llm.fused.decoder import FusedDecoder
 from backends.llm.isolation import RequestFailedError
 from backends.llm.sampler import Sampler
 from backends.llm.sampling_params import SamplingParams
@@ -143,21 +144,36 @@ def test_a_request_that_breaks_its_step_fails_alone(llama: Path, poisoned_sample
     assert engine.kv_cache.pool.num_used_blocks == 0
 
 
+@pytest.mark.parametrize("path", ["transformers", "fused"])
 def test_an_error_nobody_can_be_blamed_for_fails_the_step_and_the_engine_serves_on(
-    llama: Path,
+    llama: Path, path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     engine = _engine(llama)
-    model = engine.runner.model
-    forward = model.forward
     broken = {"left": 1}
+    if path == "fused":  # the step's forward is the fused kernel's call
+        assert engine.runner.fused.decoder is not None
+        forward = FusedDecoder.__call__
 
-    def flaky(*args: Any, **kwargs: Any) -> Any:
-        if broken["left"]:
-            broken["left"] -= 1
-            raise RuntimeError("device lost")
-        return forward(*args, **kwargs)
+        def flaky_call(*args: Any, **kwargs: Any) -> Any:
+            if broken["left"]:
+                broken["left"] -= 1
+                raise RuntimeError("device lost")
+            return forward(*args, **kwargs)
 
-    model.forward = flaky
+        monkeypatch.setattr(FusedDecoder, "__call__", flaky_call)
+    else:
+        engine.runner.fused.forget()  # and never rebuilt: every step runs in transformers
+        monkeypatch.setattr(engine.runner.fused, "decoder_for", lambda *a: None)
+        model = engine.runner.model
+        model_forward = model.forward
+
+        def flaky(*args: Any, **kwargs: Any) -> Any:
+            if broken["left"]:
+                broken["left"] -= 1
+                raise RuntimeError("device lost")
+            return model_forward(*args, **kwargs)
+
+        model.forward = flaky
     prompts = random_prompts(4, seed=5, lengths=(5, 20))
     for i, prompt in enumerate(prompts):
         engine.add_request(f"first{i}", prompt, GOOD)

@@ -1,0 +1,397 @@
+/*
+ * One step of a Llama-shaped decoder for a few packed tokens, float32 on the CPU, in one
+ * call: embeddings, every layer (RMS norms, q/k/v projections with optional biases and
+ * per-head norms, rotary embedding, the K/V writes into the paged cache, attention over each
+ * token's own context, the output projection, the SwiGLU MLP, residual adds), the final
+ * norm and the LM head for the rows that sample.
+ *
+ * Why: at a few rows, a step is a stream of the weights through the cores, and what torch
+ * adds around the products (a few hundred small operators a step, each a dispatch and a
+ * pass over memory, and an OpenMP team meeting at the end of each) costs as much again.
+ * Here one OpenMP team (the runtime torch has loaded) works the whole step, meeting only
+ * where the data needs it: after each norm, projection and attention stage.
+ *
+ * Every token is a row with its own position, cache slot and context (its sequence's block
+ * table and its length, itself included), so decodes and short prompt chunks share a step:
+ * all K/V writes of a layer happen before any of its attention reads them.
+ *
+ * Layouts (all contiguous float32 unless said):
+ *   weights  as torch keeps them: linear (out, in), norms (n), embeddings (vocab, hidden)
+ *   cache    per layer (2, num_blocks, block_size, kv_heads, head_dim)
+ *   cos/sin  (rows, head_dim): the model's rotary tables at each row's position
+ *   work     hub_fused_work_floats(...) floats of scratch
+ *   logits   (samples, vocab)
+ */
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "attend.h"
+#include "tiles.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+struct hub_layer {
+    const float *input_norm, *post_norm;            /* (hidden) */
+    const float *q_w, *k_w, *v_w, *o_w;             /* (heads*D, hidden) .. (hidden, heads*D) */
+    const float *q_b, *k_b, *v_b, *o_b;             /* or NULL */
+    const float *q_norm, *k_norm;                   /* (head_dim) per-head norms, or NULL */
+    const float *gate_w, *up_w, *down_w;            /* (inter, hidden), (hidden, inter) */
+    const float *gate_b, *up_b, *down_b;            /* or NULL */
+    float *cache;                                   /* (2, blocks, block_size, kv_heads, D) */
+    int64_t window;                                 /* sliding window, or 0 */
+    float scaling;                                  /* of the attention logits */
+};
+
+struct hub_model {
+    int64_t hidden, heads, kv_heads, head_dim, inter, vocab, layers;
+    int64_t num_blocks, block_size, max_context, threads;
+    float eps, qk_eps;                              /* of the RMS norms */
+    const float *embed, *final_norm, *lm_head;
+    const struct hub_layer *layer;
+};
+
+struct hub_step {
+    int64_t rows;                                   /* tokens in the step */
+    const int64_t *tokens, *slots;                  /* (rows) */
+    const int64_t *tables, *table_starts, *lens;    /* block ids; (rows) each */
+    const float *cos, *sin;                         /* (rows, head_dim) */
+    int64_t samples;                                /* rows whose logits are wanted */
+    const int64_t *sample_rows;                     /* (samples) */
+    float *logits;                                  /* (samples, vocab) */
+    float *work;
+};
+
+int hub_fused_threaded(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* out = x / rms(x) * w over n features; eps inside the root. */
+static void rms_norm(const float *x, float *out, int64_t n, const float *w, float eps) {
+    v8 acc = {0};
+    int64_t i = 0;
+    float tail = 0.0f;
+    for (; i + 8 <= n; i += 8) {
+        const v8 v = load8(x + i);
+        acc += v * v;
+    }
+    for (; i < n; i++) tail += x[i] * x[i];
+    const float r = 1.0f / sqrtf((hsum8(acc) + tail) / (float)n + eps);
+    for (i = 0; i < n; i++) out[i] = w[i] * (x[i] * r);
+}
+
+/* x (head_dim) rotated in place by the halves convention of transformers' rotate_half:
+ * out[i] = x[i] cos[i] - x[i + D/2] sin[i], out[i + D/2] = x[i + D/2] cos[i + D/2] + x[i]
+ * sin[i + D/2]. */
+static void rotate(float *x, const float *cos, const float *sin, int64_t head_dim) {
+    const int64_t half = head_dim / 2;
+    for (int64_t i = 0; i < half; i++) {
+        const float a = x[i], b = x[i + half];
+        x[i] = a * cos[i] - b * sin[i];
+        x[i + half] = b * cos[i + half] + a * sin[i + half];
+    }
+}
+
+/* Rows from which a projection packs its input into panels (tiles.h); below, row tiles. */
+#define PANEL_MIN_ROWS 8
+
+/* The input of a projection: m rows of k floats, ldx apart, and the same rows packed into
+ * panels when there are enough of them (else NULL). */
+struct operand {
+    const float *x, *panels;
+    int64_t ldx, m, k;
+};
+
+/* The operand for rows x; packs them into `panels` (this thread's) when that pays. */
+static struct operand operand(const float *x, int64_t ldx, int64_t m, int64_t k, float *panels) {
+    const struct operand a = {x, m >= PANEL_MIN_ROWS ? panels : NULL, ldx, m, k};
+    if (a.panels) pack_panels(x, ldx, m, k, panels);
+    return a;
+}
+
+/* y[r, n] = x_r . W_n + bias[n] (add: y[r, n] += that) for every row r of `a` and weight
+ * rows [n0, n1); y rows ldy apart. */
+static void project(const struct operand *a, const float *w, const float *bias, int64_t n0,
+                    int64_t n1, float *y, int64_t ldy, int add) {
+    const int64_t k = a->k, m = a->m;
+    if (a->panels) {
+        v8 acc[PANEL_COLUMNS][2];
+        for (int64_t n = n0; n < n1; n += PANEL_COLUMNS) {
+            const int64_t columns = n1 - n < PANEL_COLUMNS ? n1 - n : PANEL_COLUMNS;
+            for (int64_t b = 0; b * PANEL < m; b++) {
+                const float *panel = a->panels + b * k * PANEL;
+                panel_tile(panel, w + n * k, k, columns, acc);
+                const int64_t rows = m - b * PANEL < PANEL ? m - b * PANEL : PANEL;
+                for (int64_t c = 0; c < columns; c++) {
+                    float t[PANEL];
+                    const float add_bias = bias ? bias[n + c] : 0.0f;
+                    store8(t, acc[c][0]), store8(t + 8, acc[c][1]);
+                    for (int64_t r = 0; r < rows; r++) {
+                        float *d = y + (b * PANEL + r) * ldy + n + c;
+                        *d = (add ? *d : 0.0f) + (t[r] + add_bias);
+                    }
+                }
+            }
+        }
+        return;
+    }
+    float t[ROW_COLUMNS];
+    int64_t n = n0;
+    for (; n + ROW_COLUMNS <= n1; n += ROW_COLUMNS)
+        for (int64_t r = 0; r < m; r++) {
+            row_tile(a->x + r * a->ldx, w + n * k, k, t);
+            for (int c = 0; c < ROW_COLUMNS; c++) {
+                float *d = y + r * ldy + n + c;
+                *d = (add ? *d : 0.0f) + (t[c] + (bias ? bias[n + c] : 0.0f));
+            }
+        }
+    for (; n < n1; n++)
+        for (int64_t r = 0; r < m; r++) {
+            float *d = y + r * ldy + n;
+            const float v = row_dot(a->x + r * a->ldx, w + n * k, k);
+            *d = (add ? *d : 0.0f) + (v + (bias ? bias[n] : 0.0f));
+        }
+}
+
+static inline v8 silu_times(v8 g, v8 u) { return g / (1.0f + exp8(-g)) * u; }
+
+/* act[r, n] = silu(x_r . G_n + gb[n]) * (x_r . U_n + ub[n]) for weight rows [n0, n1). */
+static void gated(const struct operand *a, const struct hub_layer *l, int64_t n0, int64_t n1,
+                  float *act, int64_t ld) {
+    const int64_t k = a->k, m = a->m;
+    const float *gb = l->gate_b, *ub = l->up_b;
+    if (a->panels) {
+        v8 g[PANEL_COLUMNS][2], u[PANEL_COLUMNS][2];
+        for (int64_t n = n0; n < n1; n += PANEL_COLUMNS) {
+            const int64_t columns = n1 - n < PANEL_COLUMNS ? n1 - n : PANEL_COLUMNS;
+            for (int64_t b = 0; b * PANEL < m; b++) {
+                const float *panel = a->panels + b * k * PANEL;
+                panel_tile(panel, l->gate_w + n * k, k, columns, g);
+                panel_tile(panel, l->up_w + n * k, k, columns, u);
+                const int64_t rows = m - b * PANEL < PANEL ? m - b * PANEL : PANEL;
+                for (int64_t c = 0; c < columns; c++) {
+                    float t[PANEL];
+                    const v8 gc = broadcast8(gb ? gb[n + c] : 0.0f);
+                    const v8 uc = broadcast8(ub ? ub[n + c] : 0.0f);
+                    store8(t, silu_times(g[c][0] + gc, u[c][0] + uc));
+                    store8(t + 8, silu_times(g[c][1] + gc, u[c][1] + uc));
+                    for (int64_t r = 0; r < rows; r++) act[(b * PANEL + r) * ld + n + c] = t[r];
+                }
+            }
+        }
+        return;
+    }
+    float gt[ROW_COLUMNS], ut[ROW_COLUMNS];
+    int64_t n = n0;
+    for (; n + ROW_COLUMNS <= n1; n += ROW_COLUMNS)
+        for (int64_t r = 0; r < m; r++) {
+            row_tile(a->x + r * a->ldx, l->gate_w + n * k, k, gt);
+            row_tile(a->x + r * a->ldx, l->up_w + n * k, k, ut);
+            const v8 gc = gb ? load8(gb + n) : (v8){0}, uc = ub ? load8(ub + n) : (v8){0};
+            store8(act + r * ld + n, silu_times(load8(gt) + gc, load8(ut) + uc));
+        }
+    for (; n < n1; n++)
+        for (int64_t r = 0; r < m; r++) {
+            const float g = row_dot(a->x + r * a->ldx, l->gate_w + n * k, k) + (gb ? gb[n] : 0.0f);
+            const float u = row_dot(a->x + r * a->ldx, l->up_w + n * k, k) + (ub ? ub[n] : 0.0f);
+            act[r * ld + n] = g / (1.0f + expf(-g)) * u;
+        }
+}
+
+/* Columns per task of the parallel projections: enough to amortise a task, few enough to
+ * share a small product between threads; whole tiles of either shape. */
+#define COLUMNS 24
+
+static int64_t column_tasks(int64_t n) { return (n + COLUMNS - 1) / COLUMNS; }
+
+/* Task `task` of the q/k/v stage: one head of q, k or v for every row, then its per-head
+ * norm and rotation (q, k), q's scaling, and the K/V cache writes. */
+static void qkv_head(const struct hub_model *m, const struct hub_layer *l,
+                     const struct hub_step *s, int64_t task, const struct operand *a, float *q,
+                     float *k, float *v) {
+    const int64_t hd = m->head_dim, rows = s->rows;
+    const int64_t qd = m->heads * hd, kvd = m->kv_heads * hd;
+    const float *w, *b, *norm = NULL;
+    float *out;
+    int64_t ld, head;
+    if (task < m->heads) {
+        head = task, w = l->q_w, b = l->q_b, out = q, ld = qd, norm = l->q_norm;
+    } else if (task < m->heads + m->kv_heads) {
+        head = task - m->heads, w = l->k_w, b = l->k_b, out = k, ld = kvd, norm = l->k_norm;
+    } else {
+        head = task - m->heads - m->kv_heads, w = l->v_w, b = l->v_b, out = v, ld = kvd;
+    }
+    const int64_t n0 = head * hd;
+    project(a, w, b, n0, n0 + hd, out, ld, 0);
+    const int is_q = out == q, is_v = out == v;
+    float *keys = l->cache, *values = l->cache + m->num_blocks * m->block_size * kvd;
+    for (int64_t r = 0; r < rows; r++) {
+        float *x = out + r * ld + n0;
+        if (!is_v) {
+            if (norm) rms_norm(x, x, hd, norm, m->qk_eps);
+            rotate(x, s->cos + r * hd, s->sin + r * hd, hd);
+        }
+        if (is_q) {
+            for (int64_t i = 0; i < hd; i++) x[i] *= l->scaling;
+        } else {
+            float *cache = is_v ? values : keys;
+            memcpy(cache + s->slots[r] * kvd + n0, x, sizeof(float) * (size_t)hd);
+        }
+    }
+}
+
+/* The step's activations and one thread's scratch, carved from `work`. */
+struct buffers {
+    float *x, *h, *q, *k, *v, *att, *act; /* (rows, ...) each */
+    float *scores, *panels;               /* this thread's */
+};
+
+/* Floats of one thread's scratch: attention scores over the longest context, and the
+ * packed panels of the widest projection input. */
+static int64_t thread_floats(const struct hub_model *m, int64_t rows) {
+    int64_t widest = m->hidden > m->inter ? m->hidden : m->inter;
+    if (m->heads * m->head_dim > widest) widest = m->heads * m->head_dim;
+    const int64_t padded = (rows + PANEL - 1) / PANEL * PANEL;
+    return m->heads / m->kv_heads * m->max_context + padded * widest;
+}
+
+static int64_t activation_floats(const struct hub_model *m, int64_t rows) {
+    return rows * (2 * m->hidden + 2 * m->heads * m->head_dim + 2 * m->kv_heads * m->head_dim +
+                   m->inter);
+}
+
+static struct buffers carve(const struct hub_model *m, int64_t rows, float *work, int thread) {
+    struct buffers b;
+    b.x = work;
+    b.h = b.x + rows * m->hidden;
+    b.q = b.h + rows * m->hidden;
+    b.k = b.q + rows * m->heads * m->head_dim;
+    b.v = b.k + rows * m->kv_heads * m->head_dim;
+    b.att = b.v + rows * m->kv_heads * m->head_dim;
+    b.act = b.att + rows * m->heads * m->head_dim;
+    b.scores = work + activation_floats(m, rows) + thread * thread_floats(m, rows);
+    b.panels = b.scores + m->heads / m->kv_heads * m->max_context;
+    return b;
+}
+
+/* Floats of scratch a step of up to `rows` rows needs. */
+int64_t hub_fused_work_floats(const struct hub_model *m, int64_t rows) {
+    return activation_floats(m, rows) + m->threads * thread_floats(m, rows);
+}
+
+static void layer_step(const struct hub_model *m, const struct hub_layer *l,
+                       const struct hub_step *s, const struct buffers *b) {
+    const int64_t rows = s->rows, hidden = m->hidden, hd = m->head_dim;
+    const int64_t group = m->heads / m->kv_heads, qd = m->heads * hd;
+    const struct layout lay = {
+        .keys = l->cache,
+        .values = l->cache + m->num_blocks * m->block_size * m->kv_heads * hd,
+        .block_size = m->block_size,
+        .kv_heads = m->kv_heads,
+        .group = group,
+        .head_dim = hd,
+        .window = l->window,
+        .softcap = 0.0f,
+    };
+    struct operand a;
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+    for (int64_t r = 0; r < rows; r++)
+        rms_norm(b->x + r * hidden, b->h + r * hidden, hidden, l->input_norm, m->eps);
+    a = operand(b->h, hidden, rows, hidden, b->panels);
+#ifdef _OPENMP
+#pragma omp for schedule(dynamic, 1)
+#endif
+    for (int64_t t = 0; t < m->heads + 2 * m->kv_heads; t++)
+        qkv_head(m, l, s, t, &a, b->q, b->k, b->v);
+#ifdef _OPENMP
+#pragma omp for schedule(dynamic, 1)
+#endif
+    for (int64_t t = 0; t < rows * m->kv_heads; t++) {
+        const int64_t r = t / m->kv_heads, kv = t % m->kv_heads;
+        const int64_t at = r * qd + kv * group * hd;
+        attend_kv_head(&lay, b->q + at, s->tables + s->table_starts[r], s->lens[r], kv,
+                       b->scores, b->att + at);
+    }
+    a = operand(b->att, qd, rows, qd, b->panels);
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+    for (int64_t t = 0; t < column_tasks(hidden); t++) {
+        const int64_t n0 = t * COLUMNS, n1 = n0 + COLUMNS < hidden ? n0 + COLUMNS : hidden;
+        project(&a, l->o_w, l->o_b, n0, n1, b->x, hidden, 1);
+    }
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+    for (int64_t r = 0; r < rows; r++)
+        rms_norm(b->x + r * hidden, b->h + r * hidden, hidden, l->post_norm, m->eps);
+    a = operand(b->h, hidden, rows, hidden, b->panels);
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+    for (int64_t t = 0; t < column_tasks(m->inter); t++) {
+        const int64_t n0 = t * COLUMNS, n1 = n0 + COLUMNS < m->inter ? n0 + COLUMNS : m->inter;
+        gated(&a, l, n0, n1, b->act, m->inter);
+    }
+    a = operand(b->act, m->inter, rows, m->inter, b->panels);
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+    for (int64_t t = 0; t < column_tasks(hidden); t++) {
+        const int64_t n0 = t * COLUMNS, n1 = n0 + COLUMNS < hidden ? n0 + COLUMNS : hidden;
+        project(&a, l->down_w, l->down_b, n0, n1, b->x, hidden, 1);
+    }
+}
+
+/* One step: logits of the sample rows. Returns 0; -1, with nothing done, when a row's
+ * token, cache slot or context length is out of range (a context longer than the scratch
+ * was sized for among them). */
+int hub_fused_step(const struct hub_model *m, const struct hub_step *s) {
+    const int64_t rows = s->rows, hidden = m->hidden;
+    const int64_t slots = m->num_blocks * m->block_size;
+    for (int64_t r = 0; r < rows; r++)
+        if (s->lens[r] > m->max_context || s->lens[r] < 1 || s->tokens[r] < 0 ||
+            s->tokens[r] >= m->vocab || s->slots[r] < 0 || s->slots[r] >= slots)
+            return -1;
+    for (int64_t i = 0; i < s->samples; i++)
+        if (s->sample_rows[i] < 0 || s->sample_rows[i] >= rows) return -1;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(m->threads > 1 ? (int)m->threads : 1)
+#endif
+    {
+        int thread = 0;
+#ifdef _OPENMP
+        thread = omp_get_thread_num();
+#endif
+        const struct buffers b = carve(m, rows, s->work, thread);
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (int64_t r = 0; r < rows; r++)
+            memcpy(b.x + r * hidden, m->embed + s->tokens[r] * hidden,
+                   sizeof(float) * (size_t)hidden);
+        for (int64_t i = 0; i < m->layers; i++) layer_step(m, &m->layer[i], s, &b);
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (int64_t i = 0; i < s->samples; i++)
+            rms_norm(b.x + s->sample_rows[i] * hidden, b.h + i * hidden, hidden, m->final_norm,
+                     m->eps);
+        const struct operand a = operand(b.h, hidden, s->samples, hidden, b.panels);
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (int64_t t = 0; t < column_tasks(m->vocab); t++) {
+            const int64_t n0 = t * COLUMNS, n1 = n0 + COLUMNS < m->vocab ? n0 + COLUMNS : m->vocab;
+            project(&a, m->lm_head, NULL, n0, n1, s->logits, m->vocab, 0);
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,114 @@
+/*
+ * Register tiles of y = x W^T for a few rows of x, float32, W in its natural (out, in)
+ * layout (the layout torch keeps a linear layer's weight in, so nothing is copied or
+ * repacked), in two shapes:
+ *
+ * - Row tiles, for a few rows (a memory-bound stream of the weights): one input row by 8
+ *   weight rows, eight chains of 8-wide multiply-adds along `k`, then one transposing sum;
+ *   the rows take turns on the tile's weights while they are in cache. Eight streams and a
+ *   prefetch of the next tile keep more of memory's bandwidth busy than four (26 against
+ *   18-22 GB/s on two cores where a plain sum reads 30-39).
+ * - Panel tiles, from about eight rows on (compute-bound): the input rows are first packed
+ *   transposed, 16 rows to a panel ((k, 16) floats), and a tile is 16 rows by 6 weight rows
+ *   with the rows along the vector lanes: per step of k, two panel loads and six broadcast
+ *   weights feed 12 multiply-adds into 12 accumulators, with no sums across lanes at the
+ *   end. That runs near the core's multiply-add peak where row tiles, loading as often as
+ *   they multiply, reach about two thirds of it.
+ */
+#ifndef HUB_TILES_H
+#define HUB_TILES_H
+
+#include "vec.h"
+
+/* Weight rows of a row tile. */
+#define ROW_COLUMNS 8
+
+/* out[c] = x . w_c over k for the ROW_COLUMNS weight rows w_c = w + c * k: eight chains of
+ * multiply-adds, one transposing sum. The next tile's rows are prefetched as these stream
+ * (a prefetch past the weights' end is harmless: it never faults). */
+__attribute__((noinline)) static void row_tile(const float *x, const float *w, int64_t k,
+                                               float *out) {
+    v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0}, a6 = {0}, a7 = {0};
+    const int64_t body = k - k % 8;
+    for (int64_t i = 0; i < body; i += 8) {
+        if (i % 16 == 0)
+            for (int c = 0; c < ROW_COLUMNS; c++)
+                __builtin_prefetch(w + (ROW_COLUMNS + c) * k + i);
+        const v8 xv = load8(x + i);
+        a0 += xv * load8(w + i);
+        a1 += xv * load8(w + k + i);
+        a2 += xv * load8(w + 2 * k + i);
+        a3 += xv * load8(w + 3 * k + i);
+        a4 += xv * load8(w + 4 * k + i);
+        a5 += xv * load8(w + 5 * k + i);
+        a6 += xv * load8(w + 6 * k + i);
+        a7 += xv * load8(w + 7 * k + i);
+    }
+    store8(out, hsum8_x8(a0, a1, a2, a3, a4, a5, a6, a7));
+    for (int64_t i = body; i < k; i++)
+        for (int c = 0; c < ROW_COLUMNS; c++) out[c] += x[i] * w[c * k + i];
+}
+
+/* The tiles are kept out of line (noinline): inlined into a large caller, they lost registers
+ * to it, and a spilled accumulator or pointer in the inner loop cost a third of the speed. */
+
+/* Rows of a panel, and weight rows of a panel tile. */
+#define PANEL 16
+#define PANEL_COLUMNS 6
+
+/* xt = rows [0, m) of x, transposed into panels of PANEL rows: panel b's (k, PANEL) floats
+ * at xt + b * k * PANEL; the rows past m in the last panel are zeros. */
+static inline void pack_panels(const float *x, int64_t ldx, int64_t m, int64_t k, float *xt) {
+    for (int64_t b = 0; b * PANEL < m; b++) {
+        float *panel = xt + b * k * PANEL;
+        const int64_t rows = m - b * PANEL < PANEL ? m - b * PANEL : PANEL;
+        for (int64_t i = 0; i < k; i++) {
+            for (int64_t r = 0; r < rows; r++) panel[i * PANEL + r] = x[(b * PANEL + r) * ldx + i];
+            for (int64_t r = rows; r < PANEL; r++) panel[i * PANEL + r] = 0.0f;
+        }
+    }
+}
+
+static inline v8 broadcast8(float f) { return (v8){f, f, f, f, f, f, f, f}; }
+
+/* acc[c] (two vectors: the panel's 16 rows) = panel rows . w_c over k, for the weight rows
+ * w_c = w + c * k, c < columns (at most PANEL_COLUMNS; a part tile repeats its last row
+ * rather than read past the weights, and its extra columns are left to be ignored). */
+__attribute__((noinline)) static void panel_tile(const float *panel, const float *w, int64_t k,
+                                                 int64_t columns, v8 acc[][2]) {
+    v8 a00 = {0}, a01 = {0}, a10 = {0}, a11 = {0}, a20 = {0}, a21 = {0};
+    v8 a30 = {0}, a31 = {0}, a40 = {0}, a41 = {0}, a50 = {0}, a51 = {0};
+    const float *wc[PANEL_COLUMNS];
+    for (int64_t c = 0; c < PANEL_COLUMNS; c++) wc[c] = w + (c < columns ? c : columns - 1) * k;
+    const float *w0 = wc[0], *w1 = wc[1], *w2 = wc[2], *w3 = wc[3], *w4 = wc[4], *w5 = wc[5];
+    for (int64_t i = 0; i < k; i++) {
+        const v8 x0 = load8(panel + i * PANEL), x1 = load8(panel + i * PANEL + 8);
+        v8 b = broadcast8(w0[i]);
+        a00 += b * x0, a01 += b * x1;
+        b = broadcast8(w1[i]);
+        a10 += b * x0, a11 += b * x1;
+        b = broadcast8(w2[i]);
+        a20 += b * x0, a21 += b * x1;
+        b = broadcast8(w3[i]);
+        a30 += b * x0, a31 += b * x1;
+        b = broadcast8(w4[i]);
+        a40 += b * x0, a41 += b * x1;
+        b = broadcast8(w5[i]);
+        a50 += b * x0, a51 += b * x1;
+    }
+    acc[0][0] = a00, acc[0][1] = a01, acc[1][0] = a10, acc[1][1] = a11;
+    acc[2][0] = a20, acc[2][1] = a21, acc[3][0] = a30, acc[3][1] = a31;
+    acc[4][0] = a40, acc[4][1] = a41, acc[5][0] = a50, acc[5][1] = a51;
+}
+
+/* x . w over k: one weight row (the last of a product that no whole tile covers). */
+static inline float row_dot(const float *x, const float *w, int64_t k) {
+    const int64_t body = k - k % 8;
+    v8 acc = {0};
+    for (int64_t i = 0; i < body; i += 8) acc += load8(x + i) * load8(w + i);
+    float s = hsum8(acc);
+    for (int64_t i = body; i < k; i++) s += x[i] * w[i];
+    return s;
+}
+
+#endif

@@ -1,0 +1,197 @@
+"""Which models run fused, and the decoder that points the kernel at one model's tensors."""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import torch
+
+from backends.llm.attention import AttentionParams
+from backends.llm.fused.kernel import CLayer, CModel, CStep, FusedKernel, fptr, iptr
+from backends.llm.fused.step import FusedStep
+from backends.llm.lora.layers import LoRALinear
+
+# Model types whose decoder layer is the Llama one: pre-norm RMS norms, q/k/v/o projections
+# (biases optional, Qwen2's on q/k/v), per-head q/k norms (Qwen3), full rotary embedding,
+# SwiGLU MLP. Others keep the transformers path.
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def unsupported_reason(model: Any) -> str | None:
+    """Why `model` cannot run fused, or None when its structure is the one the kernel runs."""
+    config = model.config
+    if config.model_type not in FAMILIES:
+        return f"model type {config.model_type!r} is not one of {', '.join(FAMILIES)}"
+    if model.dtype != torch.float32 or model.device.type != "cpu":
+        return "the fused step runs float32 models on the CPU"
+    if getattr(config, "hidden_act", None) != "silu":
+        return f"activation {getattr(config, 'hidden_act', None)!r} is not silu"
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if inner is None or layers is None or not hasattr(inner, "rotary_emb"):
+        return "no model.layers / model.rotary_emb"
+    lm_head = getattr(model, "lm_head", None)
+    if type(lm_head) is not torch.nn.Linear or lm_head.bias is not None:
+        return "the LM head is not a plain linear layer without bias"
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
+        linears += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        if any(type(base_linear(m)) is not torch.nn.Linear for m in linears):
+            return "a projection is not a plain linear layer (int8 or int4 weights)"
+        norms = [layer.input_layernorm, layer.post_attention_layernorm]
+        norms += [n for n in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)) if n]
+        if any(norm_eps(n) is None for n in norms):
+            return "a norm is not an RMS norm with a weight"
+        if type(mlp.act_fn).__name__ != "SiLUActivation" and not isinstance(
+            mlp.act_fn, torch.nn.SiLU
+        ):
+            return "the MLP activation is not SiLU"
+    return None
+
+
+def base_linear(module: Any) -> Any:
+    """The layer whose weights a projection computes with: a LoRA wrapper's base (adapter
+    tokens never run fused; base tokens use exactly the base's weights)."""
+    return module.base_layer if isinstance(module, LoRALinear) else module
+
+
+def norm_eps(norm: Any) -> float | None:
+    """The epsilon of a transformers RMS norm (`weight * x / rms(x)`), or None for others."""
+    if not type(norm).__name__.endswith("RMSNorm") or not hasattr(norm, "weight"):
+        return None
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    return float(eps) if eps is not None else None
+
+
+class FusedDecoder:
+    """A model's fused step: `decoder(step)` returns the sample rows' logits (S, V).
+
+    Points the kernel at the model's own weight tensors and at `kv_caches` (holding them, so
+    they stay alive while it does). Built anew whenever those tensors are replaced (an
+    offload and restore, a new KV cache): the runner does that."""
+
+    def __init__(
+        self,
+        kernel: FusedKernel,
+        model: Any,
+        kv_caches: list[torch.Tensor],
+        attention: list[AttentionParams],
+        *,
+        max_context: int,
+        max_rows: int,
+        threads: int,
+    ) -> None:
+        config, inner = model.config, model.model
+        layers = list(inner.layers)
+        if len(attention) != len(layers) or len(kv_caches) != len(layers):
+            raise ValueError("fused step: one attention record and KV cache per layer")
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        _, num_blocks, block_size, _, _ = kv_caches[0].shape
+        self._kernel = kernel
+        self._keep: list[torch.Tensor] = []  # every tensor the structs point into
+        self.kv_caches = kv_caches
+        self.max_rows = max_rows
+        self.threads = threads
+        self._layers = (CLayer * len(layers))()
+        qk_eps = 0.0
+        for c, layer, params, kv in zip(self._layers, layers, attention, kv_caches, strict=True):
+            attn, mlp = layer.self_attn, layer.mlp
+            q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+            if q_norm is not None:
+                qk_eps = norm_eps(q_norm) or 0.0
+            c.input_norm = self._ptr(layer.input_layernorm.weight)
+            c.post_norm = self._ptr(layer.post_attention_layernorm.weight)
+            for name, module in (
+                ("q", attn.q_proj),
+                ("k", attn.k_proj),
+                ("v", attn.v_proj),
+                ("o", attn.o_proj),
+                ("gate", mlp.gate_proj),
+                ("up", mlp.up_proj),
+                ("down", mlp.down_proj),
+            ):
+                linear = base_linear(module)
+                setattr(c, f"{name}_w", self._ptr(linear.weight))
+                setattr(c, f"{name}_b", self._ptr(linear.bias))
+            c.q_norm = self._ptr(None if q_norm is None else q_norm.weight)
+            c.k_norm = self._ptr(None if k_norm is None else k_norm.weight)
+            c.cache = self._ptr(kv)
+            c.window = params.sliding_window or 0
+            c.scaling = params.scaling
+        m = self._model = CModel()
+        m.hidden, m.heads, m.kv_heads = config.hidden_size, heads, kv_heads
+        m.head_dim = layers[0].self_attn.head_dim
+        m.inter = base_linear(layers[0].mlp.gate_proj).out_features
+        m.vocab, m.layers = model.lm_head.out_features, len(layers)
+        m.num_blocks, m.block_size = num_blocks, block_size
+        m.max_context, m.threads = max_context, threads
+        m.eps, m.qk_eps = norm_eps(layers[0].input_layernorm) or 0.0, qk_eps
+        m.embed = self._ptr(inner.embed_tokens.weight)
+        m.final_norm = self._ptr(inner.norm.weight)
+        m.lm_head = self._ptr(model.lm_head.weight)
+        m.layer = self._layers
+        self._work = torch.empty(kernel.work_floats(m, max_rows), dtype=torch.float32)
+        self._rotary = inner.rotary_emb
+        self.vocab = int(m.vocab)
+        self.slots = int(m.num_blocks * m.block_size)
+
+    def check(self, step: FusedStep) -> None:
+        """ValueError naming the problem unless `step` fits this decoder: the kernel follows
+        every index it is given, so a bad one must be refused before it runs."""
+        rows = len(step.tokens)
+        if not 0 < rows <= self.max_rows:
+            raise ValueError(f"fused step: {rows} rows, at most {self.max_rows}")
+        if min(step.tokens) < 0 or max(step.tokens) >= self.vocab:
+            raise ValueError(f"fused step: token ids must be in [0, {self.vocab})")
+        if min(step.slots) < 0 or max(step.slots) >= self.slots:
+            raise ValueError(f"fused step: cache slots must be in [0, {self.slots})")
+        if max(step.lens) > self._model.max_context or min(step.lens) < 1:
+            raise ValueError(f"fused step: contexts must be 1-{self._model.max_context} tokens")
+        if step.sample_rows and not 0 <= min(step.sample_rows) <= max(step.sample_rows) < rows:
+            raise ValueError("fused step: a sample row is not a row of the step")
+
+    def __call__(self, step: FusedStep, *, checked: bool = False) -> torch.Tensor:
+        """The logits (S, V) of `step.sample_rows`; `checked`: the caller ran `check`."""
+        if not checked:
+            self.check(step)
+        tokens = torch.tensor(step.tokens, dtype=torch.long)
+        slots = torch.tensor(step.slots, dtype=torch.long)
+        tables = torch.tensor(step.tables or [0], dtype=torch.long)
+        starts = torch.tensor(step.table_starts, dtype=torch.long)
+        lens = torch.tensor(step.lens, dtype=torch.long)
+        sample_rows = torch.tensor(step.sample_rows or [0], dtype=torch.long)
+        # The model's own rotary tables at these positions: whatever its rope type computes.
+        positions = torch.tensor([step.positions], dtype=torch.long)
+        cos, sin = self._rotary(self._work, positions)  # (1, rows, head_dim) each
+        cos, sin = cos[0].contiguous(), sin[0].contiguous()
+        logits = torch.empty(len(step.sample_rows), self.vocab, dtype=torch.float32)
+        s = CStep()
+        s.rows, s.samples = len(step.tokens), len(step.sample_rows)
+        s.tokens, s.slots = iptr(tokens), iptr(slots)
+        s.tables, s.table_starts, s.lens = iptr(tables), iptr(starts), iptr(lens)
+        s.cos, s.sin = fptr(cos), fptr(sin)
+        s.sample_rows, s.logits, s.work = iptr(sample_rows), fptr(logits), fptr(self._work)
+        # The calling thread's torch threads, within what the scratch was sized for.
+        self._model.threads = max(1, min(self.threads, torch.get_num_threads()))
+        try:
+            status = self._kernel.step(self._model, s)
+        finally:
+            self._model.threads = self.threads
+        if status != 0:  # check() refuses what the kernel would
+            raise ValueError("fused step: the kernel refused the step's indices")
+        return logits
+
+    def _ptr(self, tensor: torch.Tensor | None) -> Any:
+        if tensor is None:
+            return ctypes.POINTER(ctypes.c_float)()  # NULL
+        if tensor.dtype != torch.float32 or tensor.device.type != "cpu":
+            raise ValueError("fused step: every weight must be a float32 CPU tensor")
+        if not tensor.is_contiguous():
+            raise ValueError("fused step: every weight must be contiguous")
+        # A detached view holds the storage itself: a parameter whose data is later replaced
+        # must not free what the kernel points at.
+        self._keep.append(tensor.detach())
+        return fptr(tensor)

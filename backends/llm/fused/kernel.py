@@ -1,0 +1,112 @@
+"""`csrc/fused_decode.c` through ctypes: the structs it reads, and the loaded library.
+
+The structs mirror the C ones field for field (`hub_layer`, `hub_model`, `hub_step`); a
+pointer field holds a tensor's data pointer, which the caller keeps alive.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from backends.llm.cpu_kernels import load_native, torch_uses_gnu_openmp
+from backends.llm.kernel_settings import KernelSettings
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parents[1] / "csrc" / "fused_decode.c"
+
+_p = ctypes.POINTER(ctypes.c_float)
+_i64 = ctypes.c_int64
+_i64p = ctypes.POINTER(ctypes.c_int64)
+
+
+class CLayer(ctypes.Structure):
+    _fields_ = [
+        *((name, _p) for name in ("input_norm", "post_norm", "q_w", "k_w", "v_w", "o_w")),
+        *((name, _p) for name in ("q_b", "k_b", "v_b", "o_b", "q_norm", "k_norm")),
+        *((name, _p) for name in ("gate_w", "up_w", "down_w", "gate_b", "up_b", "down_b")),
+        ("cache", _p),
+        ("window", _i64),
+        ("scaling", ctypes.c_float),
+    ]
+
+
+class CModel(ctypes.Structure):
+    _fields_ = [
+        *((name, _i64) for name in ("hidden", "heads", "kv_heads", "head_dim", "inter")),
+        *((name, _i64) for name in ("vocab", "layers", "num_blocks", "block_size")),
+        ("max_context", _i64),
+        ("threads", _i64),
+        ("eps", ctypes.c_float),
+        ("qk_eps", ctypes.c_float),
+        ("embed", _p),
+        ("final_norm", _p),
+        ("lm_head", _p),
+        ("layer", ctypes.POINTER(CLayer)),
+    ]
+
+
+class CStep(ctypes.Structure):
+    _fields_ = [
+        ("rows", _i64),
+        ("tokens", _i64p),
+        ("slots", _i64p),
+        ("tables", _i64p),
+        ("table_starts", _i64p),
+        ("lens", _i64p),
+        ("cos", _p),
+        ("sin", _p),
+        ("samples", _i64),
+        ("sample_rows", _i64p),
+        ("logits", _p),
+        ("work", _p),
+    ]
+
+
+class FusedKernel:
+    """`csrc/fused_decode.c` loaded: the step, and the scratch it needs."""
+
+    def __init__(self, library: ctypes.CDLL, path: Path) -> None:
+        self.path = path
+        self._step = library.hub_fused_step
+        self._step.argtypes = [ctypes.POINTER(CModel), ctypes.POINTER(CStep)]
+        self._step.restype = ctypes.c_int  # ctypes releases the GIL for the call
+        self._work = library.hub_fused_work_floats
+        self._work.argtypes = [ctypes.POINTER(CModel), _i64]
+        self._work.restype = _i64
+        self.threaded = bool(library.hub_fused_threaded())
+
+    def work_floats(self, model: CModel, rows: int) -> int:
+        return int(self._work(ctypes.byref(model), rows))
+
+    def step(self, model: CModel, step: CStep) -> int:
+        return int(self._step(ctypes.byref(model), ctypes.byref(step)))
+
+
+@functools.cache
+def fused_kernel(settings: KernelSettings = KernelSettings()) -> FusedKernel | None:
+    """The compiled kernel, built on first use; None (reason logged once per settings) where
+    it cannot be or `settings` switch it off."""
+    if not settings.enabled:
+        return None
+    try:
+        return load_native(SOURCE, FusedKernel, openmp=torch_uses_gnu_openmp(), settings=settings)
+    except (RuntimeError, ValueError) as e:
+        log.warning("the fused CPU step is unavailable; steps run through transformers: %s", e)
+        return None
+
+
+def fptr(t: torch.Tensor) -> Any:
+    """A float32 tensor's data as the structs' float pointer."""
+    return ctypes.cast(t.data_ptr(), _p)
+
+
+def iptr(t: torch.Tensor) -> Any:
+    """An int64 tensor's data as the structs' int64 pointer."""
+    return ctypes.cast(t.data_ptr(), _i64p)

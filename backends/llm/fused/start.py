@@ -1,0 +1,153 @@
+"""A runner's fused step: probed, built and checked against transformers once, rebuilt when the
+tensors it points at are replaced, and chosen step by step."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from backends.llm.attention import AttentionParams
+from backends.llm.fused.decoder import FusedDecoder, unsupported_reason
+from backends.llm.fused.kernel import fused_kernel
+from backends.llm.fused.step import FusedStep, runs_fused
+from backends.llm.kernel_settings import KernelSettings
+from backends.llm.scheduler import SchedulerOutput
+from backends.threads import cores
+
+log = logging.getLogger(__name__)
+
+# Tokens of the check chunk: enough for attention over several keys in every layer.
+CHECK_TOKENS = 7
+# Largest difference from transformers' logits accepted, relative to their largest magnitude:
+# summation order alone stays near 1e-6; a misread layer is off by order one.
+CHECK_TOLERANCE = 1e-3
+
+# The transformers path on one chunk of fresh tokens at positions 0.., in cache slots 0..:
+# (tokens, slots, block ids, a dict to record each layer's AttentionParams into) -> logits
+# of every token (n, V).
+Reference = Callable[[list[int], list[int], list[int], dict[int, AttentionParams]], torch.Tensor]
+
+
+def start_fused(
+    model: Any,
+    kv_caches: list[torch.Tensor],
+    reference: Reference,
+    *,
+    max_context: int,
+    max_rows: int,
+    threads: int,
+    settings: KernelSettings,
+) -> tuple[FusedDecoder | None, list[AttentionParams], str | None]:
+    """(decoder, each layer's attention parameters, None), or (None, [], why not).
+
+    Runs one chunk through transformers (`reference`, which also records what every layer's
+    attention receives) and through the fused step, in the KV cache's first blocks (no
+    sequence owns them yet; whoever gets them later writes before reading), and compares."""
+    reason = unsupported_reason(model)
+    if reason is not None:
+        return None, [], reason
+    kernel = fused_kernel(settings)
+    if kernel is None:
+        return None, [], "the native kernel could not be built"
+    _, num_blocks, block_size, _, _ = kv_caches[0].shape
+    n = min(CHECK_TOKENS, num_blocks * block_size, max_rows, max_context)
+    vocab = model.lm_head.out_features
+    tokens = [(7919 * i + 11) % vocab for i in range(n)]
+    slots = list(range(n))
+    blocks = list(range(-(-n // block_size)))
+    recorded: dict[int, AttentionParams] = {}
+    expected = reference(tokens, slots, blocks, recorded)
+    layers = len(model.model.layers)
+    if sorted(recorded) != list(range(layers)):
+        return None, [], "the attention probe did not see every layer"
+    params = [recorded[i] for i in range(layers)]
+    if any(p.softcap for p in params):
+        return None, [], "soft-capped attention"
+    decoder = FusedDecoder(
+        kernel,
+        model,
+        kv_caches,
+        params,
+        max_context=max_context,
+        max_rows=max_rows,
+        threads=threads,
+    )
+    step = FusedStep(tokens, list(range(n)), slots, blocks, [0] * n, list(range(1, n + 1)), slots)
+    got = decoder(step)
+    scale = max(1.0, float(expected.abs().max()))
+    error = float((got - expected).abs().max()) / scale
+    if not error <= CHECK_TOLERANCE:  # NaN included
+        log.warning("the fused step disagrees with transformers (%.3g); not used", error)
+        return None, [], f"its logits differ from transformers' by {error:.3g} (relative)"
+    return decoder, params, None
+
+
+class FusedPath:
+    """What a model runner keeps of the fused step: `start` once (with a fresh KV cache),
+    then `decoder_for` each step; `forget` whenever the weights or the KV cache are about to
+    be replaced (the decoder points at them), and the next step builds it anew from the
+    attention parameters probed at the start (no second check: the cache may hold requests'
+    prefixes by then)."""
+
+    def __init__(
+        self,
+        model: Any,
+        reference: Reference,
+        *,
+        max_context: int,
+        max_rows: int,
+        settings: KernelSettings,
+    ) -> None:
+        self._model = model
+        self._reference = reference
+        self._max_context = max_context
+        self.max_rows = max_rows
+        self._settings = settings
+        self._attention: list[AttentionParams] = []
+        self.decoder: FusedDecoder | None = None
+        self.steps = 0  # steps run fused
+
+    def start(self, kv_caches: list[torch.Tensor]) -> str | None:
+        """Probe, build and check; None when steps may run fused, else why not (logged)."""
+        self.decoder, self._attention, reason = start_fused(
+            self._model,
+            kv_caches,
+            self._reference,
+            max_context=self._max_context,
+            max_rows=self.max_rows,
+            threads=cores(),
+            settings=self._settings,
+        )
+        if reason is not None:
+            log.info("steps run through the transformers modules: %s", reason)
+        return reason
+
+    def forget(self) -> None:
+        self.decoder = None
+
+    def decoder_for(
+        self, output: SchedulerOutput, kv_caches: list[torch.Tensor]
+    ) -> FusedDecoder | None:
+        """The decoder if this step should run fused, else None."""
+        if not self._attention or not runs_fused(output, self.max_rows):
+            return None
+        if self.decoder is None or self.decoder.kv_caches is not kv_caches:
+            kernel = fused_kernel(self._settings)
+            if kernel is None or unsupported_reason(self._model) is not None:
+                log.warning("the fused step is off: the model no longer qualifies")
+                self._attention = []
+                return None
+            self.decoder = FusedDecoder(
+                kernel,
+                self._model,
+                kv_caches,
+                self._attention,
+                max_context=self._max_context,
+                max_rows=self.max_rows,
+                threads=cores(),
+            )
+        self.steps += 1
+        return self.decoder

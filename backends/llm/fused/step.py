@@ -1,0 +1,70 @@
+"""A scheduler step as the fused kernel reads it: one row per token, each with its own context.
+
+Pure Python (no torch): rows are built from the `SchedulerOutput` in its order (single tokens
+first, then chunks), the order the transformers path packs them in, so sampling rows line up
+with the sampler's sequences either way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from backends.llm.scheduler import ScheduledSequence, SchedulerOutput
+
+# Chunk rows times their context (the keys a chunk's queries read, counted per row) up to
+# which a step with prompt chunks still runs fused. The kernel reads a chunk's context once
+# per row where transformers' attention (SDPA) shares key tiles between rows; on the 26M
+# benchmark Llama a 512-token chunk from position 0 (131k) took the same time both ways, and
+# shorter ones less fused (16 tokens: 7 against 21 ms; 256: 82 against 96 ms).
+MAX_CHUNK_ATTENTION = 65_536
+
+
+@dataclass
+class FusedStep:
+    """One step's tokens as rows: each with its position, cache slot and context (its
+    sequence's blocks, at `table_starts[row]` in `tables`, and `lens[row]` tokens, itself
+    included); `sample_rows` are the rows whose logits are wanted, in sampling order."""
+
+    tokens: list[int]
+    positions: list[int]
+    slots: list[int]
+    tables: list[int]
+    table_starts: list[int]
+    lens: list[int]
+    sample_rows: list[int]
+
+
+def runs_fused(output: SchedulerOutput, max_rows: int) -> bool:
+    """Whether a step should take the fused kernel: at most `max_rows` tokens, no LoRA
+    adapter (its per-token deltas are the transformers path's), and prompt chunks short
+    enough that reading their context once per row costs less than transformers' attention."""
+    if output.num_batched_tokens > max_rows:
+        return False
+    chunk_attention = 0
+    for item in output.scheduled:
+        if item.seq.adapter is not None:
+            return False
+        if item.num_tokens > 1:
+            chunk_attention += item.num_tokens * (item.start + item.num_tokens)
+    return chunk_attention <= MAX_CHUNK_ATTENTION
+
+
+def fused_rows(scheduled: list[ScheduledSequence], block_size: int) -> FusedStep:
+    """The rows of `scheduled` (a step's items, in order)."""
+    step = FusedStep([], [], [], [], [], [], [])
+    for item in scheduled:
+        seq = item.seq
+        start, end = item.start, item.start + item.num_tokens
+        table = seq.block_ids
+        table_start = len(step.tables)
+        step.tables.extend(table[: -(-end // block_size)])
+        step.tokens.extend(seq.token_ids[start:end])
+        step.positions.extend(range(start, end))
+        step.slots.extend(
+            table[p // block_size] * block_size + p % block_size for p in range(start, end)
+        )
+        step.table_starts.extend([table_start] * (end - start))
+        step.lens.extend(range(start + 1, end + 1))
+        if item.sample:
+            step.sample_rows.append(len(step.tokens) - 1)
+    return step
