@@ -83,4 +83,7 @@ def test_the_kernel_settings_reach_the_engine_at_load(
     on = tmp_path / "on"
     generate_once(tmp_path / "b", mlflow_template, tiny_llm_dir,
                   {"cpu_kernels": True, "kernel_cache_dir": str(on), "cc": "cc"})  # fmt: skip
-    assert list(on.glob("paged_decode-*.so")), "the kernel is built in the configured folder"
+    # The tiny Llama's steps run fused (the decode attention kernel is built on the first step
+    # through transformers, which this one request never needs).
+    built = {p.name.split("-")[0] for p in on.glob("*.so")}
+    assert {"fused_decode", "linear"} <= built, "the kernels are built in the configured folder"

@@ -98,7 +98,7 @@ static void rotate(float *x, const float *cos, const float *sin, int64_t head_di
 }
 
 /* Rows from which a projection packs its input into panels (tiles.h); below, row tiles. */
-#define PANEL_MIN_ROWS 8
+#define PANEL_MIN_ROWS 4
 
 /* The input of a projection: m rows of k floats, ldx apart, and the same rows packed into
  * panels when there are enough of them (else NULL). */
@@ -121,18 +121,20 @@ static void project(const struct operand *a, const float *w, const float *bias, 
     const int64_t k = a->k, m = a->m;
     if (a->panels) {
         v8 acc[PANEL_COLUMNS][2];
+        const struct panels p = panel_layout(m);
         for (int64_t n = n0; n < n1; n += PANEL_COLUMNS) {
             const int64_t columns = n1 - n < PANEL_COLUMNS ? n1 - n : PANEL_COLUMNS;
-            for (int64_t b = 0; b * PANEL < m; b++) {
-                const float *panel = a->panels + b * k * PANEL;
-                panel_tile(panel, w + n * k, k, columns, acc);
-                const int64_t rows = m - b * PANEL < PANEL ? m - b * PANEL : PANEL;
+            for (int64_t b = 0; b < panel_count(p); b++) {
+                any_panel_tile(a->panels, p, b, w + n * k, k, columns, acc);
+                const int64_t first = b * PANEL, width = panel_width(p, b);
+                const int64_t rows = m - first < width ? m - first : width;
                 for (int64_t c = 0; c < columns; c++) {
                     float t[PANEL];
                     const float add_bias = bias ? bias[n + c] : 0.0f;
-                    store8(t, acc[c][0]), store8(t + 8, acc[c][1]);
+                    store8(t, acc[c][0]);
+                    if (width == PANEL) store8(t + 8, acc[c][1]);
                     for (int64_t r = 0; r < rows; r++) {
-                        float *d = y + (b * PANEL + r) * ldy + n + c;
+                        float *d = y + (first + r) * ldy + n + c;
                         *d = (add ? *d : 0.0f) + (t[r] + add_bias);
                     }
                 }
@@ -167,20 +169,21 @@ static void gated(const struct operand *a, const struct hub_layer *l, int64_t n0
     const float *gb = l->gate_b, *ub = l->up_b;
     if (a->panels) {
         v8 g[PANEL_COLUMNS][2], u[PANEL_COLUMNS][2];
+        const struct panels p = panel_layout(m);
         for (int64_t n = n0; n < n1; n += PANEL_COLUMNS) {
             const int64_t columns = n1 - n < PANEL_COLUMNS ? n1 - n : PANEL_COLUMNS;
-            for (int64_t b = 0; b * PANEL < m; b++) {
-                const float *panel = a->panels + b * k * PANEL;
-                panel_tile(panel, l->gate_w + n * k, k, columns, g);
-                panel_tile(panel, l->up_w + n * k, k, columns, u);
-                const int64_t rows = m - b * PANEL < PANEL ? m - b * PANEL : PANEL;
+            for (int64_t b = 0; b < panel_count(p); b++) {
+                any_panel_tile(a->panels, p, b, l->gate_w + n * k, k, columns, g);
+                any_panel_tile(a->panels, p, b, l->up_w + n * k, k, columns, u);
+                const int64_t first = b * PANEL, width = panel_width(p, b);
+                const int64_t rows = m - first < width ? m - first : width;
                 for (int64_t c = 0; c < columns; c++) {
                     float t[PANEL];
                     const v8 gc = broadcast8(gb ? gb[n + c] : 0.0f);
                     const v8 uc = broadcast8(ub ? ub[n + c] : 0.0f);
                     store8(t, silu_times(g[c][0] + gc, u[c][0] + uc));
-                    store8(t + 8, silu_times(g[c][1] + gc, u[c][1] + uc));
-                    for (int64_t r = 0; r < rows; r++) act[(b * PANEL + r) * ld + n + c] = t[r];
+                    if (width == PANEL) store8(t + 8, silu_times(g[c][1] + gc, u[c][1] + uc));
+                    for (int64_t r = 0; r < rows; r++) act[(first + r) * ld + n + c] = t[r];
                 }
             }
         }

@@ -33,7 +33,7 @@ def unsupported_reason(model: Any) -> str | None:
         return "no model.layers / model.rotary_emb"
     lm_head = getattr(model, "lm_head", None)
     if type(lm_head) is not torch.nn.Linear or lm_head.bias is not None:
-        return "the LM head is not a plain linear layer without bias"
+        return "the LM head is not a plain linear layer without bias (int8 or int4 weights?)"
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
         linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]

@@ -1,0 +1,166 @@
+"""The fused CPU step (backends/llm/fused): which models take it and why not, its check
+against transformers at the start, its rebuild after an offload, the same logits on any
+number of threads, bad indices refused before the kernel runs, and LoRA steps left to
+transformers. Greedy equality with transformers for every family is test_correctness's."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from backends.base import BackendContext
+from backends.llm.backend import LLMBackend
+from backends.llm.fused.decoder import unsupported_reason
+from backends.llm.fused.kernel import fused_kernel
+from backends.llm.fused.step import FusedStep
+from backends.llm.kernel_settings import KernelSettings
+from backends.llm.sampling_params import SamplingParams
+from tests.backends.llm.lora_support import ALL_LINEAR, build_adapter
+from tests.backends.llm.support import build_model, make_engine, random_prompts, run_all
+
+if fused_kernel(KernelSettings()) is None:
+    pytest.skip("the fused kernel does not build here (no C compiler)", allow_module_level=True)
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("fused")
+
+
+@pytest.fixture(scope="module")
+def llama(root: Path) -> Path:
+    return build_model(root, "llama")
+
+
+def tokens_of(engine: Any, prompts: list[list[int]]) -> list[list[int]]:
+    return [r[0].token_ids for r in run_all(engine, [(p, GREEDY) for p in prompts])]
+
+
+def test_other_models_say_why_they_keep_the_transformers_path(root: Path, llama: Path) -> None:
+    gemma = make_engine(build_model(root, "gemma2"))
+    assert gemma.runner.fused.decoder is None
+    assert "gemma2" in (unsupported_reason(gemma.runner.model) or "")
+    int8 = make_engine(llama, quantization="int8")
+    assert int8.runner.fused.decoder is None
+    assert "int8" in (unsupported_reason(int8.runner.model) or "")
+    off = make_engine(llama, fused_step=False)
+    assert off.runner.fused.decoder is None
+    tokens_of(off, random_prompts(2, seed=1, lengths=(3, 12)))
+    assert off.runner.fused.steps == 0
+
+
+def test_a_model_that_disagrees_with_the_check_keeps_the_transformers_path(
+    llama: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A layer the kernel would misread (here: an input norm whose forward is not what its
+    weights say) is caught by the comparison with transformers before any request."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    norm = LlamaRMSNorm.forward
+    monkeypatch.setattr(LlamaRMSNorm, "forward", lambda self, x: 1.5 * norm(self, x))
+    with caplog.at_level(logging.INFO, logger="backends.llm.fused.start"):
+        engine = make_engine(llama)
+    assert engine.runner.fused.decoder is None
+    assert "differ from transformers" in caplog.text
+    tokens_of(engine, random_prompts(2, seed=2, lengths=(3, 12)))
+    assert engine.runner.fused.steps == 0
+
+
+async def test_offload_and_restore_rebuild_it_over_the_new_tensors(llama: Path) -> None:
+    backend = LLMBackend(BackendContext("tiny", "1", {"kv_cache_bytes": 2**21}))
+    backend.load(llama, "cpu", torch.float32)
+    path = backend.engine.runner.fused
+    prompt = backend.encode("The harbour town")
+
+    async def text() -> str:
+        return "".join([out.text async for out in backend.generate(prompt, GREEDY)])
+
+    try:
+        before, steps = await text(), path.steps
+        assert steps > 0 and path.decoder is not None
+        backend.offload()
+        assert path.decoder is None  # it pointed at the parked weights and the old cache
+        backend.restore("cpu")
+        assert await text() == before
+        assert path.steps > steps
+        assert path.decoder is not None
+        assert path.decoder.kv_caches is backend.engine.runner.kv_caches
+    finally:
+        await backend.aclose()
+        backend.unload()
+
+
+def test_the_thread_count_does_not_change_the_logits(llama: Path) -> None:
+    """Every output of a stage is one thread's work from start to end, so the sums run in the
+    same order however many threads share the stage."""
+    decoder = make_engine(llama).runner.fused.decoder
+    assert decoder is not None
+    n = 11
+    step = FusedStep(
+        [(13 * i + 7) % 500 for i in range(n)],
+        list(range(n)),
+        list(range(n)),
+        list(range(-(-n // 16))),
+        [0] * n,
+        list(range(1, n + 1)),
+        list(range(n)),
+    )
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = decoder(step)
+        torch.set_num_threads(2)
+        two = decoder(step)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+def test_bad_indices_are_refused_before_the_kernel_runs(llama: Path) -> None:
+    decoder = make_engine(llama).runner.fused.decoder
+    assert decoder is not None
+
+    def step(**change: Any) -> FusedStep:
+        fields = {
+            "tokens": [10, 11],
+            "positions": [0, 1],
+            "slots": [0, 1],
+            "tables": [0],
+            "table_starts": [0, 0],
+            "lens": [1, 2],
+            "sample_rows": [1],
+        }
+        return FusedStep(**(fields | change))
+
+    decoder.check(step())
+    for change, message in [
+        ({"tokens": [10, decoder.vocab]}, "token ids"),
+        ({"slots": [0, decoder.slots]}, "cache slots"),
+        ({"lens": [1, 10**9]}, "contexts"),
+        ({"sample_rows": [2]}, "sample row"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            decoder(step(**change))
+
+
+def test_lora_steps_run_through_transformers_and_base_steps_fused(root: Path) -> None:
+    base = build_model(root, "qwen2")
+    adapter = build_adapter(base, root / "qwen2-all", ALL_LINEAR, r=4, seed=3)
+    from backends.llm.lora import read_adapter
+
+    prompts = random_prompts(3, seed=4, lengths=(3, 20))
+    plain = tokens_of(make_engine(base, fused_step=False), prompts)
+    engine = make_engine(base)
+    engine.runner.lora.add("a", read_adapter(adapter))
+    assert tokens_of(engine, prompts) == plain  # the base, fused beside a loaded adapter
+    fused = engine.runner.fused.steps
+    assert fused > 0
+    adapted = run_all(engine, [(p, GREEDY) for p in prompts], ["a"] * len(prompts))
+    assert [r[0].token_ids for r in adapted] != plain
+    assert engine.runner.fused.steps == fused  # no step with the adapter ran fused
