@@ -18,7 +18,7 @@
  * Layouts (all contiguous float32 unless said):
  *   weights  as torch keeps them: linear (out, in), norms (n), embeddings (vocab, hidden)
  *   cache    per layer (2, num_blocks, block_size, kv_heads, head_dim)
- *   cos/sin  (rows, head_dim): the model's rotary tables at each row's position
+ *   cos/sin  the model's rotary tables, (n, head_dim); row r's at rope_rows[r]
  *   work     hub_fused_work_floats(...) floats of scratch
  *   logits   (samples, vocab)
  */
@@ -56,7 +56,8 @@ struct hub_step {
     int64_t rows;                                   /* tokens in the step */
     const int64_t *tokens, *slots;                  /* (rows) */
     const int64_t *tables, *table_starts, *lens;    /* block ids; (rows) each */
-    const float *cos, *sin;                         /* (rows, head_dim) */
+    const float *cos, *sin;                         /* (n, head_dim) */
+    const int64_t *rope_rows;                       /* (rows): each row's of cos/sin */
     int64_t samples;                                /* rows whose logits are wanted */
     const int64_t *sample_rows;                     /* (samples) */
     float *logits;                                  /* (samples, vocab) */
@@ -206,11 +207,22 @@ static void gated(const struct operand *a, const struct hub_layer *l, int64_t n0
         }
 }
 
-/* Columns per task of the parallel projections: enough to amortise a task, few enough to
- * share a small product between threads; whole tiles of either shape. */
-#define COLUMNS 24
+/* Columns (weight rows) per task of a parallel projection: whole tiles, enough to amortise
+ * a task (four panel tiles), and, for row tiles, one tile, so that a few rows' stream of
+ * the weights splits evenly between threads (the stages meet at a barrier after each). */
+static int64_t task_columns(const struct operand *a) {
+    return a->panels ? 4 * PANEL_COLUMNS : ROW_COLUMNS;
+}
 
-static int64_t column_tasks(int64_t n) { return (n + COLUMNS - 1) / COLUMNS; }
+static int64_t column_tasks(const struct operand *a, int64_t n) {
+    return (n + task_columns(a) - 1) / task_columns(a);
+}
+
+/* Weight rows [*n0, *n1) of task t over n outputs. */
+static void task_span(const struct operand *a, int64_t t, int64_t n, int64_t *n0, int64_t *n1) {
+    *n0 = t * task_columns(a);
+    *n1 = *n0 + task_columns(a) < n ? *n0 + task_columns(a) : n;
+}
 
 /* Task `task` of the q/k/v stage: one head of q, k or v for every row, then its per-head
  * norm and rotation (q, k), q's scaling, and the K/V cache writes. */
@@ -237,7 +249,7 @@ static void qkv_head(const struct hub_model *m, const struct hub_layer *l,
         float *x = out + r * ld + n0;
         if (!is_v) {
             if (norm) rms_norm(x, x, hd, norm, m->qk_eps);
-            rotate(x, s->cos + r * hd, s->sin + r * hd, hd);
+            rotate(x, s->cos + s->rope_rows[r] * hd, s->sin + s->rope_rows[r] * hd, hd);
         }
         if (is_q) {
             for (int64_t i = 0; i < hd; i++) x[i] *= l->scaling;
@@ -326,8 +338,9 @@ static void layer_step(const struct hub_model *m, const struct hub_layer *l,
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
-    for (int64_t t = 0; t < column_tasks(hidden); t++) {
-        const int64_t n0 = t * COLUMNS, n1 = n0 + COLUMNS < hidden ? n0 + COLUMNS : hidden;
+    for (int64_t t = 0; t < column_tasks(&a, hidden); t++) {
+        int64_t n0, n1;
+        task_span(&a, t, hidden, &n0, &n1);
         project(&a, l->o_w, l->o_b, n0, n1, b->x, hidden, 1);
     }
 #ifdef _OPENMP
@@ -339,16 +352,18 @@ static void layer_step(const struct hub_model *m, const struct hub_layer *l,
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
-    for (int64_t t = 0; t < column_tasks(m->inter); t++) {
-        const int64_t n0 = t * COLUMNS, n1 = n0 + COLUMNS < m->inter ? n0 + COLUMNS : m->inter;
+    for (int64_t t = 0; t < column_tasks(&a, m->inter); t++) {
+        int64_t n0, n1;
+        task_span(&a, t, m->inter, &n0, &n1);
         gated(&a, l, n0, n1, b->act, m->inter);
     }
     a = operand(b->act, m->inter, rows, m->inter, b->panels);
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
-    for (int64_t t = 0; t < column_tasks(hidden); t++) {
-        const int64_t n0 = t * COLUMNS, n1 = n0 + COLUMNS < hidden ? n0 + COLUMNS : hidden;
+    for (int64_t t = 0; t < column_tasks(&a, hidden); t++) {
+        int64_t n0, n1;
+        task_span(&a, t, hidden, &n0, &n1);
         project(&a, l->down_w, l->down_b, n0, n1, b->x, hidden, 1);
     }
 }
@@ -391,8 +406,9 @@ int hub_fused_step(const struct hub_model *m, const struct hub_step *s) {
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
-        for (int64_t t = 0; t < column_tasks(m->vocab); t++) {
-            const int64_t n0 = t * COLUMNS, n1 = n0 + COLUMNS < m->vocab ? n0 + COLUMNS : m->vocab;
+        for (int64_t t = 0; t < column_tasks(&a, m->vocab); t++) {
+            int64_t n0, n1;
+            task_span(&a, t, m->vocab, &n0, &n1);
             project(&a, m->lm_head, NULL, n0, n1, s->logits, m->vocab, 0);
         }
     }

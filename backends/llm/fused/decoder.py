@@ -12,6 +12,11 @@ from backends.llm.fused.kernel import CLayer, CModel, CStep, FusedKernel, fptr, 
 from backends.llm.fused.step import FusedStep
 from backends.llm.lora.layers import LoRALinear
 
+# Rope types whose frequencies change with the sequence's length (transformers'
+# `dynamic_rope_update`): their tables are computed for each step's positions; every other
+# type's depend on the position alone and are computed once per position, then looked up.
+DYNAMIC_ROPE = ("dynamic", "longrope")
+
 # Model types whose decoder layer is the Llama one: pre-norm RMS norms, q/k/v/o projections
 # (biases optional, Qwen2's on q/k/v), per-head q/k norms (Qwen3), full rotary embedding,
 # SwiGLU MLP. Others keep the transformers path.
@@ -135,6 +140,8 @@ class FusedDecoder:
         m.layer = self._layers
         self._work = torch.empty(kernel.work_floats(m, max_rows), dtype=torch.float32)
         self._rotary = inner.rotary_emb
+        self._static_rope = getattr(self._rotary, "rope_type", "default") not in DYNAMIC_ROPE
+        self._rope = (torch.empty(0, m.head_dim), torch.empty(0, m.head_dim))  # cos, sin
         self.vocab = int(m.vocab)
         self.slots = int(m.num_blocks * m.block_size)
 
@@ -163,16 +170,13 @@ class FusedDecoder:
         starts = torch.tensor(step.table_starts, dtype=torch.long)
         lens = torch.tensor(step.lens, dtype=torch.long)
         sample_rows = torch.tensor(step.sample_rows or [0], dtype=torch.long)
-        # The model's own rotary tables at these positions: whatever its rope type computes.
-        positions = torch.tensor([step.positions], dtype=torch.long)
-        cos, sin = self._rotary(self._work, positions)  # (1, rows, head_dim) each
-        cos, sin = cos[0].contiguous(), sin[0].contiguous()
+        cos, sin, rope_rows = self._rope_tables(step.positions)
         logits = torch.empty(len(step.sample_rows), self.vocab, dtype=torch.float32)
         s = CStep()
         s.rows, s.samples = len(step.tokens), len(step.sample_rows)
         s.tokens, s.slots = iptr(tokens), iptr(slots)
         s.tables, s.table_starts, s.lens = iptr(tables), iptr(starts), iptr(lens)
-        s.cos, s.sin = fptr(cos), fptr(sin)
+        s.cos, s.sin, s.rope_rows = fptr(cos), fptr(sin), iptr(rope_rows)
         s.sample_rows, s.logits, s.work = iptr(sample_rows), fptr(logits), fptr(self._work)
         # The calling thread's torch threads, within what the scratch was sized for.
         self._model.threads = max(1, min(self.threads, torch.get_num_threads()))
@@ -183,6 +187,21 @@ class FusedDecoder:
         if status != 0:  # check() refuses what the kernel would
             raise ValueError("fused step: the kernel refused the step's indices")
         return logits
+
+    def _rope_tables(self, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """cos and sin tables (n, head_dim) from the model's own rotary module, and each row's
+        index into them: a table of every position so far for a static rope type (grown by
+        doubling), this step's positions for one whose frequencies depend on the length."""
+        if not self._static_rope:
+            cos, sin = self._rotary(self._work, torch.tensor([positions], dtype=torch.long))
+            rows = torch.arange(len(positions), dtype=torch.long)
+            return cos[0].contiguous(), sin[0].contiguous(), rows
+        need = max(positions) + 1
+        if need > len(self._rope[0]):
+            size = min(max(need, 2 * len(self._rope[0]), 256), self._model.max_context)
+            cos, sin = self._rotary(self._work, torch.arange(size, dtype=torch.long)[None])
+            self._rope = (cos[0].contiguous(), sin[0].contiguous())
+        return self._rope[0], self._rope[1], torch.tensor(positions, dtype=torch.long)
 
     def _ptr(self, tensor: torch.Tensor | None) -> Any:
         if tensor is None:

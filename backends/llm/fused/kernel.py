@@ -62,6 +62,7 @@ class CStep(ctypes.Structure):
         ("lens", _i64p),
         ("cos", _p),
         ("sin", _p),
+        ("rope_rows", _i64p),
         ("samples", _i64),
         ("sample_rows", _i64p),
         ("logits", _p),
