@@ -34,7 +34,7 @@ from backends.llm.fused.start import FusedPath
 from backends.llm.fused.step import fused_rows
 from backends.llm.int4 import require_int4_kernel
 from backends.llm.lora.manager import LoRAManager
-from backends.llm.quantization import WeightQuantizer
+from backends.llm.quantization import WeightQuantizer, float32_reference
 from backends.llm.sampler import Sampler, SamplerOutput
 from backends.llm.scheduler import ScheduledSequence, SchedulerOutput
 from backends.llm.sequence import Sequence
@@ -270,13 +270,14 @@ class ModelRunner:
             prefills=[PrefillChunk(0, n, 0, torch.tensor(blocks, dtype=torch.long))],
             recorded=recorded,
         )
-        logits: torch.Tensor = self.model(
-            input_ids=torch.tensor([tokens], dtype=torch.long, device=self.device),
-            position_ids=torch.arange(n, device=self.device)[None],
-            logits_to_keep=torch.arange(n, device=self.device),
-            use_cache=False,
-            paged_metadata=metadata,
-        ).logits[0]
+        with float32_reference():  # int8 layers as their exact float32 products
+            logits: torch.Tensor = self.model(
+                input_ids=torch.tensor([tokens], dtype=torch.long, device=self.device),
+                position_ids=torch.arange(n, device=self.device)[None],
+                logits_to_keep=torch.arange(n, device=self.device),
+                use_cache=False,
+                paged_metadata=metadata,
+            ).logits[0]
         return logits
 
     def _prepare(self, output: SchedulerOutput) -> _StepInputs:

@@ -15,17 +15,24 @@ it is one of the largest matrices of a small model (vocabulary x hidden) and the
 single read of a decode step; its error is measured with the rest (top-1 agreement in
 tests/backends/llm/test_quantization.py).
 
-How it runs on a CPU: a few rows (a decode step) go through torch's int8 matrix-vector kernel
-(`aten._weight_int8pack_mm`) with bfloat16 activations, which reads a quarter of float32's
-bytes; in float32 that kernel has no vectorised path here (about 10x slower than a float32
-matmul), in bfloat16 it has. More rows (prefill chunks, large decode batches) dequantize the
-weight to bfloat16 and run one bfloat16 matmul, faster there than the matrix-vector kernel
-row by row. Either way the output is rounded through bfloat16. Elsewhere (CUDA) the weight is
+How it runs on a CPU: a float32 model of the Llama family runs its steps in the fused CPU
+kernel (backends/llm/fused), which reads the int8 weights and their scales itself. Through
+this module (other architectures, long prompt chunks): a few rows (a decode step) go through
+torch's int8 matrix-vector kernel (`aten._weight_int8pack_mm`) with bfloat16 activations,
+which reads a quarter of float32's bytes; in float32 that kernel has no vectorised path
+(about 10x slower than a float32 matmul), in bfloat16 it has. More rows (prefill chunks,
+large decode batches) dequantize the weight for one matmul: in bfloat16 where the CPU has
+bfloat16 units, else in float32 (an emulated bfloat16 matmul is several times slower). The
+output is rounded through bfloat16 except on that last path. Elsewhere (CUDA) the weight is
 dequantized to the activations' dtype for one matmul.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +47,30 @@ GEMV_MAX_ROWS = 16
 # The int8 kernel reads `in_features` in steps of 16 (other widths crash it): those take the
 # dequantizing path.
 _KERNEL_IN_MULTIPLE = 16
+
+
+_reference = threading.local()
+
+
+@contextlib.contextmanager
+def float32_reference() -> Iterator[None]:
+    """Within the block, on the calling thread, `Int8Linear` computes in float32 with its
+    dequantized weights (int8 times scale) instead of its bfloat16 kernels: the exact
+    product of the stored weights, what the fused CPU step is checked against."""
+    before = getattr(_reference, "on", False)
+    _reference.on = True
+    try:
+        yield
+    finally:
+        _reference.on = before
+
+
+@functools.cache
+def native_bfloat16() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX). Without, a
+    bfloat16 matmul is emulated: 6.4x slower than float32 for a (512, 512) x (512, 1408)
+    product on a 2-core AVX2 machine."""
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
 def is_quantized_weight(name: str, shape: tuple[int, ...] | list[int]) -> bool:
@@ -100,13 +131,19 @@ class Int8Linear(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = x.reshape(-1, self.in_features)
-        if x.device.type == "cpu":
+        if getattr(_reference, "on", False):
+            weight = self.weight.to(x.dtype) * self.scale.to(x.dtype)[:, None]
+            out = F.linear(rows, weight)
+        elif x.device.type == "cpu" and rows.shape[0] <= GEMV_MAX_ROWS and self._kernel_ok:
             activations = rows.to(torch.bfloat16)
-            if rows.shape[0] <= GEMV_MAX_ROWS and self._kernel_ok:
-                out = torch.ops.aten._weight_int8pack_mm(activations, self.weight, self.scale)
-            else:
-                out = F.linear(activations, self.weight.to(torch.bfloat16)) * self.scale
+            out = torch.ops.aten._weight_int8pack_mm(activations, self.weight, self.scale)
             out = out.to(x.dtype)
+        elif x.device.type == "cpu" and native_bfloat16():
+            out = F.linear(rows.to(torch.bfloat16), self.weight.to(torch.bfloat16)) * self.scale
+            out = out.to(x.dtype)
+        elif x.device.type == "cpu":  # no bfloat16 units: a float32 product is far faster
+            weight = self.weight.to(torch.float32) * self.scale.to(torch.float32)[:, None]
+            out = F.linear(rows.to(torch.float32), weight).to(x.dtype)
         else:
             out = F.linear(rows, self.weight.to(x.dtype)) * self.scale.to(x.dtype)
         if self.bias is not None:

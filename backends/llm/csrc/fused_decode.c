@@ -16,7 +16,8 @@
  * all K/V writes of a layer happen before any of its attention reads them.
  *
  * Layouts (all contiguous float32 unless said):
- *   weights  as torch keeps them: linear (out, in), norms (n), embeddings (vocab, hidden)
+ *   weights  as torch keeps them: linear (out, in) float32 or int8 with a scale per row
+ *            (project.h), norms (n), embeddings (vocab, hidden)
  *   cache    per layer (2, num_blocks, block_size, kv_heads, head_dim)
  *   cos/sin  the model's rotary tables, (n, head_dim); row r's at rope_rows[r]
  *   work     hub_fused_work_floats(...) floats of scratch
@@ -26,7 +27,7 @@
 #include <stdlib.h>
 
 #include "attend.h"
-#include "tiles.h"
+#include "project.h"
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -34,11 +35,9 @@
 
 struct hub_layer {
     const float *input_norm, *post_norm;            /* (hidden) */
-    const float *q_w, *k_w, *v_w, *o_w;             /* (heads*D, hidden) .. (hidden, heads*D) */
-    const float *q_b, *k_b, *v_b, *o_b;             /* or NULL */
+    struct hub_weight q, k, v, o;                   /* (heads*D, hidden) .. (hidden, heads*D) */
     const float *q_norm, *k_norm;                   /* (head_dim) per-head norms, or NULL */
-    const float *gate_w, *up_w, *down_w;            /* (inter, hidden), (hidden, inter) */
-    const float *gate_b, *up_b, *down_b;            /* or NULL */
+    struct hub_weight gate, up, down;               /* (inter, hidden), (hidden, inter) */
     float *cache;                                   /* (2, blocks, block_size, kv_heads, D) */
     int64_t window;                                 /* sliding window, or 0 */
     float scaling;                                  /* of the attention logits */
@@ -48,7 +47,8 @@ struct hub_model {
     int64_t hidden, heads, kv_heads, head_dim, inter, vocab, layers;
     int64_t num_blocks, block_size, max_context, threads;
     float eps, qk_eps;                              /* of the RMS norms */
-    const float *embed, *final_norm, *lm_head;
+    const float *embed, *final_norm;
+    struct hub_weight lm_head;
     const struct hub_layer *layer;
 };
 
@@ -98,115 +98,6 @@ static void rotate(float *x, const float *cos, const float *sin, int64_t head_di
     }
 }
 
-/* Rows from which a projection packs its input into panels (tiles.h); below, row tiles. */
-#define PANEL_MIN_ROWS 4
-
-/* The input of a projection: m rows of k floats, ldx apart, and the same rows packed into
- * panels when there are enough of them (else NULL). */
-struct operand {
-    const float *x, *panels;
-    int64_t ldx, m, k;
-};
-
-/* The operand for rows x; packs them into `panels` (this thread's) when that pays. */
-static struct operand operand(const float *x, int64_t ldx, int64_t m, int64_t k, float *panels) {
-    const struct operand a = {x, m >= PANEL_MIN_ROWS ? panels : NULL, ldx, m, k};
-    if (a.panels) pack_panels(x, ldx, m, k, panels);
-    return a;
-}
-
-/* y[r, n] = x_r . W_n + bias[n] (add: y[r, n] += that) for every row r of `a` and weight
- * rows [n0, n1); y rows ldy apart. */
-static void project(const struct operand *a, const float *w, const float *bias, int64_t n0,
-                    int64_t n1, float *y, int64_t ldy, int add) {
-    const int64_t k = a->k, m = a->m;
-    if (a->panels) {
-        v8 acc[PANEL_COLUMNS][2];
-        const struct panels p = panel_layout(m);
-        for (int64_t n = n0; n < n1; n += PANEL_COLUMNS) {
-            const int64_t columns = n1 - n < PANEL_COLUMNS ? n1 - n : PANEL_COLUMNS;
-            for (int64_t b = 0; b < panel_count(p); b++) {
-                any_panel_tile(a->panels, p, b, w + n * k, k, columns, acc);
-                const int64_t first = b * PANEL, width = panel_width(p, b);
-                const int64_t rows = m - first < width ? m - first : width;
-                for (int64_t c = 0; c < columns; c++) {
-                    float t[PANEL];
-                    const float add_bias = bias ? bias[n + c] : 0.0f;
-                    store8(t, acc[c][0]);
-                    if (width == PANEL) store8(t + 8, acc[c][1]);
-                    for (int64_t r = 0; r < rows; r++) {
-                        float *d = y + (first + r) * ldy + n + c;
-                        *d = (add ? *d : 0.0f) + (t[r] + add_bias);
-                    }
-                }
-            }
-        }
-        return;
-    }
-    float t[ROW_COLUMNS];
-    int64_t n = n0;
-    for (; n + ROW_COLUMNS <= n1; n += ROW_COLUMNS)
-        for (int64_t r = 0; r < m; r++) {
-            row_tile(a->x + r * a->ldx, w + n * k, k, t);
-            for (int c = 0; c < ROW_COLUMNS; c++) {
-                float *d = y + r * ldy + n + c;
-                *d = (add ? *d : 0.0f) + (t[c] + (bias ? bias[n + c] : 0.0f));
-            }
-        }
-    for (; n < n1; n++)
-        for (int64_t r = 0; r < m; r++) {
-            float *d = y + r * ldy + n;
-            const float v = row_dot(a->x + r * a->ldx, w + n * k, k);
-            *d = (add ? *d : 0.0f) + (v + (bias ? bias[n] : 0.0f));
-        }
-}
-
-static inline v8 silu_times(v8 g, v8 u) { return g / (1.0f + exp8(-g)) * u; }
-
-/* act[r, n] = silu(x_r . G_n + gb[n]) * (x_r . U_n + ub[n]) for weight rows [n0, n1). */
-static void gated(const struct operand *a, const struct hub_layer *l, int64_t n0, int64_t n1,
-                  float *act, int64_t ld) {
-    const int64_t k = a->k, m = a->m;
-    const float *gb = l->gate_b, *ub = l->up_b;
-    if (a->panels) {
-        v8 g[PANEL_COLUMNS][2], u[PANEL_COLUMNS][2];
-        const struct panels p = panel_layout(m);
-        for (int64_t n = n0; n < n1; n += PANEL_COLUMNS) {
-            const int64_t columns = n1 - n < PANEL_COLUMNS ? n1 - n : PANEL_COLUMNS;
-            for (int64_t b = 0; b < panel_count(p); b++) {
-                any_panel_tile(a->panels, p, b, l->gate_w + n * k, k, columns, g);
-                any_panel_tile(a->panels, p, b, l->up_w + n * k, k, columns, u);
-                const int64_t first = b * PANEL, width = panel_width(p, b);
-                const int64_t rows = m - first < width ? m - first : width;
-                for (int64_t c = 0; c < columns; c++) {
-                    float t[PANEL];
-                    const v8 gc = broadcast8(gb ? gb[n + c] : 0.0f);
-                    const v8 uc = broadcast8(ub ? ub[n + c] : 0.0f);
-                    store8(t, silu_times(g[c][0] + gc, u[c][0] + uc));
-                    if (width == PANEL) store8(t + 8, silu_times(g[c][1] + gc, u[c][1] + uc));
-                    for (int64_t r = 0; r < rows; r++) act[(first + r) * ld + n + c] = t[r];
-                }
-            }
-        }
-        return;
-    }
-    float gt[ROW_COLUMNS], ut[ROW_COLUMNS];
-    int64_t n = n0;
-    for (; n + ROW_COLUMNS <= n1; n += ROW_COLUMNS)
-        for (int64_t r = 0; r < m; r++) {
-            row_tile(a->x + r * a->ldx, l->gate_w + n * k, k, gt);
-            row_tile(a->x + r * a->ldx, l->up_w + n * k, k, ut);
-            const v8 gc = gb ? load8(gb + n) : (v8){0}, uc = ub ? load8(ub + n) : (v8){0};
-            store8(act + r * ld + n, silu_times(load8(gt) + gc, load8(ut) + uc));
-        }
-    for (; n < n1; n++)
-        for (int64_t r = 0; r < m; r++) {
-            const float g = row_dot(a->x + r * a->ldx, l->gate_w + n * k, k) + (gb ? gb[n] : 0.0f);
-            const float u = row_dot(a->x + r * a->ldx, l->up_w + n * k, k) + (ub ? ub[n] : 0.0f);
-            act[r * ld + n] = g / (1.0f + expf(-g)) * u;
-        }
-}
-
 /* Columns (weight rows) per task of a parallel projection: whole tiles, enough to amortise
  * a task (four panel tiles), and, for row tiles, one tile, so that a few rows' stream of
  * the weights splits evenly between threads (the stages meet at a barrier after each). */
@@ -231,18 +122,19 @@ static void qkv_head(const struct hub_model *m, const struct hub_layer *l,
                      float *k, float *v) {
     const int64_t hd = m->head_dim, rows = s->rows;
     const int64_t qd = m->heads * hd, kvd = m->kv_heads * hd;
-    const float *w, *b, *norm = NULL;
+    const struct hub_weight *w;
+    const float *norm = NULL;
     float *out;
     int64_t ld, head;
     if (task < m->heads) {
-        head = task, w = l->q_w, b = l->q_b, out = q, ld = qd, norm = l->q_norm;
+        head = task, w = &l->q, out = q, ld = qd, norm = l->q_norm;
     } else if (task < m->heads + m->kv_heads) {
-        head = task - m->heads, w = l->k_w, b = l->k_b, out = k, ld = kvd, norm = l->k_norm;
+        head = task - m->heads, w = &l->k, out = k, ld = kvd, norm = l->k_norm;
     } else {
-        head = task - m->heads - m->kv_heads, w = l->v_w, b = l->v_b, out = v, ld = kvd;
+        head = task - m->heads - m->kv_heads, w = &l->v, out = v, ld = kvd;
     }
     const int64_t n0 = head * hd;
-    project(a, w, b, n0, n0 + hd, out, ld, 0);
+    project(a, w, n0, n0 + hd, out, ld, 0);
     const int is_q = out == q, is_v = out == v;
     float *keys = l->cache, *values = l->cache + m->num_blocks * m->block_size * kvd;
     for (int64_t r = 0; r < rows; r++) {
@@ -263,16 +155,21 @@ static void qkv_head(const struct hub_model *m, const struct hub_layer *l,
 /* The step's activations and one thread's scratch, carved from `work`. */
 struct buffers {
     float *x, *h, *q, *k, *v, *att, *act; /* (rows, ...) each */
-    float *scores, *panels;               /* this thread's */
+    float *scores, *panels, *weights, *blocks; /* this thread's */
 };
 
 /* Floats of one thread's scratch: attention scores over the longest context, and the
  * packed panels of the widest projection input. */
-static int64_t thread_floats(const struct hub_model *m, int64_t rows) {
+static int64_t widest_input(const struct hub_model *m) {
     int64_t widest = m->hidden > m->inter ? m->hidden : m->inter;
-    if (m->heads * m->head_dim > widest) widest = m->heads * m->head_dim;
+    return m->heads * m->head_dim > widest ? m->heads * m->head_dim : widest;
+}
+
+static int64_t thread_floats(const struct hub_model *m, int64_t rows) {
+    const int64_t widest = widest_input(m);
     const int64_t padded = (rows + PANEL - 1) / PANEL * PANEL;
-    return m->heads / m->kv_heads * m->max_context + padded * widest;
+    return m->heads / m->kv_heads * m->max_context + padded * widest +
+           2 * BLOCK_COLUMNS * (widest + rows);
 }
 
 static int64_t activation_floats(const struct hub_model *m, int64_t rows) {
@@ -291,6 +188,8 @@ static struct buffers carve(const struct hub_model *m, int64_t rows, float *work
     b.act = b.att + rows * m->heads * m->head_dim;
     b.scores = work + activation_floats(m, rows) + thread * thread_floats(m, rows);
     b.panels = b.scores + m->heads / m->kv_heads * m->max_context;
+    b.weights = b.panels + (rows + PANEL - 1) / PANEL * PANEL * widest_input(m);
+    b.blocks = b.weights + 2 * BLOCK_COLUMNS * widest_input(m);
     return b;
 }
 
@@ -319,7 +218,7 @@ static void layer_step(const struct hub_model *m, const struct hub_layer *l,
 #endif
     for (int64_t r = 0; r < rows; r++)
         rms_norm(b->x + r * hidden, b->h + r * hidden, hidden, l->input_norm, m->eps);
-    a = operand(b->h, hidden, rows, hidden, b->panels);
+    a = operand(b->h, hidden, rows, hidden, &l->q, b->panels, b->weights, b->blocks);
 #ifdef _OPENMP
 #pragma omp for schedule(dynamic, 1)
 #endif
@@ -334,37 +233,37 @@ static void layer_step(const struct hub_model *m, const struct hub_layer *l,
         attend_kv_head(&lay, b->q + at, s->tables + s->table_starts[r], s->lens[r], kv,
                        b->scores, b->att + at);
     }
-    a = operand(b->att, qd, rows, qd, b->panels);
+    a = operand(b->att, qd, rows, qd, &l->o, b->panels, b->weights, b->blocks);
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
     for (int64_t t = 0; t < column_tasks(&a, hidden); t++) {
         int64_t n0, n1;
         task_span(&a, t, hidden, &n0, &n1);
-        project(&a, l->o_w, l->o_b, n0, n1, b->x, hidden, 1);
+        project(&a, &l->o, n0, n1, b->x, hidden, 1);
     }
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
     for (int64_t r = 0; r < rows; r++)
         rms_norm(b->x + r * hidden, b->h + r * hidden, hidden, l->post_norm, m->eps);
-    a = operand(b->h, hidden, rows, hidden, b->panels);
+    a = operand(b->h, hidden, rows, hidden, &l->gate, b->panels, b->weights, b->blocks);
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
     for (int64_t t = 0; t < column_tasks(&a, m->inter); t++) {
         int64_t n0, n1;
         task_span(&a, t, m->inter, &n0, &n1);
-        gated(&a, l, n0, n1, b->act, m->inter);
+        gated(&a, &l->gate, &l->up, n0, n1, b->act, m->inter);
     }
-    a = operand(b->act, m->inter, rows, m->inter, b->panels);
+    a = operand(b->act, m->inter, rows, m->inter, &l->down, b->panels, b->weights, b->blocks);
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
     for (int64_t t = 0; t < column_tasks(&a, hidden); t++) {
         int64_t n0, n1;
         task_span(&a, t, hidden, &n0, &n1);
-        project(&a, l->down_w, l->down_b, n0, n1, b->x, hidden, 1);
+        project(&a, &l->down, n0, n1, b->x, hidden, 1);
     }
 }
 
@@ -402,14 +301,15 @@ int hub_fused_step(const struct hub_model *m, const struct hub_step *s) {
         for (int64_t i = 0; i < s->samples; i++)
             rms_norm(b.x + s->sample_rows[i] * hidden, b.h + i * hidden, hidden, m->final_norm,
                      m->eps);
-        const struct operand a = operand(b.h, hidden, s->samples, hidden, b.panels);
+        const struct operand a =
+            operand(b.h, hidden, s->samples, hidden, &m->lm_head, b.panels, b.weights, b.blocks);
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
         for (int64_t t = 0; t < column_tasks(&a, m->vocab); t++) {
             int64_t n0, n1;
             task_span(&a, t, m->vocab, &n0, &n1);
-            project(&a, m->lm_head, NULL, n0, n1, s->logits, m->vocab, 0);
+            project(&a, &m->lm_head, n0, n1, s->logits, m->vocab, 0);
         }
     }
     return 0;

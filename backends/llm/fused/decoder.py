@@ -8,9 +8,10 @@ from typing import Any
 import torch
 
 from backends.llm.attention import AttentionParams
-from backends.llm.fused.kernel import CLayer, CModel, CStep, FusedKernel, fptr, iptr
+from backends.llm.fused.kernel import CLayer, CModel, CStep, CWeight, FusedKernel, bptr, fptr, iptr
 from backends.llm.fused.step import FusedStep
 from backends.llm.lora.layers import LoRALinear
+from backends.llm.quantization import Int8Linear
 
 # Rope types whose frequencies change with the sequence's length (transformers'
 # `dynamic_rope_update`): their tables are computed for each step's positions; every other
@@ -21,6 +22,8 @@ DYNAMIC_ROPE = ("dynamic", "longrope")
 # (biases optional, Qwen2's on q/k/v), per-head q/k norms (Qwen3), full rotary embedding,
 # SwiGLU MLP. Others keep the transformers path.
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+# Linear layers the kernel reads: float32, and int8 with a scale per output row.
+LINEAR_TYPES = (torch.nn.Linear, Int8Linear)
 
 
 def unsupported_reason(model: Any) -> str | None:
@@ -37,14 +40,14 @@ def unsupported_reason(model: Any) -> str | None:
     if inner is None or layers is None or not hasattr(inner, "rotary_emb"):
         return "no model.layers / model.rotary_emb"
     lm_head = getattr(model, "lm_head", None)
-    if type(lm_head) is not torch.nn.Linear or lm_head.bias is not None:
-        return "the LM head is not a plain linear layer without bias (int8 or int4 weights?)"
+    if type(lm_head) not in LINEAR_TYPES:
+        return "the LM head is not a float32 or int8 linear layer (int4 weights?)"
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
         linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
         linears += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-        if any(type(base_linear(m)) is not torch.nn.Linear for m in linears):
-            return "a projection is not a plain linear layer (int8 or int4 weights)"
+        if any(type(base_linear(m)) not in LINEAR_TYPES for m in linears):
+            return "a projection is not a float32 or int8 linear layer (int4 weights?)"
         norms = [layer.input_layernorm, layer.post_attention_layernorm]
         norms += [n for n in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)) if n]
         if any(norm_eps(n) is None for n in norms):
@@ -118,9 +121,7 @@ class FusedDecoder:
                 ("up", mlp.up_proj),
                 ("down", mlp.down_proj),
             ):
-                linear = base_linear(module)
-                setattr(c, f"{name}_w", self._ptr(linear.weight))
-                setattr(c, f"{name}_b", self._ptr(linear.bias))
+                setattr(c, name, self._weight(base_linear(module)))
             c.q_norm = self._ptr(None if q_norm is None else q_norm.weight)
             c.k_norm = self._ptr(None if k_norm is None else k_norm.weight)
             c.cache = self._ptr(kv)
@@ -136,7 +137,7 @@ class FusedDecoder:
         m.eps, m.qk_eps = norm_eps(layers[0].input_layernorm) or 0.0, qk_eps
         m.embed = self._ptr(inner.embed_tokens.weight)
         m.final_norm = self._ptr(inner.norm.weight)
-        m.lm_head = self._ptr(model.lm_head.weight)
+        m.lm_head = self._weight(model.lm_head)
         m.layer = self._layers
         self._work = torch.empty(kernel.work_floats(m, max_rows), dtype=torch.float32)
         self._rotary = inner.rotary_emb
@@ -202,6 +203,20 @@ class FusedDecoder:
             cos, sin = self._rotary(self._work, torch.arange(size, dtype=torch.long)[None])
             self._rope = (cos[0].contiguous(), sin[0].contiguous())
         return self._rope[0], self._rope[1], torch.tensor(positions, dtype=torch.long)
+
+    def _weight(self, linear: Any) -> CWeight:
+        """A float32 `nn.Linear` or an `Int8Linear` (its bfloat16 scales widened once)."""
+        w = CWeight()
+        if isinstance(linear, Int8Linear):
+            if linear.weight.device.type != "cpu" or not linear.weight.is_contiguous():
+                raise ValueError("fused step: int8 weights must be contiguous on the CPU")
+            self._keep.append(linear.weight.detach())
+            w.i8 = bptr(linear.weight)
+            w.scale = self._ptr(linear.scale.float().contiguous())
+        else:
+            w.f32 = self._ptr(linear.weight)
+        w.bias = self._ptr(linear.bias)
+        return w
 
     def _ptr(self, tensor: torch.Tensor | None) -> Any:
         if tensor is None:

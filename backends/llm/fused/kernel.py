@@ -24,13 +24,23 @@ SOURCE = Path(__file__).parents[1] / "csrc" / "fused_decode.c"
 _p = ctypes.POINTER(ctypes.c_float)
 _i64 = ctypes.c_int64
 _i64p = ctypes.POINTER(ctypes.c_int64)
+_i8p = ctypes.POINTER(ctypes.c_int8)
+
+
+class CWeight(ctypes.Structure):
+    """A linear layer: float32 weights, or int8 ones with a float32 scale per row; a bias."""
+
+    _fields_ = [("f32", _p), ("i8", _i8p), ("scale", _p), ("bias", _p)]
 
 
 class CLayer(ctypes.Structure):
     _fields_ = [
-        *((name, _p) for name in ("input_norm", "post_norm", "q_w", "k_w", "v_w", "o_w")),
-        *((name, _p) for name in ("q_b", "k_b", "v_b", "o_b", "q_norm", "k_norm")),
-        *((name, _p) for name in ("gate_w", "up_w", "down_w", "gate_b", "up_b", "down_b")),
+        ("input_norm", _p),
+        ("post_norm", _p),
+        *((name, CWeight) for name in ("q", "k", "v", "o")),
+        ("q_norm", _p),
+        ("k_norm", _p),
+        *((name, CWeight) for name in ("gate", "up", "down")),
         ("cache", _p),
         ("window", _i64),
         ("scaling", ctypes.c_float),
@@ -47,7 +57,7 @@ class CModel(ctypes.Structure):
         ("qk_eps", ctypes.c_float),
         ("embed", _p),
         ("final_norm", _p),
-        ("lm_head", _p),
+        ("lm_head", CWeight),
         ("layer", ctypes.POINTER(CLayer)),
     ]
 
@@ -106,6 +116,11 @@ def fused_kernel(settings: KernelSettings = KernelSettings()) -> FusedKernel | N
 def fptr(t: torch.Tensor) -> Any:
     """A float32 tensor's data as the structs' float pointer."""
     return ctypes.cast(t.data_ptr(), _p)
+
+
+def bptr(t: torch.Tensor) -> Any:
+    """An int8 tensor's data as the structs' int8 pointer."""
+    return ctypes.cast(t.data_ptr(), _i8p)
 
 
 def iptr(t: torch.Tensor) -> Any:

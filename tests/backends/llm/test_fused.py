@@ -14,10 +14,12 @@ import torch
 
 from backends.base import BackendContext
 from backends.llm.backend import LLMBackend
+from backends.llm.config import EngineConfig
 from backends.llm.fused.decoder import unsupported_reason
 from backends.llm.fused.kernel import fused_kernel
 from backends.llm.fused.step import FusedStep
 from backends.llm.kernel_settings import KernelSettings
+from backends.llm.model_runner import ModelRunner
 from backends.llm.sampling_params import SamplingParams
 from tests.backends.llm.lora_support import ALL_LINEAR, build_adapter
 from tests.backends.llm.support import build_model, make_engine, random_prompts, run_all
@@ -46,13 +48,40 @@ def test_other_models_say_why_they_keep_the_transformers_path(root: Path, llama:
     gemma = make_engine(build_model(root, "gemma2"))
     assert gemma.runner.fused.decoder is None
     assert "gemma2" in (unsupported_reason(gemma.runner.model) or "")
-    int8 = make_engine(llama, quantization="int8")
-    assert int8.runner.fused.decoder is None
-    assert "int8" in (unsupported_reason(int8.runner.model) or "")
+    int4 = ModelRunner.load(
+        llama, "cpu", torch.float32, EngineConfig(), quantization="int4", group_size=32
+    )
+    assert int4.fused.decoder is None
+    assert "int4" in (unsupported_reason(int4.model) or "")
     off = make_engine(llama, fused_step=False)
     assert off.runner.fused.decoder is None
     tokens_of(off, random_prompts(2, seed=1, lengths=(3, 12)))
     assert off.runner.fused.steps == 0
+
+
+def test_int8_runs_fused_and_equals_its_weights_exact_float32_products(root: Path) -> None:
+    """int8 layers stream a quarter of float32's bytes through the same step; the reference
+    is transformers with each int8 layer as int8 times scale in float32 (`float32_reference`),
+    not the bfloat16 kernels of the transformers path, so only near-ties may differ."""
+    from transformers import AutoModelForCausalLM
+
+    from backends.llm.quantization import float32_reference, quantize_model
+    from tests.backends.llm.support import greedy_with_tops
+    from tests.backends.llm.test_correctness import check_run
+
+    folder = build_model(root, "qwen2")  # tied head: the embeddings stay float32 for it
+    prompts = random_prompts(6, seed=5, lengths=(3, 40))
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    quantize_model(model)
+    with float32_reference():
+        refs = greedy_with_tops(model, prompts, 8, 5)
+    engine = make_engine(
+        folder, quantization="int8", max_num_seqs=8, max_num_batched_tokens=32, block_size=4
+    )
+    assert engine.runner.fused.decoder is not None
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=5)
+    check_run("qwen2 int8 fused", refs, run_all(engine, [(p, params) for p in prompts]))
+    assert engine.runner.fused.steps > 0
 
 
 def test_a_model_that_disagrees_with_the_check_keeps_the_transformers_path(
