@@ -7,15 +7,17 @@ keeps a bounded latency.
 
 Contract: `QueueTimeAdmission.check(ahead, size)` raises `CapacityError` when the `ahead`
 inputs already waiting would keep a new request queued longer than `max_queue_time_s`, with
-the queue's state (inputs ahead, estimated wait, measured rate) in the message and a
-`retry_after` of about the time the queue needs to drain to the bound. The estimate is
-`ahead x seconds per input`, the seconds per input an exponentially weighted average of what
-the forward passes took (`observe`), divided by the forward workers running in parallel, plus
-what the caller says is left of its passes in flight (`running_s`) and what the other models on
-the same device have queued (`elsewhere_s`, from `DeviceWork`). Until a first pass has been
-measured nothing is refused (no rate is known), and a request to a model with nothing queued
-and nothing running is always admitted (so no model starves behind another's steady load),
-as is one that an idle forward worker can start at once (the batcher's rule).
+the queue's state (inputs ahead, estimated wait, measured rate) in the message, a
+`retry_after` of about the time the queue needs to drain to the bound, and that time itself
+as `saturated_s` (the HTTP edge refuses the model's next requests at once until then). The
+estimate is `ahead x seconds per input`, the seconds per input an exponentially weighted
+average of what the forward passes took (`observe`), divided by the forward workers running
+in parallel, plus what the caller says is left of its passes in flight (`running_s`) and
+what the other models on the same device have queued (`elsewhere_s`, from `DeviceWork`).
+Until a first pass has been measured nothing is refused (no rate is known), and a request to
+a model with nothing queued and nothing running is always admitted (so no model starves
+behind another's steady load), as is one that an idle forward worker can start at once (the
+batcher's rule).
 The caller serialises calls (the batcher holds its lock).
 
 Why the passes in flight and the device count: a queue that only counts the inputs still
@@ -138,6 +140,8 @@ class QueueTimeAdmission:
             f"more than its max_queue_time_ms ({bound * 1000:g}); retry after "
             f"{retry_after:g}s or send fewer concurrent requests",
             retry_after=retry_after,
+            # Arrivals only add to the queue: it stays over the bound at least this long.
+            saturated_s=wait - bound,
         )
 
 

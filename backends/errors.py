@@ -25,11 +25,15 @@ class InputError(BackendError):
 
 
 class CapacityError(BackendError):
-    """The backend is saturated (queue full); the caller should retry after `retry_after` s."""
+    """The backend is saturated (queue full); the caller should retry after `retry_after` s.
+    `saturated_s`: how long any other request would be refused the same way, at least (the
+    estimated queue needs that long to drain to its bound; 0 when unknown), so a layer in
+    front may refuse those at once without asking again."""
 
-    def __init__(self, message: str, *, retry_after: float = 1.0) -> None:
+    def __init__(self, message: str, *, retry_after: float = 1.0, saturated_s: float = 0.0) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+        self.saturated_s = saturated_s
 
 
 class TransientError(BackendError):

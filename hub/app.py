@@ -11,6 +11,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI
+from starlette.types import ASGIApp
 
 from hub import __version__
 from hub.api import (
@@ -37,6 +38,18 @@ from hub.state import Hub
 from hub.traffic.in_flight import InFlightMiddleware
 
 log = logging.getLogger(__name__)
+
+
+class HubApp(FastAPI):
+    """FastAPI with the hub's HTTP edge (hub.api.edge) outside all of FastAPI's own layers
+    (its error, telemetry and body-limit wrappers): a refusal under a burst costs none of
+    them. `edge` holds the edge's bounds (requests in progress, event-loop lag)."""
+
+    edge: tuple[int, float] = (0, 0.0)
+
+    def build_middleware_stack(self) -> ASGIApp:
+        max_in_progress, max_lag = self.edge
+        return EdgeLimitMiddleware(super().build_middleware_stack(), max_in_progress, max_lag)
 
 
 def _announce(hub: Hub) -> None:
@@ -81,7 +94,7 @@ def create_app(
         finally:
             await hub.stop()
 
-    app = FastAPI(
+    app = HubApp(
         title="Model Hub",
         version=__version__,
         summary="Many models, one pool of accelerator memory",
@@ -93,12 +106,8 @@ def create_app(
     app.add_middleware(PlacementMiddleware)
     app.add_middleware(InFlightMiddleware)  # shadow traffic waits for idle moments
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_body_bytes)
-    # Outermost (added last): an overloaded process refuses before doing anything else.
-    app.add_middleware(
-        EdgeLimitMiddleware,
-        max_in_progress=settings.max_requests_in_progress,
-        max_lag=settings.max_event_loop_lag,
-    )
+    # Outermost (HubApp): an overloaded process refuses before doing anything else.
+    app.edge = (settings.max_requests_in_progress, settings.max_event_loop_lag)
     # The error statuses each router's routes answer, documented in /openapi.json; every
     # route but the probes may get the edge's 503.
     inference = error_responses(400, 401, 404, 413, 503)

@@ -23,7 +23,7 @@ from typing import Any, Generic, TypeVar
 
 from backends.base import Backend
 from backends.embedder import EmbedderBackend
-from backends.errors import BackendError
+from backends.errors import BackendError, CapacityError
 from backends.llm.backend import LLMBackend
 from backends.reranker import RerankerBackend
 from hub.errors import BadRequest, HubError
@@ -31,6 +31,7 @@ from hub.manager import ModelManager
 from hub.metrics import HubMetrics
 from hub.outcome import CLIENT_CLOSED, status_of
 from hub.routing import Route
+from hub.saturation import Saturation
 from hub.traffic.request import ServedRequest
 from hub.traffic.service import TrafficService
 from hub.traffic.shadow import Replay
@@ -82,10 +83,17 @@ class Serving:
     and handed to the traffic layer's `finish`.
     """
 
-    def __init__(self, manager: ModelManager, traffic: TrafficService, metrics: HubMetrics) -> None:
+    def __init__(
+        self,
+        manager: ModelManager,
+        traffic: TrafficService,
+        metrics: HubMetrics,
+        saturation: Saturation | None = None,
+    ) -> None:
         self.manager = manager
         self.traffic = traffic
         self.metrics = metrics
+        self.saturation = saturation
 
     @contextlib.asynccontextmanager
     async def serve(
@@ -126,6 +134,11 @@ class Serving:
                 e.headers.setdefault(VERSION_HEADER, route.label)
             elif isinstance(e, BackendError):
                 e.served_by = route.label
+            # A bare name's fixed route whose queue is over its bound for a while yet: the
+            # edge refuses the next requests for it at once until then.
+            fixed = not (route.pinned or route.split or route.via)
+            if isinstance(e, CapacityError) and fixed and self.saturation is not None:
+                self.saturation.mark(route.name, route.version, e)
             raise
         finally:
             elapsed = self.traffic.timer.now() - start

@@ -20,6 +20,7 @@ from hub.promotion import Promoter
 from hub.reconciler import Reconciler
 from hub.replicas import Membership, replica_id
 from hub.routing import Router
+from hub.saturation import Saturation
 from hub.serving import Serving
 from hub.settings import HubSettings
 from hub.traffic.service import TrafficService
@@ -63,6 +64,8 @@ class Hub:
     webhooks: WebhookVerifier | None
     traffic: TrafficService
     serving: Serving
+    # Models the HTTP edge refuses at once while their queues drain (hub.saturation).
+    saturation: Saturation
     replicas: Membership
     dependencies: DependencyMonitor
     placement: Placement
@@ -136,6 +139,7 @@ class Hub:
             replica=replica_id(settings),
         )
         replicas = Membership.for_hub(settings, manager, metrics.registry)
+        saturation = Saturation(lambda: catalog.snapshot)
         return cls(
             settings=settings,
             db=db,
@@ -150,7 +154,8 @@ class Hub:
             promoter=promoter,
             webhooks=WebhookVerifier(secret) if secret else None,
             traffic=traffic,
-            serving=Serving(manager, traffic, metrics),
+            serving=Serving(manager, traffic, metrics, saturation),
+            saturation=saturation,
             replicas=replicas,
             dependencies=dependencies,
             placement=Placement.for_hub(settings, replicas, manager, catalog, metrics.registry),

@@ -5,16 +5,25 @@ pass, but a request costs the process CPU before it gets there: its body is rece
 and validated, its route and version resolved, and all of that, for every request, runs on
 one event loop. Under a burst that loop falls behind: every request, admitted ones included
 (their answers need the loop too), waits for the backlog ahead of it. A refusal made here,
-before anything of the request is read or routed, costs a small fraction of that.
+before anything of the request is routed, costs a small fraction of that. The middleware is
+the outermost layer of the app (`HubApp`), outside even FastAPI's own error and telemetry
+wrappers.
 
 `EdgeLimitMiddleware` refuses a new request, with 503 + `Retry-After` in OpenAI's error shape,
-counted in `hub_requests_shed_total{reason}` (model and version empty: no model was chosen):
+counted in `hub_requests_shed_total{reason}`:
 
 - `event_loop_lag`: the event loop has been busy without a break for more than
   `max_event_loop_lag` (a tick scheduled every few milliseconds is that late): the requests
-  already in its backlog will take that long and more;
+  already in its backlog will take that long and more (model and version empty);
 - `in_progress`: `max_requests_in_progress` requests are in progress in the process, from the
-  call of the ASGI app until the last byte of the response (a stream counts until it ends).
+  call of the ASGI app until the last byte of the response (a stream counts until it ends;
+  model and version empty);
+- `queue_time`: the model it names was refused for queue time a moment ago and its queue is
+  still estimated over `max_queue_time_ms` (hub/saturation.py): the same answer its queue
+  would give, without the body's validation and the routing (labelled with the model and
+  version). Only while some model is in that state does the edge look at a request: the
+  model of an inference path (`/models/{name}/...`, or `model` in the JSON body of the
+  OpenAI- and Cohere-shaped routes, up to `PEEK_BYTES`), the body then handed on unchanged.
 
 Probes and metrics are exempt: a saturated process must still say it is alive, and still be
 observable.
@@ -27,10 +36,11 @@ import json
 import time
 from typing import Any
 
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from backends.batch_metrics import ShedMetrics
 from hub.api.errors import error_body
+from hub.saturation import Saturated, Saturation
 
 # Never refused: liveness/readiness probes and Prometheus scrapes.
 EXEMPT_PREFIXES = ("/health", "/metrics")
@@ -38,6 +48,13 @@ EXEMPT_PREFIXES = ("/health", "/metrics")
 # on the hardware the hub targets, and a later retry only spreads a burst thinner.
 EDGE_RETRY_AFTER = 1
 REASONS = ("event_loop_lag", "in_progress")
+# Inference routes whose JSON body names the model (`model`), and the largest body read here
+# to find it: bursts are of small requests; a longer body goes on unread.
+MODEL_IN_BODY = frozenset(
+    {"/v1/embeddings", "/v1/rerank", "/v2/rerank", "/rerank", "/v1/completions",
+     "/v1/chat/completions", "/v1/responses"}
+)  # fmt: skip
+PEEK_BYTES = 64 * 1024
 
 
 class LoopLag:
@@ -88,6 +105,7 @@ class EdgeLimitMiddleware:
         self.in_progress = 0
         self._lag = LoopLag()
         self._shed: ShedMetrics | None = None
+        self._model_shed: dict[tuple[str, int], ShedMetrics] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"].startswith(EXEMPT_PREFIXES):
@@ -97,11 +115,19 @@ class EdgeLimitMiddleware:
         if refusal is not None:
             reason, message = refusal
             if self._shed is None:
-                self._shed = _shed_metrics(scope)
+                self._shed = _shed_metrics(scope, "", "", REASONS)
             if self._shed is not None:
                 self._shed.observe(reason)
-            await _refuse(send, message)
+            message += f"; retry after {EDGE_RETRY_AFTER}s or send fewer concurrent requests"
+            await _refuse(send, message, EDGE_RETRY_AFTER)
             return
+        saturation = _saturation(scope)
+        if saturation and scope["method"] == "POST":
+            name, receive = await _requested_model(scope, receive)
+            saturated = saturation.refusal(name) if name is not None else None
+            if saturated is not None:
+                await self._refuse_saturated(scope, send, saturated)
+                return
         self.in_progress += 1
         try:
             await self.app(scope, receive, send)
@@ -124,29 +150,106 @@ class EdgeLimitMiddleware:
             )
         return None
 
+    async def _refuse_saturated(self, scope: Scope, send: Send, saturated: Saturated) -> None:
+        key = (saturated.model, saturated.version)
+        metrics = self._model_shed.get(key)
+        if metrics is None:
+            labels = (saturated.model, str(saturated.version))
+            metrics = _shed_metrics(scope, *labels, ("queue_time",))
+            if metrics is not None:
+                self._model_shed[key] = metrics
+        if metrics is not None:
+            metrics.observe("queue_time")
+        message = (
+            f"{saturated.message} (refused at the HTTP edge: a request a moment ago found "
+            "the same queue, still estimated over its bound)"
+        )
+        await _refuse(send, message, saturated.retry_after, version=str(saturated.version))
 
-def _shed_metrics(scope: Scope) -> ShedMetrics | None:
-    """The counter of refusals, on the hub's registry (there once the lifespan built it)."""
+
+async def _requested_model(scope: Scope, receive: Receive) -> tuple[str | None, Receive]:
+    """The bare model name an inference request names (None: another path, a version named
+    with `@`, a body too long or not JSON), and the `receive` to hand on: the body read here
+    is given again, in the same messages, before anything more."""
+    path: str = scope["path"]
+    parts = path.split("/")
+    if len(parts) == 4 and parts[1] == "models" and parts[3] in ("embed", "rerank", "generate"):
+        return parts[2] or None, receive
+    if path not in MODEL_IN_BODY:
+        return None, receive
+    declared = _content_length(scope)
+    if declared is None or declared > PEEK_BYTES:
+        return None, receive
+    messages: list[Message] = []
+    size = 0
+    while True:
+        message = await receive()
+        messages.append(message)
+        if message["type"] != "http.request":
+            break
+        size += len(message.get("body", b""))
+        if not message.get("more_body", False) or size > PEEK_BYTES:
+            break
+    replay = _replay(messages, receive)
+    if size > PEEK_BYTES or messages[-1].get("more_body", False):
+        return None, replay
+    try:
+        body = json.loads(b"".join(m.get("body", b"") for m in messages))
+    except ValueError:
+        return None, replay
+    model = body.get("model") if isinstance(body, dict) else None
+    if not isinstance(model, str) or "@" in model:
+        return None, replay
+    return model, replay
+
+
+def _replay(messages: list[Message], receive: Receive) -> Receive:
+    pending = list(messages)
+
+    async def replayed() -> Message:
+        if pending:
+            return pending.pop(0)
+        return await receive()
+
+    return replayed
+
+
+def _content_length(scope: Scope) -> int | None:
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            text = value.decode("latin-1").strip()
+            return int(text) if text.isascii() and text.isdigit() and len(text) <= 18 else None
+    return None
+
+
+def _saturation(scope: Scope) -> Saturation | None:
+    hub: Any = getattr(scope["app"].state, "hub", None) if "app" in scope else None
+    return None if hub is None else hub.saturation
+
+
+def _shed_metrics(
+    scope: Scope, model: str, version: str, reasons: tuple[str, ...]
+) -> ShedMetrics | None:
+    """A counter of refusals, on the hub's registry (there once the lifespan built it): the
+    edge's own reasons without a model, or a model's `queue_time` (the series its queue
+    counts its own refusals in)."""
     hub: Any = getattr(scope["app"].state, "hub", None) if "app" in scope else None
     if hub is None:
         return None
-    return ShedMetrics(hub.metrics.registry, "", "", REASONS)
+    return ShedMetrics(hub.metrics.registry, model, version, reasons)
 
 
-async def _refuse(send: Send, reason: str) -> None:
-    message = f"{reason}; retry after {EDGE_RETRY_AFTER}s or send fewer concurrent requests"
+async def _refuse(send: Send, message: str, retry_after: float, *, version: str = "") -> None:
+    wait = max(1, round(retry_after))
     body = json.dumps(error_body(message, "service_unavailable", None, "overloaded")).encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"retry-after", str(wait).encode()),
+    ]
+    if version:
+        headers.append((b"x-hub-model-version", version.encode()))
     # The unread body (at most max_request_body_bytes) is discarded by the server, so the
     # connection stays usable: closing it would make a retrying client pay a new handshake.
-    await send(
-        {
-            "type": "http.response.start",
-            "status": 503,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                (b"retry-after", str(EDGE_RETRY_AFTER).encode()),
-            ],
-        }
-    )
+    await send({"type": "http.response.start", "status": 503, "headers": headers})
     await send({"type": "http.response.body", "body": body})
