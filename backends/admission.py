@@ -140,8 +140,9 @@ class QueueTimeAdmission:
             f"more than its max_queue_time_ms ({bound * 1000:g}); retry after "
             f"{retry_after:g}s or send fewer concurrent requests",
             retry_after=retry_after,
-            # Arrivals only add to the queue: it stays over the bound at least this long.
-            saturated_s=wait - bound,
+            # Arrivals only add to the queue: it stays over the bound at least this long,
+            # unless this model's own work ends first (then an idle worker takes the next).
+            saturated_s=min(wait - bound, queued + running),
         )
 
 

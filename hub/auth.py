@@ -43,6 +43,30 @@ class Authenticator:
             raise Forbidden("this path needs an admin key")
         return name
 
+    def known_user(self, authorization: str | None, api_key: str | None) -> bool:
+        """Whether an inference request with these headers is allowed, decided without I/O:
+        auth is off, or its key is the bootstrap key or one verified within CACHE_SECONDS.
+        False also when the key is merely unknown here (the HTTP edge then lets the request
+        go the whole way, where `check` decides)."""
+        if not self.settings.enabled:
+            return True
+        key = api_key
+        if authorization:
+            scheme, _, token = authorization.partition(" ")
+            if scheme.lower() == "bearer" and token:
+                key = token.strip()
+        if not key:
+            return False
+        bootstrap = self.settings.bootstrap_admin_key
+        if bootstrap is not None and hmac.compare_digest(key, bootstrap.get_secret_value()):
+            return True
+        cached = self._cache.get(hash_key(key))
+        return (
+            cached is not None
+            and cached[0] is not None
+            and (time.monotonic() - cached[1] < CACHE_SECONDS)
+        )
+
     async def _identity(self, key: str) -> tuple[str, str] | None:
         bootstrap = self.settings.bootstrap_admin_key
         if bootstrap is not None and hmac.compare_digest(key, bootstrap.get_secret_value()):

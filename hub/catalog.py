@@ -46,13 +46,15 @@ class Catalog:
     async def refresh(self) -> RegistrySnapshot:
         async with self._refresh_lock:
             new = await asyncio.to_thread(self.registry.snapshot)
-            old, self._snapshot = self._snapshot, new
-        if new != old:
-            for listener in self._listeners:
-                try:
-                    await listener(old, new)
-                except Exception:
-                    log.exception("registry change listener failed")
+            old = self._snapshot
+            if new == old:
+                return old  # the same object: what was decided from it still holds
+            self._snapshot = new
+        for listener in self._listeners:
+            try:
+                await listener(old, new)
+            except Exception:
+                log.exception("registry change listener failed")
         return new
 
     def model(self, name: str) -> ModelView:

@@ -30,6 +30,7 @@ class Saturated:
 
     model: str
     version: int
+    kind: str  # the model's kind ("embedder", "reranker", "llm")
     until: float
     retry_after: float
     message: str
@@ -56,14 +57,15 @@ class Saturation:
         self._entries = {name: e for name, e in self._entries.items() if e.until > now}
         return bool(self._entries)
 
-    def mark(self, name: str, version: int, error: CapacityError) -> None:
-        """Remember that requests for `name` (routed to `version`, not by a split or a
-        reference) are refused for `error.saturated_s` seconds from now."""
+    def mark(self, name: str, version: int, kind: str, error: CapacityError) -> None:
+        """Remember that requests for `name` (a `kind` model, routed to `version`, not by a
+        split or a reference) are refused for `error.saturated_s` seconds from now."""
         if error.saturated_s <= 0:
             return
         self._entries[name] = Saturated(
             model=name,
             version=version,
+            kind=kind,
             until=self._clock() + error.saturated_s,
             retry_after=error.retry_after,
             message=str(error),

@@ -138,7 +138,7 @@ class Serving:
             # edge refuses the next requests for it at once until then.
             fixed = not (route.pinned or route.split or route.via)
             if isinstance(e, CapacityError) and fixed and self.saturation is not None:
-                self.saturation.mark(route.name, route.version, e)
+                self.saturation.mark(route.name, route.version, route.kind, e)
             raise
         finally:
             elapsed = self.traffic.timer.now() - start

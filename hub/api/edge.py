@@ -23,7 +23,9 @@ counted in `hub_requests_shed_total{reason}`:
   would give, without the body's validation and the routing (labelled with the model and
   version). Only while some model is in that state does the edge look at a request: the
   model of an inference path (`/models/{name}/...`, or `model` in the JSON body of the
-  OpenAI- and Cohere-shaped routes, up to `PEEK_BYTES`), the body then handed on unchanged.
+  OpenAI- and Cohere-shaped routes, up to `PEEK_BYTES`), the body then handed on unchanged;
+  only for a route of the model's kind and a caller the authenticator already knows (else
+  the route's own 400 or 401 answers, and nothing about the model's load is said).
 
 Probes and metrics are exempt: a saturated process must still say it is alive, and still be
 observable.
@@ -40,7 +42,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from backends.batch_metrics import ShedMetrics
 from hub.api.errors import error_body
-from hub.saturation import Saturated, Saturation
+from hub.saturation import Saturated
 
 # Never refused: liveness/readiness probes and Prometheus scrapes.
 EXEMPT_PREFIXES = ("/health", "/metrics")
@@ -121,11 +123,17 @@ class EdgeLimitMiddleware:
             message += f"; retry after {EDGE_RETRY_AFTER}s or send fewer concurrent requests"
             await _refuse(send, message, EDGE_RETRY_AFTER)
             return
-        saturation = _saturation(scope)
-        if saturation and scope["method"] == "POST":
+        hub = _hub(scope)
+        if hub is not None and hub.saturation and scope["method"] == "POST":
             name, receive = await _requested_model(scope, receive)
-            saturated = saturation.refusal(name) if name is not None else None
-            if saturated is not None:
+            saturated = hub.saturation.refusal(name) if name is not None else None
+            # The route's kind must be the model's (else its 400 is the answer), and the
+            # caller allowed (else its 401): a refusal here says how loaded the model is.
+            if (
+                saturated is not None
+                and saturated.kind == _kind_of(scope["path"])
+                and hub.auth.known_user(*_credentials(scope))
+            ):
                 await self._refuse_saturated(scope, send, saturated)
                 return
         self.in_progress += 1
@@ -195,7 +203,7 @@ async def _requested_model(scope: Scope, receive: Receive) -> tuple[str | None, 
         return None, replay
     try:
         body = json.loads(b"".join(m.get("body", b"") for m in messages))
-    except ValueError:
+    except Exception:  # not JSON, too deeply nested, ...: the route's own parsing answers
         return None, replay
     model = body.get("model") if isinstance(body, dict) else None
     if not isinstance(model, str) or "@" in model:
@@ -222,9 +230,29 @@ def _content_length(scope: Scope) -> int | None:
     return None
 
 
-def _saturation(scope: Scope) -> Saturation | None:
-    hub: Any = getattr(scope["app"].state, "hub", None) if "app" in scope else None
-    return None if hub is None else hub.saturation
+def _hub(scope: Scope) -> Any:
+    """The hub the app serves (there once the lifespan built it), or None."""
+    return getattr(scope["app"].state, "hub", None) if "app" in scope else None
+
+
+def _kind_of(path: str) -> str:
+    """The model kind an inference path serves."""
+    if path in ("/v1/embeddings",) or path.endswith("/embed"):
+        return "embedder"
+    if "rerank" in path:
+        return "reranker"
+    return "llm"
+
+
+def _credentials(scope: Scope) -> tuple[str | None, str | None]:
+    """The Authorization and X-API-Key headers."""
+    authorization = api_key = None
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            authorization = value.decode("latin-1")
+        elif name == b"x-api-key":
+            api_key = value.decode("latin-1")
+    return authorization, api_key
 
 
 def _shed_metrics(

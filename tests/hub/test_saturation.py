@@ -21,7 +21,9 @@ def board() -> tuple[Saturation, list[float], list[object]]:
 def test_a_refusal_holds_for_the_time_the_queue_needs_to_drain() -> None:
     saturation, now, _ = board()
     assert not saturation
-    saturation.mark("emb", 3, CapacityError("emb is overloaded", retry_after=2, saturated_s=0.5))
+    saturation.mark(
+        "emb", 3, "embedder", CapacityError("emb is overloaded", retry_after=2, saturated_s=0.5)
+    )
     assert saturation
     entry = saturation.refusal("emb")
     assert entry is not None and (entry.model, entry.version) == ("emb", 3)
@@ -36,14 +38,14 @@ def test_a_refusal_holds_for_the_time_the_queue_needs_to_drain() -> None:
 
 def test_a_refusal_without_a_drain_time_is_not_remembered() -> None:
     saturation, _, _ = board()
-    saturation.mark("emb", 1, CapacityError("queue full"))  # max_queue: no estimate
+    saturation.mark("emb", 1, "embedder", CapacityError("queue full"))  # max_queue: no estimate
     assert saturation.refusal("emb") is None and not saturation
 
 
 def test_a_new_registry_snapshot_forgets_the_refusal() -> None:
     """A promotion or a new split changes where the name goes."""
     saturation, _, snapshot = board()
-    saturation.mark("emb", 1, CapacityError("busy", saturated_s=10))
+    saturation.mark("emb", 1, "embedder", CapacityError("busy", saturated_s=10))
     assert saturation.refusal("emb") is not None
     snapshot[0] = object()
     assert saturation.refusal("emb") is None

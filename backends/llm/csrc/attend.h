@@ -171,4 +171,63 @@ static void attend_kv_head(const struct layout *lay, const float *q, const int64
     }
 }
 
+/* Every query head of one token (q: heads * head_dim floats, already scaled) over the first
+ * `n` tokens of its context: out (heads * head_dim). The same sums as `attend_kv_head` for
+ * each KV head, but each run of keys (and of values) is read for all heads at once, a
+ * token's keys one contiguous stretch of memory: with many rows to share out, this reads
+ * the cache faster than a task per head. `scores` holds heads * n floats. */
+static void attend_row(const struct layout *lay, const float *q, const int64_t *table,
+                       int64_t n, float *scores, float *out) {
+    const int64_t bs = lay->block_size, group = lay->group, head_dim = lay->head_dim;
+    const int64_t kv_heads = lay->kv_heads, heads = kv_heads * group;
+    const int64_t stride = kv_heads * head_dim;
+    const int vector_dims = head_dim % 8 == 0;
+    const int64_t first = (lay->window > 0 && n > lay->window) ? n - lay->window : 0;
+    const int64_t len = n - first;
+    for (int64_t t = first; t < n;) {
+        const int64_t offset = t % bs;
+        const int64_t run = bs - offset < n - t ? bs - offset : n - t;
+        const float *k = lay->keys + (table[t / bs] * bs + offset) * stride;
+        int64_t j = 0;
+        if (vector_dims)
+            for (; j + 8 <= run; j += 8)
+                for (int64_t h = 0; h < heads; h++)
+                    dot_x8(q + h * head_dim, k + j * stride + h / group * head_dim, stride,
+                           head_dim, scores + h * len + (t - first + j));
+        for (; j < run; j++)
+            for (int64_t h = 0; h < heads; h++)
+                scores[h * len + (t - first + j)] =
+                    dot(q + h * head_dim, k + j * stride + h / group * head_dim, head_dim);
+        t += run;
+    }
+    for (int64_t h = 0; h < heads; h++) {
+        float *s = scores + h * len;
+        const float cap = lay->softcap;
+        if (cap > 0.0f)
+            for (int64_t i = 0; i < len; i++) s[i] = cap * tanhf(s[i] / cap);
+        softmax(s, len);
+    }
+    memset(out, 0, sizeof(float) * (size_t)(heads * head_dim));
+    for (int64_t t = first; t < n;) {
+        const int64_t offset = t % bs;
+        const int64_t run = bs - offset < n - t ? bs - offset : n - t;
+        const float *v = lay->values + (table[t / bs] * bs + offset) * stride;
+        for (int64_t h = 0; h < heads; h++) {
+            float *a = out + h * head_dim;
+            const float *p = scores + h * len + (t - first);
+            const float *vh = v + h / group * head_dim;
+            if (vector_dims) {
+                for (int64_t c = 0; c < head_dim; c += 64) {
+                    const int64_t width = head_dim - c < 64 ? head_dim - c : 64;
+                    weighted_sum(a + c, width, p, vh + c, stride, run);
+                }
+            } else {
+                for (int64_t jj = 0; jj < run; jj++)
+                    for (int64_t i = 0; i < head_dim; i++) a[i] += p[jj] * vh[jj * stride + i];
+            }
+        }
+        t += run;
+    }
+}
+
 #endif

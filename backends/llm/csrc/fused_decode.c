@@ -160,6 +160,17 @@ struct buffers {
 
 /* Floats of one thread's scratch: attention scores over the longest context, and the
  * packed panels of the widest projection input. */
+/* Rows per thread from which attention takes a task per row. */
+#define ROWS_PER_THREAD 4
+
+static int team_size(void) {
+#ifdef _OPENMP
+    return omp_get_num_threads();
+#else
+    return 1;
+#endif
+}
+
 static int64_t widest_input(const struct hub_model *m) {
     int64_t widest = m->hidden > m->inter ? m->hidden : m->inter;
     return m->heads * m->head_dim > widest ? m->heads * m->head_dim : widest;
@@ -168,7 +179,7 @@ static int64_t widest_input(const struct hub_model *m) {
 static int64_t thread_floats(const struct hub_model *m, int64_t rows) {
     const int64_t widest = widest_input(m);
     const int64_t padded = (rows + PANEL - 1) / PANEL * PANEL;
-    return m->heads / m->kv_heads * m->max_context + padded * widest +
+    return m->heads * m->max_context + padded * widest +
            2 * BLOCK_COLUMNS * (widest + rows);
 }
 
@@ -187,7 +198,7 @@ static struct buffers carve(const struct hub_model *m, int64_t rows, float *work
     b.att = b.v + rows * m->kv_heads * m->head_dim;
     b.act = b.att + rows * m->heads * m->head_dim;
     b.scores = work + activation_floats(m, rows) + thread * thread_floats(m, rows);
-    b.panels = b.scores + m->heads / m->kv_heads * m->max_context;
+    b.panels = b.scores + m->heads * m->max_context;
     b.weights = b.panels + (rows + PANEL - 1) / PANEL * PANEL * widest_input(m);
     b.blocks = b.weights + 2 * BLOCK_COLUMNS * widest_input(m);
     return b;
@@ -224,10 +235,18 @@ static void layer_step(const struct hub_model *m, const struct hub_layer *l,
 #endif
     for (int64_t t = 0; t < m->heads + 2 * m->kv_heads; t++)
         qkv_head(m, l, s, t, &a, b->q, b->k, b->v);
+    /* Attention: a task per row (its keys read for all heads at once) when there are rows
+     * enough to share out, else a task per row and KV head. */
+    const int per_row = rows >= ROWS_PER_THREAD * team_size();
 #ifdef _OPENMP
 #pragma omp for schedule(dynamic, 1)
 #endif
-    for (int64_t t = 0; t < rows * m->kv_heads; t++) {
+    for (int64_t t = 0; t < (per_row ? rows : rows * m->kv_heads); t++) {
+        if (per_row) {
+            attend_row(&lay, b->q + t * qd, s->tables + s->table_starts[t], s->lens[t],
+                       b->scores, b->att + t * qd);
+            continue;
+        }
         const int64_t r = t / m->kv_heads, kv = t % m->kv_heads;
         const int64_t at = r * qd + kv * group * hd;
         attend_kv_head(&lay, b->q + at, s->tables + s->table_starts[r], s->lens[r], kv,
@@ -277,6 +296,7 @@ int hub_fused_step(const struct hub_model *m, const struct hub_step *s) {
         if (s->lens[r] > m->max_context || s->lens[r] < 1 || s->tokens[r] < 0 ||
             s->tokens[r] >= m->vocab || s->slots[r] < 0 || s->slots[r] >= slots)
             return -1;
+    if (s->samples > rows) return -1; /* the LM head's scratch holds `rows` rows */
     for (int64_t i = 0; i < s->samples; i++)
         if (s->sample_rows[i] < 0 || s->sample_rows[i] >= rows) return -1;
 #ifdef _OPENMP

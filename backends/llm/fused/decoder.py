@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from backends.llm.attention import AttentionParams
+from backends.llm.cpu_kernels import PagedDecodeKernel
 from backends.llm.fused.kernel import CLayer, CModel, CStep, CWeight, FusedKernel, bptr, fptr, iptr
 from backends.llm.fused.step import FusedStep
 from backends.llm.lora.layers import LoRALinear
@@ -148,18 +149,35 @@ class FusedDecoder:
 
     def check(self, step: FusedStep) -> None:
         """ValueError naming the problem unless `step` fits this decoder: the kernel follows
-        every index it is given, so a bad one must be refused before it runs."""
+        every index it is given (tables into the cache, slots, tokens, rows), so a bad one
+        must be refused before it runs."""
         rows = len(step.tokens)
         if not 0 < rows <= self.max_rows:
             raise ValueError(f"fused step: {rows} rows, at most {self.max_rows}")
+        per_row = (step.positions, step.slots, step.table_starts, step.lens)
+        if any(len(values) != rows for values in per_row):
+            raise ValueError("fused step: one position, slot, table start and length per row")
         if min(step.tokens) < 0 or max(step.tokens) >= self.vocab:
             raise ValueError(f"fused step: token ids must be in [0, {self.vocab})")
         if min(step.slots) < 0 or max(step.slots) >= self.slots:
             raise ValueError(f"fused step: cache slots must be in [0, {self.slots})")
         if max(step.lens) > self._model.max_context or min(step.lens) < 1:
             raise ValueError(f"fused step: contexts must be 1-{self._model.max_context} tokens")
-        if step.sample_rows and not 0 <= min(step.sample_rows) <= max(step.sample_rows) < rows:
+        if any(p != n - 1 for p, n in zip(step.positions, step.lens, strict=True)):
+            raise ValueError("fused step: a row's position must be its context length - 1")
+        samples = step.sample_rows
+        if len(samples) > rows or len(set(samples)) != len(samples):
+            raise ValueError("fused step: each sample row at most once")
+        if samples and not 0 <= min(samples) <= max(samples) < rows:
             raise ValueError("fused step: a sample row is not a row of the step")
+        # Each row's blocks in its table, each block id in the cache.
+        PagedDecodeKernel.check_index_lists(
+            step.tables,
+            step.table_starts,
+            step.lens,
+            int(self._model.num_blocks),
+            int(self._model.block_size),
+        )
 
     def __call__(self, step: FusedStep, *, checked: bool = False) -> torch.Tensor:
         """The logits (S, V) of `step.sample_rows`; `checked`: the caller ran `check`."""

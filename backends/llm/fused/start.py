@@ -59,24 +59,30 @@ def start_fused(
     slots = list(range(n))
     blocks = list(range(-(-n // block_size)))
     recorded: dict[int, AttentionParams] = {}
-    expected = reference(tokens, slots, blocks, recorded)
     layers = len(model.model.layers)
-    if sorted(recorded) != list(range(layers)):
-        return None, [], "the attention probe did not see every layer"
-    params = [recorded[i] for i in range(layers)]
-    if any(p.softcap for p in params):
-        return None, [], "soft-capped attention"
-    decoder = FusedDecoder(
-        kernel,
-        model,
-        kv_caches,
-        params,
-        max_context=max_context,
-        max_rows=max_rows,
-        threads=threads,
-    )
     step = FusedStep(tokens, list(range(n)), slots, blocks, [0] * n, list(range(1, n + 1)), slots)
-    got = decoder(step)
+    try:
+        expected = reference(tokens, slots, blocks, recorded)
+        if sorted(recorded) != list(range(layers)):
+            return None, [], "the attention probe did not see every layer"
+        params = [recorded[i] for i in range(layers)]
+        if any(p.softcap for p in params):
+            return None, [], "soft-capped attention"
+        decoder = FusedDecoder(
+            kernel,
+            model,
+            kv_caches,
+            params,
+            max_context=max_context,
+            max_rows=max_rows,
+            threads=threads,
+        )
+        got = decoder(step)
+    except (ValueError, RuntimeError, TypeError, AttributeError) as e:
+        # A layout the decoder does not take (a weight not float32, a bias in another
+        # dtype, ...): the model keeps the transformers path, which takes anything.
+        log.warning("the fused step cannot run this model: %s", e)
+        return None, [], f"the fused step cannot run it: {e}"
     scale = max(1.0, float(expected.abs().max()))
     error = float((got - expected).abs().max()) / scale
     if not error <= CHECK_TOLERANCE:  # NaN included
@@ -136,18 +142,24 @@ class FusedPath:
             return None
         if self.decoder is None or self.decoder.kv_caches is not kv_caches:
             kernel = fused_kernel(self._settings)
-            if kernel is None or unsupported_reason(self._model) is not None:
-                log.warning("the fused step is off: the model no longer qualifies")
+            reason = "the kernel is unavailable" if kernel is None else None
+            reason = reason or unsupported_reason(self._model)
+            if kernel is not None and reason is None:
+                try:
+                    self.decoder = FusedDecoder(
+                        kernel,
+                        self._model,
+                        kv_caches,
+                        self._attention,
+                        max_context=self._max_context,
+                        max_rows=self.max_rows,
+                        threads=cores(),
+                    )
+                except (ValueError, RuntimeError, TypeError, AttributeError) as e:
+                    reason = str(e)
+            if reason is not None:
+                log.warning("the fused step is off after the model moved: %s", reason)
                 self._attention = []
                 return None
-            self.decoder = FusedDecoder(
-                kernel,
-                self._model,
-                kv_caches,
-                self._attention,
-                max_context=self._max_context,
-                max_rows=self.max_rows,
-                threads=cores(),
-            )
         self.steps += 1
         return self.decoder

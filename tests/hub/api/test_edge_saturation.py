@@ -91,3 +91,43 @@ async def test_a_saturated_model_is_refused_at_the_edge_until_its_queue_drains(
     metrics = (await client.get("/metrics")).text
     # 1 + 1 + 1 by the queue, 2 at the edge: one series.
     assert 'hub_requests_shed_total{model="emb",reason="queue_time",version="1"} 5.0' in metrics
+
+
+async def test_only_a_known_caller_on_a_route_of_the_models_kind_is_refused_at_the_edge(
+    tmp_path: Path, mlflow_template: Path, tiny_embedder_dir: Path
+) -> None:
+    """A refusal at the edge says how loaded a model is: a caller without a valid key gets
+    its 401, and a route of another kind its 400, as if the model were idle; a key the hub
+    has not verified yet goes the whole way once (here: served, the queue being empty)."""
+    from backends.errors import CapacityError
+    from registry.db import Database, upgrade
+    from registry.keys import ApiKeys
+    from tests.support.hubs import make_settings, running_app
+
+    settings = make_settings(
+        tmp_path / "hub", mlflow_template,
+        auth={"enabled": True, "bootstrap_admin_key": "boot-secret"},
+    )  # fmt: skip
+    upgrade(settings.database_url)
+    user_key, _ = ApiKeys(Database(settings.database_url)).create("app", "user")
+    admin = {"Authorization": "Bearer boot-secret"}
+    user = {"Authorization": f"Bearer {user_key}"}
+    async with running_app(settings) as (app, client):
+        body = {"name": "emb", "kind": "embedder", "source": str(tiny_embedder_dir)}
+        assert (await client.post("/admin/registry/models", json=body, headers=admin)).is_success
+        saturation = app.state.hub.saturation
+        saturation._clock = lambda: 0.0
+        saturation.mark("emb", 1, "embedder", CapacityError("emb is busy", saturated_s=10))
+        request = {"model": "emb", "input": "hi"}
+        assert (await client.post("/v1/embeddings", json=request)).status_code == 401
+        wrong = {"Authorization": "Bearer nope"}
+        assert (await client.post("/v1/embeddings", json=request, headers=wrong)).status_code == 401
+        rerank = {"model": "emb", "query": "q", "documents": ["d"]}
+        r = await client.post("/v1/rerank", json=rerank, headers=admin)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "wrong_model_kind"
+        r = await client.post("/v1/embeddings", json=request, headers=admin)
+        assert r.status_code == 503 and EDGE in r.text
+        first = await client.post("/v1/embeddings", json=request, headers=user)
+        assert first.status_code == 200  # not verified yet: routed, and the queue is empty
+        again = await client.post("/v1/embeddings", json=request, headers=user)
+        assert again.status_code == 503 and EDGE in again.text
