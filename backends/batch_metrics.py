@@ -52,7 +52,8 @@ class _Collectors:
             "hub_requests_shed_total",
             "Requests refused with 503 before queueing: queue_full (max_queue inputs or "
             "max_waiting sequences wait), queue_time (the estimated wait exceeds "
-            "max_queue_time_ms) or in_progress (max_requests_in_progress HTTP requests were "
+            "max_queue_time_ms; refused by the model's queue, or at the HTTP edge while it "
+            "drains), event_loop_lag or in_progress (max_requests_in_progress HTTP requests were "
             "in progress in the process; model and version empty)",
             [*labels, "reason"], registry=registry,
         )  # fmt: skip

@@ -286,7 +286,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     phases = results["phases"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [2.2, 1]})
     names = [p["name"] for p in phases]
     rates = [p["tokens_per_s"] for p in phases]
     colors = ["#999999"] * (len(phases) - 1) + ["#1f77b4"]
@@ -294,7 +294,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
     left.bar_label(bars, fmt="%.0f")
     left.set_ylabel("output tokens / s")
     left.set_title(f"Throughput, {results['workload']['requests']} requests, {results['model']}")
-    left.tick_params(axis="x", rotation=20)
+    left.tick_params(axis="x", labelsize=8)
+    plt.setp(left.get_xticklabels(), rotation=35, ha="right")
     line = results.get("roofline")
     if line:
         # Output tokens/s had the workload run at the measured GEMM peak, and at half of it.
@@ -318,7 +319,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     right.bar_label(bars, fmt="%.0f ms")
     right.set_ylabel("time to first token (ms)")
     right.set_title(
-        f"{t['system_prompt_tokens']}-token shared system prompt "
+        f"{t['system_prompt_tokens']}-token shared system prompt\n"
         f"(KV waste {results['kv_cache']['kv_waste_fraction']:.1%})"
     )
     fig.tight_layout()

@@ -25,11 +25,7 @@ class Authenticator:
         """The caller's name (the key's name; "anonymous" with auth off) once allowed."""
         if not self.settings.enabled:
             return "anonymous"
-        key = api_key
-        if authorization:
-            scheme, _, token = authorization.partition(" ")
-            if scheme.lower() == "bearer" and token:
-                key = token.strip()
+        key = _key(authorization, api_key)
         if not key:
             raise Unauthorized(
                 "an API key is required: send `Authorization: Bearer <key>`",
@@ -50,15 +46,10 @@ class Authenticator:
         go the whole way, where `check` decides)."""
         if not self.settings.enabled:
             return True
-        key = api_key
-        if authorization:
-            scheme, _, token = authorization.partition(" ")
-            if scheme.lower() == "bearer" and token:
-                key = token.strip()
+        key = _key(authorization, api_key)
         if not key:
             return False
-        bootstrap = self.settings.bootstrap_admin_key
-        if bootstrap is not None and hmac.compare_digest(key, bootstrap.get_secret_value()):
+        if self._is_bootstrap(key):
             return True
         cached = self._cache.get(hash_key(key))
         return (
@@ -68,8 +59,7 @@ class Authenticator:
         )
 
     async def _identity(self, key: str) -> tuple[str, str] | None:
-        bootstrap = self.settings.bootstrap_admin_key
-        if bootstrap is not None and hmac.compare_digest(key, bootstrap.get_secret_value()):
+        if self._is_bootstrap(key):
             return "bootstrap-admin", "admin"
         digest = hash_key(key)
         cached = self._cache.get(digest)
@@ -79,3 +69,16 @@ class Authenticator:
         identity = await asyncio.to_thread(self.keys.verify, key)
         self._cache[digest] = (identity, now)
         return identity
+
+    def _is_bootstrap(self, key: str) -> bool:
+        bootstrap = self.settings.bootstrap_admin_key
+        return bootstrap is not None and hmac.compare_digest(key, bootstrap.get_secret_value())
+
+
+def _key(authorization: str | None, api_key: str | None) -> str | None:
+    """The key a request sends: a bearer token, else the X-API-Key header."""
+    if authorization:
+        scheme, _, token = authorization.partition(" ")
+        if scheme.lower() == "bearer" and token:
+            return token.strip()
+    return api_key

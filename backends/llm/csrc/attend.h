@@ -112,82 +112,25 @@ struct layout {
     float softcap;  /* > 0: logits capped as softcap * tanh(logit / softcap) */
 };
 
-/* The `group` query heads of KV head `kv` (q: group * head_dim floats, already scaled) over
- * the first `n` tokens of the context whose blocks `table` lists: out (group * head_dim) =
- * softmax(q K^T) V. `scores` holds group * n floats. */
-static void attend_kv_head(const struct layout *lay, const float *q, const int64_t *table,
-                           int64_t n, int64_t kv, float *scores, float *out) {
+/* The query heads of KV heads [kv0, kv1) of one token (q: their (kv1 - kv0) * group *
+ * head_dim floats, already scaled) over the first `n` tokens of the context whose blocks
+ * `table` lists: out (same shape) = softmax(q K^T) V. Each run of keys (and of values) in a
+ * block is read for all these heads at once: with every KV head, a token's keys are one
+ * contiguous stretch of memory. `scores` holds (kv1 - kv0) * group * n floats. */
+static void attend_heads(const struct layout *lay, const float *q, const int64_t *table,
+                         int64_t n, int64_t kv0, int64_t kv1, float *scores, float *out) {
     const int64_t bs = lay->block_size, group = lay->group, head_dim = lay->head_dim;
-    const int64_t stride = lay->kv_heads * head_dim;
+    const int64_t stride = lay->kv_heads * head_dim, heads = (kv1 - kv0) * group;
     const int vector_dims = head_dim % 8 == 0;
     const int64_t first = (lay->window > 0 && n > lay->window) ? n - lay->window : 0;
     const int64_t len = n - first;
-    const float *keys = lay->keys + kv * head_dim, *values = lay->values + kv * head_dim;
+    const float *keys = lay->keys + kv0 * head_dim, *values = lay->values + kv0 * head_dim;
 
     /* Logits, in runs of tokens that sit next to each other in one block. */
     for (int64_t t = first; t < n;) {
         const int64_t offset = t % bs;
         const int64_t run = bs - offset < n - t ? bs - offset : n - t;
         const float *k = keys + (table[t / bs] * bs + offset) * stride;
-        int64_t j = 0;
-        if (vector_dims)
-            for (; j + 8 <= run; j += 8)
-                for (int64_t g = 0; g < group; g++)
-                    dot_x8(q + g * head_dim, k + j * stride, stride, head_dim,
-                           scores + g * len + (t - first + j));
-        for (; j < run; j++)
-            for (int64_t g = 0; g < group; g++)
-                scores[g * len + (t - first + j)] = dot(q + g * head_dim, k + j * stride, head_dim);
-        t += run;
-    }
-    /* Softmax weights, in place. */
-    for (int64_t g = 0; g < group; g++) {
-        float *s = scores + g * len;
-        const float cap = lay->softcap;
-        if (cap > 0.0f)
-            for (int64_t i = 0; i < len; i++) s[i] = cap * tanhf(s[i] / cap);
-        softmax(s, len);
-    }
-    /* Weighted values, block run by block run. */
-    memset(out, 0, sizeof(float) * (size_t)(group * head_dim));
-    for (int64_t t = first; t < n;) {
-        const int64_t offset = t % bs;
-        const int64_t run = bs - offset < n - t ? bs - offset : n - t;
-        const float *v = values + (table[t / bs] * bs + offset) * stride;
-        for (int64_t g = 0; g < group; g++) {
-            float *a = out + g * head_dim;
-            const float *p = scores + g * len + (t - first);
-            if (vector_dims) {
-                for (int64_t c = 0; c < head_dim; c += 64) {
-                    const int64_t width = head_dim - c < 64 ? head_dim - c : 64;
-                    weighted_sum(a + c, width, p, v + c, stride, run);
-                }
-            } else {
-                for (int64_t j = 0; j < run; j++)
-                    for (int64_t i = 0; i < head_dim; i++) a[i] += p[j] * v[j * stride + i];
-            }
-        }
-        t += run;
-    }
-}
-
-/* Every query head of one token (q: heads * head_dim floats, already scaled) over the first
- * `n` tokens of its context: out (heads * head_dim). The same sums as `attend_kv_head` for
- * each KV head, but each run of keys (and of values) is read for all heads at once, a
- * token's keys one contiguous stretch of memory: with many rows to share out, this reads
- * the cache faster than a task per head. `scores` holds heads * n floats. */
-static void attend_row(const struct layout *lay, const float *q, const int64_t *table,
-                       int64_t n, float *scores, float *out) {
-    const int64_t bs = lay->block_size, group = lay->group, head_dim = lay->head_dim;
-    const int64_t kv_heads = lay->kv_heads, heads = kv_heads * group;
-    const int64_t stride = kv_heads * head_dim;
-    const int vector_dims = head_dim % 8 == 0;
-    const int64_t first = (lay->window > 0 && n > lay->window) ? n - lay->window : 0;
-    const int64_t len = n - first;
-    for (int64_t t = first; t < n;) {
-        const int64_t offset = t % bs;
-        const int64_t run = bs - offset < n - t ? bs - offset : n - t;
-        const float *k = lay->keys + (table[t / bs] * bs + offset) * stride;
         int64_t j = 0;
         if (vector_dims)
             for (; j + 8 <= run; j += 8)
@@ -200,6 +143,7 @@ static void attend_row(const struct layout *lay, const float *q, const int64_t *
                     dot(q + h * head_dim, k + j * stride + h / group * head_dim, head_dim);
         t += run;
     }
+    /* Softmax weights, in place. */
     for (int64_t h = 0; h < heads; h++) {
         float *s = scores + h * len;
         const float cap = lay->softcap;
@@ -207,11 +151,12 @@ static void attend_row(const struct layout *lay, const float *q, const int64_t *
             for (int64_t i = 0; i < len; i++) s[i] = cap * tanhf(s[i] / cap);
         softmax(s, len);
     }
+    /* Weighted values, block run by block run. */
     memset(out, 0, sizeof(float) * (size_t)(heads * head_dim));
     for (int64_t t = first; t < n;) {
         const int64_t offset = t % bs;
         const int64_t run = bs - offset < n - t ? bs - offset : n - t;
-        const float *v = lay->values + (table[t / bs] * bs + offset) * stride;
+        const float *v = values + (table[t / bs] * bs + offset) * stride;
         for (int64_t h = 0; h < heads; h++) {
             float *a = out + h * head_dim;
             const float *p = scores + h * len + (t - first);
@@ -222,8 +167,8 @@ static void attend_row(const struct layout *lay, const float *q, const int64_t *
                     weighted_sum(a + c, width, p, vh + c, stride, run);
                 }
             } else {
-                for (int64_t jj = 0; jj < run; jj++)
-                    for (int64_t i = 0; i < head_dim; i++) a[i] += p[jj] * vh[jj * stride + i];
+                for (int64_t j = 0; j < run; j++)
+                    for (int64_t i = 0; i < head_dim; i++) a[i] += p[j] * vh[j * stride + i];
             }
         }
         t += run;

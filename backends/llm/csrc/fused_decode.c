@@ -115,6 +115,31 @@ static void task_span(const struct operand *a, int64_t t, int64_t n, int64_t *n0
     *n1 = *n0 + task_columns(a) < n ? *n0 + task_columns(a) : n;
 }
 
+/* The stages below are shared out among the calling parallel region's threads (orphaned
+ * `omp for`), each ending at the loop's barrier. */
+
+/* y (rows of ldy) = (or +=, `add`) the projection of every row of `a` by w's n outputs. */
+static void project_stage(const struct operand *a, const struct hub_weight *w, int64_t n,
+                          float *y, int add) {
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+    for (int64_t t = 0; t < column_tasks(a, n); t++) {
+        int64_t n0, n1;
+        task_span(a, t, n, &n0, &n1);
+        project(a, w, n0, n1, y, n, add);
+    }
+}
+
+/* h = RMS norm of each of x's rows (n floats) with weight w. */
+static void norm_rows(const float *x, float *h, int64_t rows, int64_t n, const float *w,
+                      float eps) {
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+    for (int64_t r = 0; r < rows; r++) rms_norm(x + r * n, h + r * n, n, w, eps);
+}
+
 /* Task `task` of the q/k/v stage: one head of q, k or v for every row, then its per-head
  * norm and rotation (q, k), q's scaling, and the K/V cache writes. */
 static void qkv_head(const struct hub_model *m, const struct hub_layer *l,
@@ -224,11 +249,7 @@ static void layer_step(const struct hub_model *m, const struct hub_layer *l,
         .softcap = 0.0f,
     };
     struct operand a;
-#ifdef _OPENMP
-#pragma omp for schedule(static)
-#endif
-    for (int64_t r = 0; r < rows; r++)
-        rms_norm(b->x + r * hidden, b->h + r * hidden, hidden, l->input_norm, m->eps);
+    norm_rows(b->x, b->h, rows, hidden, l->input_norm, m->eps);
     a = operand(b->h, hidden, rows, hidden, &l->q, b->panels, b->weights, b->blocks);
 #ifdef _OPENMP
 #pragma omp for schedule(dynamic, 1)
@@ -242,30 +263,16 @@ static void layer_step(const struct hub_model *m, const struct hub_layer *l,
 #pragma omp for schedule(dynamic, 1)
 #endif
     for (int64_t t = 0; t < (per_row ? rows : rows * m->kv_heads); t++) {
-        if (per_row) {
-            attend_row(&lay, b->q + t * qd, s->tables + s->table_starts[t], s->lens[t],
-                       b->scores, b->att + t * qd);
-            continue;
-        }
-        const int64_t r = t / m->kv_heads, kv = t % m->kv_heads;
-        const int64_t at = r * qd + kv * group * hd;
-        attend_kv_head(&lay, b->q + at, s->tables + s->table_starts[r], s->lens[r], kv,
-                       b->scores, b->att + at);
+        const int64_t r = per_row ? t : t / m->kv_heads;
+        const int64_t kv0 = per_row ? 0 : t % m->kv_heads;
+        const int64_t kv1 = per_row ? m->kv_heads : kv0 + 1;
+        const int64_t at = r * qd + kv0 * group * hd;
+        attend_heads(&lay, b->q + at, s->tables + s->table_starts[r], s->lens[r], kv0, kv1,
+                     b->scores, b->att + at);
     }
     a = operand(b->att, qd, rows, qd, &l->o, b->panels, b->weights, b->blocks);
-#ifdef _OPENMP
-#pragma omp for schedule(static)
-#endif
-    for (int64_t t = 0; t < column_tasks(&a, hidden); t++) {
-        int64_t n0, n1;
-        task_span(&a, t, hidden, &n0, &n1);
-        project(&a, &l->o, n0, n1, b->x, hidden, 1);
-    }
-#ifdef _OPENMP
-#pragma omp for schedule(static)
-#endif
-    for (int64_t r = 0; r < rows; r++)
-        rms_norm(b->x + r * hidden, b->h + r * hidden, hidden, l->post_norm, m->eps);
+    project_stage(&a, &l->o, hidden, b->x, 1);
+    norm_rows(b->x, b->h, rows, hidden, l->post_norm, m->eps);
     a = operand(b->h, hidden, rows, hidden, &l->gate, b->panels, b->weights, b->blocks);
 #ifdef _OPENMP
 #pragma omp for schedule(static)
@@ -276,14 +283,7 @@ static void layer_step(const struct hub_model *m, const struct hub_layer *l,
         gated(&a, &l->gate, &l->up, n0, n1, b->act, m->inter);
     }
     a = operand(b->act, m->inter, rows, m->inter, &l->down, b->panels, b->weights, b->blocks);
-#ifdef _OPENMP
-#pragma omp for schedule(static)
-#endif
-    for (int64_t t = 0; t < column_tasks(&a, hidden); t++) {
-        int64_t n0, n1;
-        task_span(&a, t, hidden, &n0, &n1);
-        project(&a, &l->down, n0, n1, b->x, hidden, 1);
-    }
+    project_stage(&a, &l->down, hidden, b->x, 1);
 }
 
 /* One step: logits of the sample rows. Returns 0; -1, with nothing done, when a row's
@@ -323,14 +323,7 @@ int hub_fused_step(const struct hub_model *m, const struct hub_step *s) {
                      m->eps);
         const struct operand a =
             operand(b.h, hidden, s->samples, hidden, &m->lm_head, b.panels, b.weights, b.blocks);
-#ifdef _OPENMP
-#pragma omp for schedule(static)
-#endif
-        for (int64_t t = 0; t < column_tasks(&a, m->vocab); t++) {
-            int64_t n0, n1;
-            task_span(&a, t, m->vocab, &n0, &n1);
-            project(&a, &m->lm_head, n0, n1, s->logits, m->vocab, 0);
-        }
+        project_stage(&a, &m->lm_head, m->vocab, s->logits, 0);
     }
     return 0;
 }

@@ -70,7 +70,8 @@ int hub_paged_decode_f32(
                 continue;
             }
             const int64_t at = (r * heads + kv * group) * head_dim;
-            attend_kv_head(&lay, q + at, tables + table_starts[r], lens[r], kv, scores, out + at);
+            attend_heads(&lay, q + at, tables + table_starts[r], lens[r], kv, kv + 1, scores,
+                         out + at);
         }
         free(scores);
     }
