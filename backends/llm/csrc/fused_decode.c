@@ -1,13 +1,14 @@
 /*
- * One step of a Llama-shaped decoder for a few packed tokens, float32 on the CPU, in one
- * call: embeddings, every layer (RMS norms, q/k/v projections with optional biases and
+ * One step of a Llama-shaped decoder for the packed tokens of one engine step, on the CPU
+ * (float32 activations; float32 or int8 weights), in one call: embeddings, every layer (RMS norms, q/k/v projections with optional biases and
  * per-head norms, rotary embedding, the K/V writes into the paged cache, attention over each
  * token's own context, the output projection, the SwiGLU MLP, residual adds), the final
  * norm and the LM head for the rows that sample.
  *
  * Why: at a few rows, a step is a stream of the weights through the cores, and what torch
  * adds around the products (a few hundred small operators a step, each a dispatch and a
- * pass over memory, and an OpenMP team meeting at the end of each) costs as much again.
+ * pass over memory, and an OpenMP team meeting at the end of each) costs as much again; at
+ * many rows, the products' register tiles (tiles.h) run faster than torch's here.
  * Here one OpenMP team (the runtime torch has loaded) works the whole step, meeting only
  * where the data needs it: after each norm, projection and attention stage.
  *
