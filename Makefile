@@ -15,9 +15,10 @@ $(VENV)/.installed: $(VENV)/bin/python pyproject.toml $(CONSTRAINTS)
 	$(PIP) install -q -c $(CONSTRAINTS) -e '.[demo]'
 	touch $@
 
-$(VENV)/.installed-dev: $(VENV)/.installed
+# One resolution for both extras (a fresh clone's `make test` installs once, not twice).
+$(VENV)/.installed-dev: $(VENV)/bin/python pyproject.toml $(CONSTRAINTS)
 	$(PIP) install -q -c $(CONSTRAINTS) -e '.[demo,dev]'
-	touch $@
+	touch $(VENV)/.installed $@
 
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
