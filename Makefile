@@ -6,18 +6,24 @@ PIP := $(VENV)/bin/python -m pip
 CONSTRAINTS := constraints.txt
 PYTEST_ARGS ?=
 
+# pip does not byte-compile what it installs (that was half of a fresh install's two minutes):
+# Python compiles the modules a run imports, once, into __pycache__, which these targets let it
+# write even where the environment sets PYTHONDONTWRITEBYTECODE.
+PIP_INSTALL := $(PIP) install -q --no-compile
+unexport PYTHONDONTWRITEBYTECODE
+
 .PHONY: serve test test-pure install install-dev lint typecheck bench clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 
 $(VENV)/.installed: $(VENV)/bin/python pyproject.toml $(CONSTRAINTS)
-	$(PIP) install -q -c $(CONSTRAINTS) -e '.[demo]'
+	$(PIP_INSTALL) -c $(CONSTRAINTS) -e '.[demo]'
 	touch $@
 
 # One resolution for both extras (a fresh clone's `make test` installs once, not twice).
 $(VENV)/.installed-dev: $(VENV)/bin/python pyproject.toml $(CONSTRAINTS)
-	$(PIP) install -q -c $(CONSTRAINTS) -e '.[demo,dev]'
+	$(PIP_INSTALL) -c $(CONSTRAINTS) -e '.[demo,dev]'
 	touch $(VENV)/.installed $@
 
 install: $(VENV)/.installed
@@ -44,7 +50,7 @@ PURE_PACKAGES := pytest pytest-asyncio pytest-timeout numpy scipy
 
 $(PURE_VENV)/.installed: $(CONSTRAINTS)
 	$(PYTHON) -m venv $(PURE_VENV)
-	$(PURE_VENV)/bin/python -m pip install -q -c $(CONSTRAINTS) $(PURE_PACKAGES)
+	$(PURE_VENV)/bin/python -m pip install -q --no-compile -c $(CONSTRAINTS) $(PURE_PACKAGES)
 	touch $@
 
 test-pure: $(PURE_VENV)/.installed
