@@ -5,7 +5,10 @@ and returns a `RequestStream`: an async iterator of `RequestOutput` deltas that 
 every sample of the request has finished. Closing the stream early (a client disconnect, a
 timeout, a cancelled task) aborts the request; the engine frees its blocks at the next step
 boundary, at most one step later. The thread sleeps while there is no work and hands each
-step's outputs to the event loops in one call per loop.
+step's outputs to the event loops in one call per loop, as the next step's forward starts
+(the forward releases the GIL: the loop streams them meanwhile, where handing them over
+before the next step's scheduling made that scheduling wait for the loop), or at once when
+no forward follows.
 """
 
 from __future__ import annotations
@@ -91,6 +94,10 @@ class RequestStream:
             self._owner._forget(self.request_id)
 
 
+# One event loop's share of a step's outputs: each stream with its deltas.
+_Batch = list[tuple[RequestStream, list[RequestOutput]]]
+
+
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine, *, name: str = "llm", threads: int | None = None) -> None:
         """Start the step thread; its torch ops run on `threads` threads from its start,
@@ -101,6 +108,10 @@ class AsyncLLMEngine:
         self._wake = threading.Event()
         self._stopping = False
         self._counted = threading.Event()
+        # Outputs not yet handed to their event loops (the engine thread's own).
+        self._outbox: dict[asyncio.AbstractEventLoop, _Batch] = {}
+        self._forwarded = False
+        engine.runner.before_forward = self._forward_starts
         self._thread = threading.Thread(target=self._run, name=f"engine {name}", daemon=True)
         start_thread_with(threads, self._thread, self._counted)
 
@@ -170,11 +181,14 @@ class AsyncLLMEngine:
         while not self._stopping:
             self._wake.clear()
             if not self.engine.has_work():
+                self._flush()
                 self._wake.wait(timeout=1.0)
                 continue
+            self._forwarded = False
             try:
                 outputs = self.engine.step()
             except EngineStepError as e:
+                self._flush()  # what earlier steps produced goes first
                 if e.errors:  # requests to blame alone; the others go on
                     for request_id, error in e.errors.items():
                         self._fail_streams(error, [request_id])
@@ -183,14 +197,21 @@ class AsyncLLMEngine:
                 continue
             except Exception as e:  # a bug outside the model: fail loudly, keep the thread
                 log.exception("LLM engine loop failed")
+                self._flush()
                 self._fail_streams(e)
                 continue
+            if not self._forwarded:  # no forward ran to hand them over during
+                self._flush()
             if outputs:
-                self._deliver(outputs)
+                self._post(outputs)
+        self._flush()
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, list[RequestOutput]]]]
-        by_loop = {}
+    def _forward_starts(self) -> None:
+        self._forwarded = True
+        self._flush()
+
+    def _post(self, outputs: list[RequestOutput]) -> None:
+        """Put a step's outputs in the outbox, grouped by stream and by event loop."""
         grouped: dict[str, list[RequestOutput]] = {}
         for out in outputs:
             grouped.setdefault(out.request_id, []).append(out)
@@ -198,8 +219,14 @@ class AsyncLLMEngine:
             for request_id, outs in grouped.items():
                 entry = self._streams.get(request_id)
                 if entry is not None:
-                    by_loop.setdefault(entry[0], []).append((entry[1], outs))
-        for loop, batch in by_loop.items():
+                    self._outbox.setdefault(entry[0], []).append((entry[1], outs))
+
+    def _flush(self) -> None:
+        """Hand the outbox to its event loops, one call per loop."""
+        if not self._outbox:
+            return
+        outbox, self._outbox = self._outbox, {}
+        for loop, batch in outbox.items():
             with contextlib.suppress(RuntimeError):  # the loop has closed: nobody listens
                 loop.call_soon_threadsafe(_dispatch, batch)
 
@@ -219,6 +246,6 @@ class AsyncLLMEngine:
             self._streams.pop(request_id, None)
 
 
-def _dispatch(batch: list[tuple[RequestStream, list[RequestOutput]]]) -> None:
+def _dispatch(batch: _Batch) -> None:
     for stream, outs in batch:
         stream._deliver(outs)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -86,6 +87,10 @@ class ModelRunner:
         self.max_model_len = min(limits)
         self.vocab_size: int = self.config.vocab_size
         self.sampler = Sampler(_eos_ids(model))
+        # Called as each step's forward starts, just before it releases the GIL (the fused
+        # step's native call, or torch's kernels): the async engine hands the previous step's
+        # outputs to the event loop there, so that streaming them overlaps the forward.
+        self.before_forward: Callable[[], None] | None = None
         # Decodes in one padded call (accelerators) or one call each (CPU); None: by device.
         self.batched_decode = batched_decode
         # The native CPU decode kernel (float32); None: where it builds, False: never.
@@ -225,10 +230,12 @@ class ModelRunner:
             fused.check(step)
             sampling = [item.seq for item in output.scheduled if item.sample]
             self.sampler.prepare(sampling)  # grammar masks fill during the forward
-            return self.sampler(fused(step, checked=True), sampling)
+            logits = fused(step, checked=True, before=self.before_forward)
+            return self.sampler(logits, sampling)
         inputs = self._prepare(output)
         self.sampler.prepare(inputs.sampling_seqs)  # grammar masks fill during the forward
         self.lora.begin_step(inputs.adapter_segments)
+        self._forward_starts()
         try:
             logits = self.model(
                 input_ids=inputs.input_ids,
@@ -240,6 +247,10 @@ class ModelRunner:
         finally:
             self.lora.end_step()
         return self.sampler(logits, inputs.sampling_seqs)
+
+    def _forward_starts(self) -> None:
+        if self.before_forward is not None:
+            self.before_forward()
 
     # ---- isolation: which request broke a step (backends.llm.isolation) ----------------
     @torch.inference_mode()

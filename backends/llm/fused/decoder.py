@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import ctypes
+from array import array
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from backends.llm.attention import AttentionParams
 from backends.llm.cpu_kernels import PagedDecodeKernel
-from backends.llm.fused.kernel import CLayer, CModel, CStep, CWeight, FusedKernel, bptr, fptr, iptr
+from backends.llm.fused.kernel import CLayer, CModel, CStep, CWeight, FusedKernel, bptr, fptr
 from backends.llm.fused.step import FusedStep
 from backends.llm.lora.layers import LoRALinear
 from backends.llm.quantization import Int8Linear
@@ -141,6 +143,7 @@ class FusedDecoder:
         m.lm_head = self._weight(model.lm_head)
         m.layer = self._layers
         self._work = torch.empty(kernel.work_floats(m, max_rows), dtype=torch.float32)
+        self._work_address = self._work.data_ptr()
         self._rotary = inner.rotary_emb
         self._static_rope = getattr(self._rotary, "rope_type", "default") not in DYNAMIC_ROPE
         self._rope = (torch.empty(0, m.head_dim), torch.empty(0, m.head_dim))  # cos, sin
@@ -179,26 +182,40 @@ class FusedDecoder:
             int(self._model.block_size),
         )
 
-    def __call__(self, step: FusedStep, *, checked: bool = False) -> torch.Tensor:
-        """The logits (S, V) of `step.sample_rows`; `checked`: the caller ran `check`."""
+    def __call__(
+        self,
+        step: FusedStep,
+        *,
+        checked: bool = False,
+        before: Callable[[], None] | None = None,
+    ) -> torch.Tensor:
+        """The logits (S, V) of `step.sample_rows`; `checked`: the caller ran `check`;
+        `before` is called last thing before the native call (which releases the GIL)."""
         if not checked:
             self.check(step)
-        tokens = torch.tensor(step.tokens, dtype=torch.long)
-        slots = torch.tensor(step.slots, dtype=torch.long)
-        tables = torch.tensor(step.tables or [0], dtype=torch.long)
-        starts = torch.tensor(step.table_starts, dtype=torch.long)
-        lens = torch.tensor(step.lens, dtype=torch.long)
-        sample_rows = torch.tensor(step.sample_rows or [0], dtype=torch.long)
+        rows, samples = len(step.tokens), len(step.sample_rows)
         cos, sin, rope_rows = self._rope_tables(step.positions)
-        logits = torch.empty(len(step.sample_rows), self.vocab, dtype=torch.float32)
+        # Every index list in one int64 array (its parts at these offsets), pointed at by
+        # address (this frame holds it until the kernel returned): a few list copies in C,
+        # where a tensor per list cost ~50 us a step.
+        indices = array("q", step.tokens)
+        for part in (step.slots, step.table_starts, step.lens, rope_rows, step.sample_rows):
+            indices.extend(part)
+        indices.extend(step.tables)
+        base = indices.buffer_info()[0]
+        logits = torch.empty(samples, self.vocab, dtype=torch.float32)
         s = CStep()
-        s.rows, s.samples = len(step.tokens), len(step.sample_rows)
-        s.tokens, s.slots = iptr(tokens), iptr(slots)
-        s.tables, s.table_starts, s.lens = iptr(tables), iptr(starts), iptr(lens)
-        s.cos, s.sin, s.rope_rows = fptr(cos), fptr(sin), iptr(rope_rows)
-        s.sample_rows, s.logits, s.work = iptr(sample_rows), fptr(logits), fptr(self._work)
+        s.rows, s.samples = rows, samples
+        s.tokens, s.slots, s.table_starts, s.lens, s.rope_rows, s.sample_rows = (
+            base + 8 * rows * i for i in range(6)
+        )
+        s.tables = base + 8 * (5 * rows + samples)
+        s.cos, s.sin = cos.data_ptr(), sin.data_ptr()
+        s.logits, s.work = logits.data_ptr(), self._work_address
         # The calling thread's torch threads, within what the scratch was sized for.
         self._model.threads = max(1, min(self.threads, torch.get_num_threads()))
+        if before is not None:
+            before()
         try:
             status = self._kernel.step(self._model, s)
         finally:
@@ -207,20 +224,19 @@ class FusedDecoder:
             raise ValueError("fused step: the kernel refused the step's indices")
         return logits
 
-    def _rope_tables(self, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _rope_tables(self, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """cos and sin tables (n, head_dim) from the model's own rotary module, and each row's
         index into them: a table of every position so far for a static rope type (grown by
         doubling), this step's positions for one whose frequencies depend on the length."""
         if not self._static_rope:
             cos, sin = self._rotary(self._work, torch.tensor([positions], dtype=torch.long))
-            rows = torch.arange(len(positions), dtype=torch.long)
-            return cos[0].contiguous(), sin[0].contiguous(), rows
+            return cos[0].contiguous(), sin[0].contiguous(), list(range(len(positions)))
         need = max(positions) + 1
         if need > len(self._rope[0]):
             size = min(max(need, 2 * len(self._rope[0]), 256), self._model.max_context)
             cos, sin = self._rotary(self._work, torch.arange(size, dtype=torch.long)[None])
             self._rope = (cos[0].contiguous(), sin[0].contiguous())
-        return self._rope[0], self._rope[1], torch.tensor(positions, dtype=torch.long)
+        return self._rope[0], self._rope[1], positions
 
     def _weight(self, linear: Any) -> CWeight:
         """A float32 `nn.Linear` or an `Int8Linear` (its bfloat16 scales widened once)."""

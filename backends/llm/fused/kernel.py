@@ -63,20 +63,15 @@ class CModel(ctypes.Structure):
 
 
 class CStep(ctypes.Structure):
+    """A step's rows. Its pointers are plain addresses (`c_void_p`, the same layout as the C
+    struct's typed pointers): set from integers, they cost no ctypes cast per step."""
+
     _fields_ = [
         ("rows", _i64),
-        ("tokens", _i64p),
-        ("slots", _i64p),
-        ("tables", _i64p),
-        ("table_starts", _i64p),
-        ("lens", _i64p),
-        ("cos", _p),
-        ("sin", _p),
-        ("rope_rows", _i64p),
+        *((name, ctypes.c_void_p) for name in ("tokens", "slots", "tables", "table_starts")),
+        *((name, ctypes.c_void_p) for name in ("lens", "cos", "sin", "rope_rows")),
         ("samples", _i64),
-        ("sample_rows", _i64p),
-        ("logits", _p),
-        ("work", _p),
+        *((name, ctypes.c_void_p) for name in ("sample_rows", "logits", "work")),
     ]
 
 
@@ -121,8 +116,3 @@ def fptr(t: torch.Tensor) -> Any:
 def bptr(t: torch.Tensor) -> Any:
     """An int8 tensor's data as the structs' int8 pointer."""
     return ctypes.cast(t.data_ptr(), _i8p)
-
-
-def iptr(t: torch.Tensor) -> Any:
-    """An int64 tensor's data as the structs' int64 pointer."""
-    return ctypes.cast(t.data_ptr(), _i64p)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from backends.base import BackendContext
 from backends.errors import BackendClosedError, InputError, LoadError
 from backends.kinds import backend_class
 from backends.llm.backend import LLMBackend
+from backends.llm.engine import RequestOutput
 from backends.llm.sampling_params import SamplingParams
 from backends.loading import module_bytes
 from tests.backends.llm.support import build_model
@@ -151,6 +153,50 @@ async def _wait_idle(backend: LLMBackend) -> None:
             return
         await asyncio.sleep(0.02)
     raise AssertionError("the aborted request still holds KV blocks")
+
+
+async def test_a_step_s_tokens_are_streamed_while_the_next_step_computes(llama: Path) -> None:
+    """A step's outputs reach the stream as the next step's forward starts (streaming them
+    overlaps that forward), and at once when no step follows."""
+    backend = loaded(llama)
+    runner = backend.engine.runner
+    handover = runner.before_forward
+    assert handover is not None
+    held, release = threading.Event(), threading.Event()
+    forwards = 0
+
+    def hold_the_third_forward() -> None:
+        nonlocal forwards
+        handover()
+        forwards += 1
+        if forwards == 3:
+            held.set()
+            release.wait(30)
+
+    runner.before_forward = hold_the_third_forward
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    got: list[RequestOutput] = []
+
+    async def consume() -> None:
+        async for out in backend.generate(backend.encode("The harbour town"), params):
+            got.append(out)
+
+    task = asyncio.create_task(consume())
+    try:
+        assert await asyncio.to_thread(held.wait, 30)
+        # The prefill's token and the first decode's, while the second decode is held.
+        for _ in range(500):
+            if len(got) == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert [len(out.token_ids) for out in got] == [1, 1]
+        release.set()
+        await asyncio.wait_for(task, 30)
+        assert len(got) == 5 and got[-1].finished  # the last step's, with no step after it
+    finally:
+        release.set()
+        await backend.aclose()
+        backend.unload()
 
 
 def test_engine_settings_are_checked_at_load(llama: Path) -> None:
