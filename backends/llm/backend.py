@@ -27,10 +27,12 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import json
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, TypeVar
 
 import torch
@@ -41,9 +43,10 @@ from backends.llm.async_engine import AsyncLLMEngine, RequestStream
 from backends.llm.config import EngineConfig, kv_cache_reservation, llm_config
 from backends.llm.detokenizer import token_bytes
 from backends.llm.engine import LLMEngine, RequestOutput
+from backends.llm.fused.decoder import predicted_scratch_bytes
 from backends.llm.lora.adapter import check_adapter_fits, read_adapter
 from backends.llm.metrics import EngineMetrics
-from backends.llm.model_runner import ModelRunner
+from backends.llm.model_runner import ModelRunner, kv_bytes_per_block
 from backends.llm.quantization import WeightQuantizer
 from backends.llm.sampling_params import SamplingParams
 from backends.llm.structured.metrics import GrammarMetrics
@@ -57,7 +60,7 @@ from backends.parking import ParkedWeights, park, release
 from backends.runtime_config import LLMConfig, RuntimeConfig
 from backends.text_bounds import MIN_CHARS_PER_TOKEN, CharBound
 from backends.text_input import require_encodable
-from backends.threads import compute_threads
+from backends.threads import compute_threads, cores
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +68,35 @@ T = TypeVar("T")
 
 # Activations of one step (packed hidden states, gathered K/V, logits) on top of weights + KV.
 _RUNTIME_OVERHEAD_BYTES = 64 * 2**20
+
+
+def _fused_scratch(
+    artifact_dir: Path, config: LLMConfig, dtype: torch.dtype | None, kv_cache: int
+) -> int:
+    """Bytes the fused CPU step would hold for this model (its scratch grows with the cores,
+    the longest context and `max_num_batched_tokens`): counted wherever the step may run
+    fused (a float32 model of its families, int4 excepted), whatever the device."""
+    if not config.fused_step or config.quantization_method() == "int4":
+        return 0
+    if dtype not in (None, torch.float32):
+        return 0
+    try:
+        model_config = json.loads((artifact_dir / "config.json").read_text())
+        per_block = kv_bytes_per_block(
+            SimpleNamespace(**model_config), config.block_size, torch.float32
+        )
+        limits = [int(model_config["max_position_embeddings"])]
+        limits.append(kv_cache // per_block * config.block_size)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, ZeroDivisionError):
+        return 0  # the load refuses such a folder
+    if config.max_model_len is not None:
+        limits.append(config.max_model_len)
+    return predicted_scratch_bytes(
+        model_config,
+        max_context=max(1, min(limits)),
+        max_rows=config.max_num_batched_tokens,
+        threads=cores(),
+    )
 
 
 class LLMBackend(Backend):
@@ -102,7 +134,12 @@ class LLMBackend(Backend):
             files, dtype, size_of=quantizer.tensor_bytes if quantizer else None
         )
         kv_cache = kv_cache_reservation(config, device_budget_bytes)
-        return weights + kv_cache + _RUNTIME_OVERHEAD_BYTES
+        return (
+            weights
+            + kv_cache
+            + _RUNTIME_OVERHEAD_BYTES
+            + _fused_scratch(artifact_dir, config, dtype, kv_cache)
+        )
 
     def load(self, artifact_dir: Path, device: str, dtype: torch.dtype | None = None) -> None:
         from transformers import AutoTokenizer
@@ -287,7 +324,8 @@ class LLMBackend(Backend):
     def memory_bytes(self) -> int:
         if self._runner is None or self._parked is not None:
             return 0
-        return module_bytes(self._runner.model) + self._runner.kv_cache_bytes()
+        runner = self._runner
+        return module_bytes(runner.model) + runner.kv_cache_bytes() + runner.fused.scratch_bytes
 
     def offload_bytes(self) -> int:
         """Host bytes an offload keeps: the weights only (the KV cache is dropped)."""

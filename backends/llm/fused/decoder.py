@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ctypes
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -27,6 +27,57 @@ DYNAMIC_ROPE = ("dynamic", "longrope")
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 # Linear layers the kernel reads: float32, and int8 with a scale per output row.
 LINEAR_TYPES = (torch.nn.Linear, Int8Linear)
+# The kernel's tiles its scratch is sized by: rows of a packed panel (csrc/tiles.h `PANEL`),
+# weight rows of a widened int8 block (csrc/project.h `BLOCK_COLUMNS`).
+_PANEL, _BLOCK_COLUMNS = 16, 8
+
+
+def scratch_floats(
+    *,
+    hidden: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    inter: int,
+    max_context: int,
+    rows: int,
+    threads: int,
+) -> int:
+    """Floats of the kernel's scratch for steps of up to `rows` rows, as its
+    `hub_fused_work_floats` counts them (a test holds the two equal): the step's activations,
+    and per thread the attention scores over the longest context, the input packed into
+    panels and two widened int8 blocks."""
+    widest = max(hidden, inter, heads * head_dim)
+    padded = -(-rows // _PANEL) * _PANEL
+    per_thread = heads * max_context + padded * widest + 2 * _BLOCK_COLUMNS * (widest + rows)
+    activations = rows * (2 * hidden + 2 * heads * head_dim + 2 * kv_heads * head_dim + inter)
+    return activations + threads * per_thread
+
+
+def predicted_scratch_bytes(
+    config: Mapping[str, Any], *, max_context: int, max_rows: int, threads: int
+) -> int:
+    """What a model of this `config.json` holds for the fused step (`FusedDecoder
+    .scratch_bytes`) if its steps run fused: 0 for a family the kernel does not run."""
+    if config.get("model_type") not in FAMILIES:
+        return 0
+    try:
+        heads = int(config["num_attention_heads"])
+        kv_heads = int(config.get("num_key_value_heads") or heads)
+        head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+        floats = scratch_floats(
+            hidden=int(config["hidden_size"]),
+            heads=heads,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            inter=int(config["intermediate_size"]),
+            max_context=max_context,
+            rows=max_rows,
+            threads=threads,
+        )
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return 0  # not a config the decoder could read either
+    return 4 * floats + 2 * 4 * max_context * head_dim
 
 
 def unsupported_reason(model: Any) -> str | None:
@@ -148,6 +199,8 @@ class FusedDecoder:
         self._static_rope = getattr(self._rotary, "rope_type", "default") not in DYNAMIC_ROPE
         self._rope = (torch.empty(0, m.head_dim), torch.empty(0, m.head_dim))  # cos, sin
         self.vocab = int(m.vocab)
+        # What the decoder holds at most: its scratch, and rotary tables of every position.
+        self.scratch_bytes = self._work.nbytes + 2 * 4 * max_context * int(m.head_dim)
         self.slots = int(m.num_blocks * m.block_size)
 
     def check(self, step: FusedStep) -> None:

@@ -114,7 +114,14 @@ class FusedPath:
         self._settings = settings
         self._attention: list[AttentionParams] = []
         self.decoder: FusedDecoder | None = None
+        self._scratch_bytes = 0
         self.steps = 0  # steps run fused
+
+    @property
+    def scratch_bytes(self) -> int:
+        """Bytes the fused step holds (its scratch, rotary tables), counted from its start on,
+        between a `forget` and the next step's rebuild too; 0 while it is off."""
+        return self._scratch_bytes if self._attention else 0
 
     def start(self, kv_caches: list[torch.Tensor]) -> str | None:
         """Probe, build and check; None when steps may run fused, else why not (logged)."""
@@ -129,6 +136,8 @@ class FusedPath:
         )
         if reason is not None:
             log.info("steps run through the transformers modules: %s", reason)
+        if self.decoder is not None:
+            self._scratch_bytes = self.decoder.scratch_bytes
         return reason
 
     def forget(self) -> None:
@@ -155,6 +164,7 @@ class FusedPath:
                         max_rows=self.max_rows,
                         threads=cores(),
                     )
+                    self._scratch_bytes = self.decoder.scratch_bytes
                 except (ValueError, RuntimeError, TypeError, AttributeError) as e:
                     reason = str(e)
             if reason is not None:

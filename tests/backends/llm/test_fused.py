@@ -15,8 +15,8 @@ import torch
 from backends.base import BackendContext
 from backends.llm.backend import LLMBackend
 from backends.llm.config import EngineConfig
-from backends.llm.fused.decoder import unsupported_reason
-from backends.llm.fused.kernel import fused_kernel
+from backends.llm.fused.decoder import scratch_floats, unsupported_reason
+from backends.llm.fused.kernel import CModel, fused_kernel
 from backends.llm.fused.step import FusedStep
 from backends.llm.kernel_settings import KernelSettings
 from backends.llm.model_runner import ModelRunner
@@ -113,9 +113,12 @@ async def test_offload_and_restore_rebuild_it_over_the_new_tensors(llama: Path) 
     try:
         before, steps = await text(), path.steps
         assert steps > 0 and path.decoder is not None
+        full = backend.memory_bytes()
         backend.offload()
         assert path.decoder is None  # it pointed at the parked weights and the old cache
         backend.restore("cpu")
+        # Its scratch counts from the restore on, before the next step rebuilds it.
+        assert path.scratch_bytes > 0 and 0 <= backend.memory_bytes() - full < 64 * 1024
         assert await text() == before
         assert path.steps > steps
         assert path.decoder is not None
@@ -123,6 +126,37 @@ async def test_offload_and_restore_rebuild_it_over_the_new_tensors(llama: Path) 
     finally:
         await backend.aclose()
         backend.unload()
+
+
+def test_its_scratch_is_predicted_from_the_config_and_counted(llama: Path) -> None:
+    """The scratch grows with the cores, the longest context and the rows of a step; the
+    prediction from config.json equals what the decoder holds, and the ledger counts it."""
+    runtime = {"kv_cache_bytes": 2**21, "max_num_batched_tokens": 256, "max_num_seqs": 64}
+    backend = LLMBackend(BackendContext("tiny", "1", runtime))
+    backend.load(llama, "cpu", torch.float32)
+    try:
+        path = backend.engine.runner.fused
+        assert path.decoder is not None
+        scratch = path.scratch_bytes
+        assert scratch >= path.decoder._work.nbytes > 0
+        predicted = LLMBackend.predict_memory(llama, runtime)
+        assert predicted - LLMBackend.predict_memory(llama, {**runtime, "fused_step": False}) == (
+            scratch
+        )
+        assert backend.memory_bytes() <= predicted
+    finally:
+        backend.unload()
+
+
+@pytest.mark.parametrize(("rows", "context", "threads"), [(1, 1, 1), (17, 300, 2), (512, 4096, 16)])
+def test_the_scratch_formula_is_the_kernel_s(rows: int, context: int, threads: int) -> None:
+    kernel = fused_kernel(KernelSettings())
+    assert kernel is not None
+    shape = {"hidden": 96, "heads": 6, "kv_heads": 2, "head_dim": 16, "inter": 200}
+    model = CModel(**shape, max_context=context, threads=threads)
+    assert kernel.work_floats(model, rows) == scratch_floats(
+        **shape, max_context=context, rows=rows, threads=threads
+    )
 
 
 def test_the_thread_count_does_not_change_the_logits(llama: Path) -> None:
