@@ -178,14 +178,13 @@ static void qkv_head(const struct hub_model *m, const struct hub_layer *l,
     }
 }
 
-/* The step's activations and one thread's scratch, carved from `work`. */
+/* The step's activations, the team's panels and one thread's scratch, carved from `work`. */
 struct buffers {
     float *x, *h, *q, *k, *v, *att, *act; /* (rows, ...) each */
-    float *scores, *panels, *weights, *blocks; /* this thread's */
+    float *panels;                  /* the team's: the projection input, packed */
+    float *scores, *weights, *blocks; /* this thread's */
 };
 
-/* Floats of one thread's scratch: attention scores over the longest context, and the
- * packed panels of the widest projection input. */
 /* Rows per thread from which attention takes a task per row. */
 #define ROWS_PER_THREAD 4
 
@@ -202,16 +201,20 @@ static int64_t widest_input(const struct hub_model *m) {
     return m->heads * m->head_dim > widest ? m->heads * m->head_dim : widest;
 }
 
+/* Floats of one thread's scratch: attention scores over the longest context, and a block of
+ * int8 weight rows widened and of outputs (two each). */
 static int64_t thread_floats(const struct hub_model *m, int64_t rows) {
-    const int64_t widest = widest_input(m);
-    const int64_t padded = (rows + PANEL - 1) / PANEL * PANEL;
-    return m->heads * m->max_context + padded * widest +
-           2 * BLOCK_COLUMNS * (widest + rows);
+    return m->heads * m->max_context + 2 * BLOCK_COLUMNS * (widest_input(m) + rows);
 }
 
+/* The step's activations, then the packed panels of the widest projection input. */
 static int64_t activation_floats(const struct hub_model *m, int64_t rows) {
     return rows * (2 * m->hidden + 2 * m->heads * m->head_dim + 2 * m->kv_heads * m->head_dim +
                    m->inter);
+}
+
+static int64_t shared_floats(const struct hub_model *m, int64_t rows) {
+    return activation_floats(m, rows) + (rows + PANEL - 1) / PANEL * PANEL * widest_input(m);
 }
 
 static struct buffers carve(const struct hub_model *m, int64_t rows, float *work, int thread) {
@@ -223,16 +226,16 @@ static struct buffers carve(const struct hub_model *m, int64_t rows, float *work
     b.v = b.k + rows * m->kv_heads * m->head_dim;
     b.att = b.v + rows * m->kv_heads * m->head_dim;
     b.act = b.att + rows * m->heads * m->head_dim;
-    b.scores = work + activation_floats(m, rows) + thread * thread_floats(m, rows);
-    b.panels = b.scores + m->heads * m->max_context;
-    b.weights = b.panels + (rows + PANEL - 1) / PANEL * PANEL * widest_input(m);
+    b.panels = work + activation_floats(m, rows);
+    b.scores = work + shared_floats(m, rows) + thread * thread_floats(m, rows);
+    b.weights = b.scores + m->heads * m->max_context;
     b.blocks = b.weights + 2 * BLOCK_COLUMNS * widest_input(m);
     return b;
 }
 
 /* Floats of scratch a step of up to `rows` rows needs. */
 int64_t hub_fused_work_floats(const struct hub_model *m, int64_t rows) {
-    return activation_floats(m, rows) + m->threads * thread_floats(m, rows);
+    return shared_floats(m, rows) + m->threads * thread_floats(m, rows);
 }
 
 static void layer_step(const struct hub_model *m, const struct hub_layer *l,

@@ -54,22 +54,30 @@ static inline int64_t panel_min_rows(const struct hub_weight *w) {
 #define BLOCK_COLUMNS 8
 
 /* The input of a projection: m rows of k floats, ldx apart; the same rows packed into panels
- * when there are enough of them (else NULL); this thread's scratch for dequantized weight
- * rows (2 * BLOCK_COLUMNS * k floats) and for blocks of outputs (2 * BLOCK_COLUMNS * m). */
+ * when there are enough of them (else NULL), shared by the team; this thread's scratch for
+ * dequantized weight rows (2 * BLOCK_COLUMNS * k floats) and for blocks of outputs
+ * (2 * BLOCK_COLUMNS * m). */
 struct operand {
     const float *x, *panels;
     float *weights, *blocks;
     int64_t ldx, m, k;
 };
 
-/* The operand for rows x against weights like w; packs them into `panels` (this thread's)
- * when that pays. */
+/* The operand for rows x against weights like w; packs them into `panels` when that pays.
+ * Every thread of the team calls it alike: the panels are shared out among them (an
+ * orphaned `omp for`), each packed once, all of them before any thread goes on. */
 static struct operand operand(const float *x, int64_t ldx, int64_t m, int64_t k,
                               const struct hub_weight *w, float *panels, float *weights,
                               float *blocks) {
     const int pack = m >= panel_min_rows(w);
     const struct operand a = {x, pack ? panels : NULL, weights, blocks, ldx, m, k};
-    if (a.panels) pack_panels(x, ldx, m, k, panels);
+    if (pack) {
+        const struct panels p = panel_layout(m);
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (int64_t b = 0; b < panel_count(p); b++) pack_panel(x, ldx, m, k, panels, p, b);
+    }
     return a;
 }
 

@@ -76,18 +76,16 @@ static inline int64_t panel_width(struct panels p, int64_t b) {
     return b < p.full ? PANEL : NARROW_PANEL;
 }
 
-/* xt = rows [0, m) of x, transposed into the panels of `panel_layout(m)`; a panel's rows
+/* Panel b of xt = rows [0, m) of x, transposed into the panels of layout p; a panel's rows
  * past m are zeros. */
-static inline void pack_panels(const float *x, int64_t ldx, int64_t m, int64_t k, float *xt) {
-    const struct panels p = panel_layout(m);
-    for (int64_t b = 0; b < panel_count(p); b++) {
-        const int64_t first = b * PANEL, width = panel_width(p, b);
-        float *panel = xt + first * k;
-        const int64_t rows = m - first < width ? m - first : width;
-        for (int64_t i = 0; i < k; i++) {
-            for (int64_t r = 0; r < rows; r++) panel[i * width + r] = x[(first + r) * ldx + i];
-            for (int64_t r = rows; r < width; r++) panel[i * width + r] = 0.0f;
-        }
+static inline void pack_panel(const float *x, int64_t ldx, int64_t m, int64_t k, float *xt,
+                              struct panels p, int64_t b) {
+    const int64_t first = b * PANEL, width = panel_width(p, b);
+    float *panel = xt + first * k;
+    const int64_t rows = m - first < width ? m - first : width;
+    for (int64_t i = 0; i < k; i++) {
+        for (int64_t r = 0; r < rows; r++) panel[i * width + r] = x[(first + r) * ldx + i];
+        for (int64_t r = rows; r < width; r++) panel[i * width + r] = 0.0f;
     }
 }
 

@@ -44,14 +44,14 @@ def scratch_floats(
     threads: int,
 ) -> int:
     """Floats of the kernel's scratch for steps of up to `rows` rows, as its
-    `hub_fused_work_floats` counts them (a test holds the two equal): the step's activations,
-    and per thread the attention scores over the longest context, the input packed into
-    panels and two widened int8 blocks."""
+    `hub_fused_work_floats` counts them (a test holds the two equal): the step's activations
+    and its input packed into panels, and per thread the attention scores over the longest
+    context and two widened int8 blocks."""
     widest = max(hidden, inter, heads * head_dim)
-    padded = -(-rows // _PANEL) * _PANEL
-    per_thread = heads * max_context + padded * widest + 2 * _BLOCK_COLUMNS * (widest + rows)
+    panels = -(-rows // _PANEL) * _PANEL * widest
+    per_thread = heads * max_context + 2 * _BLOCK_COLUMNS * (widest + rows)
     activations = rows * (2 * hidden + 2 * heads * head_dim + 2 * kv_heads * head_dim + inter)
-    return activations + threads * per_thread
+    return activations + panels + threads * per_thread
 
 
 def predicted_scratch_bytes(
