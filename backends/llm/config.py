@@ -23,7 +23,7 @@ read by the loader; `keep_alive`, `pin`, `device`, read by the hub) are left to 
 | `priority_aging_steps` | 256 | a waiting request gains one priority level per this many steps |
 | `max_loras` | 8 | LoRA adapters on the device at once (slots; more take turns, LRU) |
 | `max_lora_rank` | 64 | largest LoRA rank an adapter may have |
-| `fused_step` | true | float32 Llama-family models on a CPU: steps in one native call |
+| `fused_step` | true | float32 Llama-family models (Phi-3 too) on a CPU: steps in one native call |
 """
 
 from __future__ import annotations

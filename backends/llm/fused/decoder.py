@@ -22,9 +22,11 @@ from backends.llm.quantization import Int8Linear
 DYNAMIC_ROPE = ("dynamic", "longrope")
 
 # Model types whose decoder layer is the Llama one: pre-norm RMS norms, q/k/v/o projections
-# (biases optional, Qwen2's on q/k/v), per-head q/k norms (Qwen3), full rotary embedding,
-# SwiGLU MLP. Others keep the transformers path.
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+# (biases optional, Qwen2's on q/k/v; Phi-3's q, k and v rows of one weight, and its gate and
+# up rows too), per-head q/k norms (Qwen3), full rotary embedding, SwiGLU MLP. Others keep
+# the transformers path.
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
 # Linear layers the kernel reads: float32, and int8 with a scale per output row.
 LINEAR_TYPES = (torch.nn.Linear, Int8Linear)
 # The kernel's tiles its scratch is sized by: rows of a packed panel (csrc/tiles.h `PANEL`),
@@ -96,21 +98,57 @@ def unsupported_reason(model: Any) -> str | None:
     lm_head = getattr(model, "lm_head", None)
     if type(lm_head) not in LINEAR_TYPES:
         return "the LM head is not a float32 or int8 linear layer (int4 weights?)"
+    rope = getattr(config, "rope_parameters", None) or {}
+    if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
+        return "partial rotary embedding"
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
-        linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
-        linears += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-        if any(type(base_linear(m)) not in LINEAR_TYPES for m in linears):
+        try:
+            parts = projections(layer, config)
+        except (AttributeError, ValueError) as e:
+            return f"projections the kernel does not read: {e}"
+        if any(type(linear) not in LINEAR_TYPES for linear, _ in parts.values()):
             return "a projection is not a float32 or int8 linear layer (int4 weights?)"
         norms = [layer.input_layernorm, layer.post_attention_layernorm]
         norms += [n for n in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)) if n]
         if any(norm_eps(n) is None for n in norms):
             return "a norm is not an RMS norm with a weight"
-        if type(mlp.act_fn).__name__ != "SiLUActivation" and not isinstance(
-            mlp.act_fn, torch.nn.SiLU
-        ):
+        act = getattr(mlp, "act_fn", None) or getattr(mlp, "activation_fn", None)
+        if type(act).__name__ != "SiLUActivation" and not isinstance(act, torch.nn.SiLU):
             return "the MLP activation is not SiLU"
     return None
+
+
+def projections(layer: Any, config: Any) -> dict[str, tuple[Any, slice]]:
+    """Each projection the kernel reads (`PROJECTIONS`) as the linear layer holding it and its
+    rows there: a layer of its own, or rows of a fused one (Phi-3's `qkv_proj`, q then k then
+    v, and `gate_up_proj`, gate then up). ValueError for a fused layer of other rows."""
+    attn, mlp = layer.self_attn, layer.mlp
+    everything = slice(None)
+    parts: dict[str, tuple[Any, slice]]
+    if hasattr(attn, "qkv_proj"):
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        qd, kvd = heads * attn.head_dim, kv_heads * attn.head_dim
+        qkv = base_linear(attn.qkv_proj)
+        if qkv.out_features != qd + 2 * kvd:
+            raise ValueError(f"qkv_proj has {qkv.out_features} rows, not {qd} + 2 x {kvd}")
+        bounds = {"q": (0, qd), "k": (qd, qd + kvd), "v": (qd + kvd, qd + 2 * kvd)}
+        parts = {name: (qkv, slice(*rows)) for name, rows in bounds.items()}
+    else:
+        parts = {name: (base_linear(getattr(attn, f"{name}_proj")), everything) for name in "qkv"}
+    parts["o"] = (base_linear(attn.o_proj), everything)
+    if hasattr(mlp, "gate_up_proj"):
+        gate_up = base_linear(mlp.gate_up_proj)
+        inter = gate_up.out_features // 2
+        if gate_up.out_features != 2 * inter:
+            raise ValueError(f"gate_up_proj has an odd number of rows ({gate_up.out_features})")
+        parts["gate"], parts["up"] = (gate_up, slice(0, inter)), (gate_up, slice(inter, None))
+    else:
+        parts["gate"] = (base_linear(mlp.gate_proj), everything)
+        parts["up"] = (base_linear(mlp.up_proj), everything)
+    parts["down"] = (base_linear(mlp.down_proj), everything)
+    return parts
 
 
 def base_linear(module: Any) -> Any:
@@ -160,22 +198,14 @@ class FusedDecoder:
         self._layers = (CLayer * len(layers))()
         qk_eps = 0.0
         for c, layer, params, kv in zip(self._layers, layers, attention, kv_caches, strict=True):
-            attn, mlp = layer.self_attn, layer.mlp
+            attn = layer.self_attn
             q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
             if q_norm is not None:
                 qk_eps = norm_eps(q_norm) or 0.0
             c.input_norm = self._ptr(layer.input_layernorm.weight)
             c.post_norm = self._ptr(layer.post_attention_layernorm.weight)
-            for name, module in (
-                ("q", attn.q_proj),
-                ("k", attn.k_proj),
-                ("v", attn.v_proj),
-                ("o", attn.o_proj),
-                ("gate", mlp.gate_proj),
-                ("up", mlp.up_proj),
-                ("down", mlp.down_proj),
-            ):
-                setattr(c, name, self._weight(base_linear(module)))
+            for name, (linear, rows) in projections(layer, config).items():
+                setattr(c, name, self._weight(linear, rows))
             c.q_norm = self._ptr(None if q_norm is None else q_norm.weight)
             c.k_norm = self._ptr(None if k_norm is None else k_norm.weight)
             c.cache = self._ptr(kv)
@@ -184,19 +214,24 @@ class FusedDecoder:
         m = self._model = CModel()
         m.hidden, m.heads, m.kv_heads = config.hidden_size, heads, kv_heads
         m.head_dim = layers[0].self_attn.head_dim
-        m.inter = base_linear(layers[0].mlp.gate_proj).out_features
+        gate, gate_rows = projections(layers[0], config)["gate"]
+        m.inter = gate.out_features if gate_rows.stop is None else gate_rows.stop
         m.vocab, m.layers = model.lm_head.out_features, len(layers)
         m.num_blocks, m.block_size = num_blocks, block_size
         m.max_context, m.threads = max_context, threads
         m.eps, m.qk_eps = norm_eps(layers[0].input_layernorm) or 0.0, qk_eps
         m.embed = self._ptr(inner.embed_tokens.weight)
         m.final_norm = self._ptr(inner.norm.weight)
-        m.lm_head = self._weight(model.lm_head)
+        m.lm_head = self._weight(model.lm_head, slice(None))
         m.layer = self._layers
         self._work = torch.empty(kernel.work_floats(m, max_rows), dtype=torch.float32)
         self._work_address = self._work.data_ptr()
         self._rotary = inner.rotary_emb
         self._static_rope = getattr(self._rotary, "rope_type", "default") not in DYNAMIC_ROPE
+        with torch.no_grad():
+            cos, _ = self._rotary(self._work, torch.zeros(1, 1, dtype=torch.long))
+        if cos.shape[-1] != m.head_dim:  # the kernel rotates whole heads
+            raise ValueError(f"fused step: rotary tables of {cos.shape[-1]} of {m.head_dim} dims")
         self._rope = (torch.empty(0, m.head_dim), torch.empty(0, m.head_dim))  # cos, sin
         self.vocab = int(m.vocab)
         # What the decoder holds at most: its scratch, and rotary tables of every position.
@@ -291,18 +326,20 @@ class FusedDecoder:
             self._rope = (cos[0].contiguous(), sin[0].contiguous())
         return self._rope[0], self._rope[1], positions
 
-    def _weight(self, linear: Any) -> CWeight:
-        """A float32 `nn.Linear` or an `Int8Linear` (its bfloat16 scales widened once)."""
+    def _weight(self, linear: Any, rows: slice) -> CWeight:
+        """Rows `rows` of a float32 `nn.Linear` or an `Int8Linear` (its bfloat16 scales
+        widened once); a slice of a contiguous weight's rows is contiguous too."""
         w = CWeight()
         if isinstance(linear, Int8Linear):
             if linear.weight.device.type != "cpu" or not linear.weight.is_contiguous():
                 raise ValueError("fused step: int8 weights must be contiguous on the CPU")
-            self._keep.append(linear.weight.detach())
-            w.i8 = bptr(linear.weight)
-            w.scale = self._ptr(linear.scale.float().contiguous())
+            weight = linear.weight.detach()[rows]
+            self._keep.append(weight)
+            w.i8 = bptr(weight)
+            w.scale = self._ptr(linear.scale[rows].float().contiguous())
         else:
-            w.f32 = self._ptr(linear.weight)
-        w.bias = self._ptr(linear.bias)
+            w.f32 = self._ptr(linear.weight[rows])
+        w.bias = self._ptr(None if linear.bias is None else linear.bias[rows])
         return w
 
     def _ptr(self, tensor: torch.Tensor | None) -> Any:

@@ -5,7 +5,9 @@ transformers. Greedy equality with transformers for every family is test_correct
 
 from __future__ import annotations
 
+import json
 import logging
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -53,23 +55,38 @@ def test_other_models_say_why_they_keep_the_transformers_path(root: Path, llama:
     )
     assert int4.fused.decoder is None
     assert "int4" in (unsupported_reason(int4.model) or "")
+    # Phi-3 runs fused (q/k/v and gate/up as rows of one layer each), not with a partial
+    # rotary embedding (the kernel rotates whole heads).
+    phi3 = build_model(root, "phi3")
+    assert make_engine(phi3).runner.fused.decoder is not None
+    partial = shutil.copytree(phi3, root / "phi3-partial-rotary")
+    config = json.loads((partial / "config.json").read_text())
+    config["rope_parameters"]["partial_rotary_factor"] = 0.5
+    (partial / "config.json").write_text(json.dumps(config))
+    engine = make_engine(partial)
+    assert engine.runner.fused.decoder is None
+    assert "partial rotary" in (unsupported_reason(engine.runner.model) or "")
     off = make_engine(llama, fused_step=False)
     assert off.runner.fused.decoder is None
     tokens_of(off, random_prompts(2, seed=1, lengths=(3, 12)))
     assert off.runner.fused.steps == 0
 
 
-def test_int8_runs_fused_and_equals_its_weights_exact_float32_products(root: Path) -> None:
+@pytest.mark.parametrize("arch", ["qwen2", "phi3"])
+def test_int8_runs_fused_and_equals_its_weights_exact_float32_products(
+    root: Path, arch: str
+) -> None:
     """int8 layers stream a quarter of float32's bytes through the same step; the reference
     is transformers with each int8 layer as int8 times scale in float32 (`float32_reference`),
-    not the bfloat16 kernels of the transformers path, so only near-ties may differ."""
+    not the bfloat16 kernels of the transformers path, so only near-ties may differ. Phi-3's
+    q/k/v and gate/up are rows of one int8 layer each, with their rows' scales."""
     from transformers import AutoModelForCausalLM
 
     from backends.llm.quantization import float32_reference, quantize_model
     from tests.backends.llm.support import greedy_with_tops
     from tests.backends.llm.test_correctness import check_run
 
-    folder = build_model(root, "qwen2")  # tied head: the embeddings stay float32 for it
+    folder = build_model(root, arch)  # qwen2's head is tied: the embeddings stay float32
     prompts = random_prompts(6, seed=5, lengths=(3, 40))
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     quantize_model(model)
@@ -80,7 +97,7 @@ def test_int8_runs_fused_and_equals_its_weights_exact_float32_products(root: Pat
     )
     assert engine.runner.fused.decoder is not None
     params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=5)
-    check_run("qwen2 int8 fused", refs, run_all(engine, [(p, params) for p in prompts]))
+    check_run(f"{arch} int8 fused", refs, run_all(engine, [(p, params) for p in prompts]))
     assert engine.runner.fused.steps > 0
 
 
