@@ -21,9 +21,11 @@ counted in `hub_requests_shed_total{reason}`:
 - `queue_time`: the model it names was refused for queue time a moment ago and its queue is
   still estimated over `max_queue_time_ms` (hub/saturation.py): the same answer its queue
   would give, without the body's validation and the routing (labelled with the model and
-  version). Only while some model is in that state does the edge look at a request: the
-  model of an inference path (`/models/{name}/...`, or `model` in the JSON body of the
-  OpenAI- and Cohere-shaped routes, up to `PEEK_BYTES`), the body then handed on unchanged;
+  version, and in `hub_requests_total` / `hub_request_seconds` under the path's endpoint, as
+  the queue's own refusal is). Only while some model is in that state does the edge look at
+  a request: the model of an inference path (`/models/{name}/...`, or `model` in the JSON
+  body of the OpenAI- and Cohere-shaped routes, up to `PEEK_BYTES`), the body then handed on
+  unchanged;
   only for a route of the model's kind and a caller the authenticator already knows (else
   the route's own 400 or 401 answers, and nothing about the model's load is said).
 
@@ -168,6 +170,11 @@ class EdgeLimitMiddleware:
                 self._model_shed[key] = metrics
         if metrics is not None:
             metrics.observe("queue_time")
+        hub = _hub(scope)
+        if hub is not None:  # an answered request like any other, in the model's series
+            answered = (saturated.model, str(saturated.version), _endpoint_of(scope["path"]))
+            hub.metrics.requests.labels(*answered, "503").inc()
+            hub.metrics.request_seconds.labels(*answered).observe(0.0)
         message = (
             f"{saturated.message} (refused at the HTTP edge: a request a moment ago found "
             "the same queue, still estimated over its bound)"
@@ -242,6 +249,23 @@ def _kind_of(path: str) -> str:
     if "rerank" in path:
         return "reranker"
     return "llm"
+
+
+# The `endpoint` label each inference path's requests are counted under (hub.serving).
+_ENDPOINTS = {
+    "/v1/embeddings": "embeddings",
+    "/v1/completions": "completions",
+    "/v1/chat/completions": "chat",
+    "/v1/responses": "responses",
+}
+
+
+def _endpoint_of(path: str) -> str:
+    if path in _ENDPOINTS:
+        return _ENDPOINTS[path]
+    if path.endswith("/embed"):
+        return "embeddings"
+    return "rerank" if "rerank" in path else "generate"
 
 
 def _credentials(scope: Scope) -> tuple[str | None, str | None]:

@@ -89,8 +89,10 @@ async def test_a_saturated_model_is_refused_at_the_edge_until_its_queue_drains(
         assert (await first).status_code == 200
         assert all(r.status_code == 200 for r in await asyncio.gather(*queued))
     metrics = (await client.get("/metrics")).text
-    # 1 + 1 + 1 by the queue, 2 at the edge: one series.
+    # 1 + 1 + 1 by the queue, 2 at the edge: one series, and all five answered requests.
     assert 'hub_requests_shed_total{model="emb",reason="queue_time",version="1"} 5.0' in metrics
+    answered = 'hub_requests_total{endpoint="embeddings",model="emb",status="503",version="1"}'
+    assert f"{answered} 5.0" in metrics
 
 
 async def test_only_a_known_caller_on_a_route_of_the_models_kind_is_refused_at_the_edge(
