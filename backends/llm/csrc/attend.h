@@ -18,8 +18,8 @@
 
 #include "vec.h"
 
-/* s[0:len] = exp(s - max(s)) / sum, in place. */
-static void softmax(float *s, int64_t len) {
+/* max(s[0:len]), len >= 1. */
+static float row_max(const float *s, int64_t len) {
     int64_t i = 0;
     float m = -INFINITY;
     if (len >= 8) {
@@ -31,9 +31,15 @@ static void softmax(float *s, int64_t len) {
         for (int k = 0; k < 8; k++) m = mv[k] > m ? mv[k] : m;
     }
     for (; i < len; i++) m = s[i] > m ? s[i] : m;
+    return m;
+}
+
+/* s[0:len] = exp(s - m), in place; returns their sum. */
+static float exp_shifted(float *s, int64_t len, float m) {
+    int64_t i = 0;
     v8 sums = {0};
     float tail = 0.0f;
-    for (i = 0; i + 8 <= len; i += 8) {
+    for (; i + 8 <= len; i += 8) {
         const v8 e = exp8(load8(s + i) - m);
         store8(s + i, e);
         sums += e;
@@ -42,8 +48,13 @@ static void softmax(float *s, int64_t len) {
         s[i] = expf(s[i] - m);
         tail += s[i];
     }
-    const float inv = 1.0f / (hsum8(sums) + tail);
-    for (i = 0; i < len; i++) s[i] *= inv;
+    return hsum8(sums) + tail;
+}
+
+/* s[0:len] = exp(s - max(s)) / sum, in place. */
+static void softmax(float *s, int64_t len) {
+    const float inv = 1.0f / exp_shifted(s, len, row_max(s, len));
+    for (int64_t i = 0; i < len; i++) s[i] *= inv;
 }
 
 static float dot(const float *a, const float *b, int64_t n) {
@@ -112,56 +123,58 @@ struct layout {
     float softcap;  /* > 0: logits capped as softcap * tanh(logit / softcap) */
 };
 
-/* The query heads of KV heads [kv0, kv1) of one token (q: their (kv1 - kv0) * group *
- * head_dim floats, already scaled) over the first `n` tokens of the context whose blocks
- * `table` lists: out (same shape) = softmax(q K^T) V. Each run of keys (and of values) in a
- * block is read for all these heads at once: with every KV head, a token's keys are one
- * contiguous stretch of memory. `scores` holds (kv1 - kv0) * group * n floats. */
-static void attend_heads(const struct layout *lay, const float *q, const int64_t *table,
-                         int64_t n, int64_t kv0, int64_t kv1, float *scores, float *out) {
-    const int64_t bs = lay->block_size, group = lay->group, head_dim = lay->head_dim;
-    const int64_t stride = lay->kv_heads * head_dim, heads = (kv1 - kv0) * group;
-    const int vector_dims = head_dim % 8 == 0;
-    const int64_t first = (lay->window > 0 && n > lay->window) ? n - lay->window : 0;
-    const int64_t len = n - first;
-    const float *keys = lay->keys + kv0 * head_dim, *values = lay->values + kv0 * head_dim;
+/* Tokens whose logits attention holds at once: a longer context is taken in chunks of this
+ * many, with a running maximum and sum per head (an online softmax), so its scratch does not
+ * grow with the context. */
+#define ATTEND_CHUNK 512
 
-    /* Logits, in runs of tokens that sit next to each other in one block. */
-    for (int64_t t = first; t < n;) {
+/* Floats of `scores` attend_heads needs for `heads` query heads over at most `longest`
+ * tokens. */
+static inline int64_t attend_scratch(int64_t heads, int64_t longest) {
+    return longest > ATTEND_CHUNK ? heads * (ATTEND_CHUNK + 2) : heads * longest;
+}
+
+/* scores[h * ld + (t - from)] = q_h . k_t for tokens [from, to), in runs of tokens that sit
+ * next to each other in one block. */
+static void logits(const struct layout *lay, const float *q, const float *keys,
+                   const int64_t *table, int64_t heads, int64_t from, int64_t to,
+                   float *scores, int64_t ld) {
+    const int64_t bs = lay->block_size, group = lay->group, head_dim = lay->head_dim;
+    const int64_t stride = lay->kv_heads * head_dim;
+    for (int64_t t = from; t < to;) {
         const int64_t offset = t % bs;
-        const int64_t run = bs - offset < n - t ? bs - offset : n - t;
+        const int64_t run = bs - offset < to - t ? bs - offset : to - t;
         const float *k = keys + (table[t / bs] * bs + offset) * stride;
         int64_t j = 0;
-        if (vector_dims)
+        if (head_dim % 8 == 0)
             for (; j + 8 <= run; j += 8)
                 for (int64_t h = 0; h < heads; h++)
                     dot_x8(q + h * head_dim, k + j * stride + h / group * head_dim, stride,
-                           head_dim, scores + h * len + (t - first + j));
+                           head_dim, scores + h * ld + (t - from + j));
         for (; j < run; j++)
             for (int64_t h = 0; h < heads; h++)
-                scores[h * len + (t - first + j)] =
+                scores[h * ld + (t - from + j)] =
                     dot(q + h * head_dim, k + j * stride + h / group * head_dim, head_dim);
         t += run;
     }
-    /* Softmax weights, in place. */
-    for (int64_t h = 0; h < heads; h++) {
-        float *s = scores + h * len;
-        const float cap = lay->softcap;
-        if (cap > 0.0f)
-            for (int64_t i = 0; i < len; i++) s[i] = cap * tanhf(s[i] / cap);
-        softmax(s, len);
-    }
-    /* Weighted values, block run by block run. */
-    memset(out, 0, sizeof(float) * (size_t)(heads * head_dim));
-    for (int64_t t = first; t < n;) {
+}
+
+/* out_h += sum_t p_h[t - from] v_t over tokens [from, to), p_h = weights + h * ld, block
+ * run by block run. */
+static void weigh_values(const struct layout *lay, const float *values, const int64_t *table,
+                         int64_t heads, int64_t from, int64_t to, const float *weights,
+                         int64_t ld, float *out) {
+    const int64_t bs = lay->block_size, group = lay->group, head_dim = lay->head_dim;
+    const int64_t stride = lay->kv_heads * head_dim;
+    for (int64_t t = from; t < to;) {
         const int64_t offset = t % bs;
-        const int64_t run = bs - offset < n - t ? bs - offset : n - t;
+        const int64_t run = bs - offset < to - t ? bs - offset : to - t;
         const float *v = values + (table[t / bs] * bs + offset) * stride;
         for (int64_t h = 0; h < heads; h++) {
             float *a = out + h * head_dim;
-            const float *p = scores + h * len + (t - first);
+            const float *p = weights + h * ld + (t - from);
             const float *vh = v + h / group * head_dim;
-            if (vector_dims) {
+            if (head_dim % 8 == 0) {
                 for (int64_t c = 0; c < head_dim; c += 64) {
                     const int64_t width = head_dim - c < 64 ? head_dim - c : 64;
                     weighted_sum(a + c, width, p, vh + c, stride, run);
@@ -172,6 +185,60 @@ static void attend_heads(const struct layout *lay, const float *q, const int64_t
             }
         }
         t += run;
+    }
+}
+
+static void cap_logits(float *s, int64_t len, float cap) {
+    if (cap > 0.0f)
+        for (int64_t i = 0; i < len; i++) s[i] = cap * tanhf(s[i] / cap);
+}
+
+/* The query heads of KV heads [kv0, kv1) of one token (q: their (kv1 - kv0) * group *
+ * head_dim floats, already scaled) over the first `n` tokens of the context whose blocks
+ * `table` lists: out (same shape) = softmax(q K^T) V. Each run of keys (and of values) in a
+ * block is read for all these heads at once: with every KV head, a token's keys are one
+ * contiguous stretch of memory. `scores` holds `attend_scratch(heads, n)` floats. */
+static void attend_heads(const struct layout *lay, const float *q, const int64_t *table,
+                         int64_t n, int64_t kv0, int64_t kv1, float *scores, float *out) {
+    const int64_t head_dim = lay->head_dim, heads = (kv1 - kv0) * lay->group;
+    const int64_t first = (lay->window > 0 && n > lay->window) ? n - lay->window : 0;
+    const int64_t len = n - first;
+    const float *keys = lay->keys + kv0 * head_dim, *values = lay->values + kv0 * head_dim;
+    memset(out, 0, sizeof(float) * (size_t)(heads * head_dim));
+    if (len <= ATTEND_CHUNK) { /* the whole context's weights at once */
+        logits(lay, q, keys, table, heads, first, n, scores, len);
+        for (int64_t h = 0; h < heads; h++) {
+            cap_logits(scores + h * len, len, lay->softcap);
+            softmax(scores + h * len, len);
+        }
+        weigh_values(lay, values, table, heads, first, n, scores, len, out);
+        return;
+    }
+    /* Chunk by chunk: the values weighed by exp(logit - the running maximum), the sums so
+     * far rescaled whenever the maximum grows, and divided by the total at the end. */
+    float *maxima = scores + heads * ATTEND_CHUNK, *sums = maxima + heads;
+    for (int64_t h = 0; h < heads; h++) maxima[h] = -INFINITY, sums[h] = 0.0f;
+    for (int64_t from = first; from < n; from += ATTEND_CHUNK) {
+        const int64_t to = n - from < ATTEND_CHUNK ? n : from + ATTEND_CHUNK;
+        logits(lay, q, keys, table, heads, from, to, scores, ATTEND_CHUNK);
+        for (int64_t h = 0; h < heads; h++) {
+            float *s = scores + h * ATTEND_CHUNK;
+            cap_logits(s, to - from, lay->softcap);
+            const float chunk = row_max(s, to - from);
+            const float m = chunk > maxima[h] ? chunk : maxima[h];
+            if (m > maxima[h] && sums[h] > 0.0f) {
+                const float rescale = expf(maxima[h] - m);
+                for (int64_t i = 0; i < head_dim; i++) out[h * head_dim + i] *= rescale;
+                sums[h] *= rescale;
+            }
+            maxima[h] = m;
+            sums[h] += exp_shifted(s, to - from, m);
+        }
+        weigh_values(lay, values, table, heads, from, to, scores, ATTEND_CHUNK, out);
+    }
+    for (int64_t h = 0; h < heads; h++) {
+        const float inv = 1.0f / sums[h];
+        for (int64_t i = 0; i < head_dim; i++) out[h * head_dim + i] *= inv;
     }
 }
 

@@ -201,10 +201,11 @@ static int64_t widest_input(const struct hub_model *m) {
     return m->heads * m->head_dim > widest ? m->heads * m->head_dim : widest;
 }
 
-/* Floats of one thread's scratch: attention scores over the longest context, and a block of
- * int8 weight rows widened and of outputs (two each). */
+/* Floats of one thread's scratch: attention scores (over the longest context, or a chunk of
+ * it), and a block of int8 weight rows widened and of outputs (two each). */
 static int64_t thread_floats(const struct hub_model *m, int64_t rows) {
-    return m->heads * m->max_context + 2 * BLOCK_COLUMNS * (widest_input(m) + rows);
+    const int64_t widest = widest_input(m);
+    return attend_scratch(m->heads, m->max_context) + 2 * BLOCK_COLUMNS * (widest + rows);
 }
 
 /* The step's activations, then the packed panels of the widest projection input. */
@@ -228,7 +229,7 @@ static struct buffers carve(const struct hub_model *m, int64_t rows, float *work
     b.act = b.att + rows * m->heads * m->head_dim;
     b.panels = work + activation_floats(m, rows);
     b.scores = work + shared_floats(m, rows) + thread * thread_floats(m, rows);
-    b.weights = b.scores + m->heads * m->max_context;
+    b.weights = b.scores + attend_scratch(m->heads, m->max_context);
     b.blocks = b.weights + 2 * BLOCK_COLUMNS * widest_input(m);
     return b;
 }

@@ -59,7 +59,7 @@ int hub_paged_decode_f32(
 #pragma omp parallel num_threads(threads > 1 && tasks > 1 ? threads : 1) reduction(| : failed)
 #endif
     {
-        float *scores = malloc(sizeof(float) * (size_t)(group * longest));
+        float *scores = malloc(sizeof(float) * (size_t)attend_scratch(group, longest));
 #ifdef _OPENMP
 #pragma omp for schedule(dynamic, 1)
 #endif

@@ -30,8 +30,9 @@ PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
 # Linear layers the kernel reads: float32, and int8 with a scale per output row.
 LINEAR_TYPES = (torch.nn.Linear, Int8Linear)
 # The kernel's tiles its scratch is sized by: rows of a packed panel (csrc/tiles.h `PANEL`),
-# weight rows of a widened int8 block (csrc/project.h `BLOCK_COLUMNS`).
-_PANEL, _BLOCK_COLUMNS = 16, 8
+# weight rows of a widened int8 block (csrc/project.h `BLOCK_COLUMNS`), tokens whose attention
+# logits are held at once (csrc/attend.h `ATTEND_CHUNK`).
+_PANEL, _BLOCK_COLUMNS, _ATTEND_CHUNK = 16, 8, 512
 
 
 def scratch_floats(
@@ -47,11 +48,12 @@ def scratch_floats(
 ) -> int:
     """Floats of the kernel's scratch for steps of up to `rows` rows, as its
     `hub_fused_work_floats` counts them (a test holds the two equal): the step's activations
-    and its input packed into panels, and per thread the attention scores over the longest
-    context and two widened int8 blocks."""
+    and its input packed into panels, and per thread the attention scores (over the longest
+    context, or a chunk of it) and two widened int8 blocks."""
     widest = max(hidden, inter, heads * head_dim)
     panels = -(-rows // _PANEL) * _PANEL * widest
-    per_thread = heads * max_context + 2 * _BLOCK_COLUMNS * (widest + rows)
+    scores = heads * (_ATTEND_CHUNK + 2) if max_context > _ATTEND_CHUNK else heads * max_context
+    per_thread = scores + 2 * _BLOCK_COLUMNS * (widest + rows)
     activations = rows * (2 * hidden + 2 * heads * head_dim + 2 * kv_heads * head_dim + inter)
     return activations + panels + threads * per_thread
 

@@ -111,6 +111,16 @@ def test_native_decode_over_head_sizes_and_blocks_equals_dense_attention(
         check_step(plan, window, softcap, decode_path, shape)
 
 
+@pytest.mark.parametrize("decode_path", ["native", "native-serial"])
+def test_contexts_longer_than_a_chunk_equal_dense_attention(decode_path: str) -> None:
+    """Past 512 tokens (csrc/attend.h `ATTEND_CHUNK`) the kernel takes a context in chunks,
+    with a running maximum and sum per head, in scratch that does not grow with it."""
+    shape = Shape(kv=2, heads=4, dim=64, block=64)
+    plan = [(n, 1) for n in (511, 512, 513, 1100, 2100)]
+    for window, softcap in ((None, None), (700, None), (None, 2.0)):
+        check_step(plan, window, softcap, decode_path, shape)
+
+
 @pytest.mark.parametrize("decode_path", ["each", "native", "native-serial"])
 def test_many_decodes_shared_by_two_threads_equal_dense_attention(decode_path: str) -> None:
     plan = [(n, 1) for n in (3, 50, 17, 4, 33, 8, 21, 2, 40, 12, 5, 29)] + [(0, 7)]

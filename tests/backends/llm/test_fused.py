@@ -176,6 +176,18 @@ def test_the_scratch_formula_is_the_kernel_s(rows: int, context: int, threads: i
     )
 
 
+def test_contexts_longer_than_an_attention_chunk_equal_transformers(llama: Path) -> None:
+    """Decodes past 512 tokens of context take attention in chunks (csrc/attend.h)."""
+    from tests.backends.llm.test_correctness import MAX_TOKENS, check_run, hf_reference
+
+    prompts = random_prompts(2, seed=9, lengths=(520, 800))
+    refs = hf_reference(llama, prompts)
+    engine = make_engine(llama, kv_cache_bytes=2**22, max_num_seqs=2)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    check_run("llama long contexts", refs, run_all(engine, [(p, params) for p in prompts]))
+    assert engine.runner.fused.steps > 0
+
+
 def test_the_thread_count_does_not_change_the_logits(llama: Path) -> None:
     """Every output of a stage is one thread's work from start to end, so the sums run in the
     same order however many threads share the stage."""
