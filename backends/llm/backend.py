@@ -73,9 +73,10 @@ _RUNTIME_OVERHEAD_BYTES = 64 * 2**20
 def _fused_scratch(
     artifact_dir: Path, config: LLMConfig, dtype: torch.dtype | None, kv_cache: int
 ) -> int:
-    """Bytes the fused CPU step would hold for this model (its scratch grows with the cores,
-    the longest context and `max_num_batched_tokens`): counted wherever the step may run
-    fused (a float32 model of its families, int4 excepted), whatever the device."""
+    """Bytes the fused CPU step would hold for this model (its scratch grows with
+    `max_num_batched_tokens` and the cores, its rotary tables with the longest context):
+    counted wherever the step may run fused (a float32 model of its families, int4
+    excepted), whatever the device."""
     if not config.fused_step or config.quantization_method() == "int4":
         return 0
     if dtype not in (None, torch.float32):

@@ -26,7 +26,6 @@ DYNAMIC_ROPE = ("dynamic", "longrope")
 # up rows too), per-head q/k norms (Qwen3), full rotary embedding, SwiGLU MLP. Others keep
 # the transformers path.
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
-PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
 # Linear layers the kernel reads: float32, and int8 with a scale per output row.
 LINEAR_TYPES = (torch.nn.Linear, Int8Linear)
 # The kernel's tiles its scratch is sized by: rows of a packed panel (csrc/tiles.h `PANEL`),
@@ -122,9 +121,10 @@ def unsupported_reason(model: Any) -> str | None:
 
 
 def projections(layer: Any, config: Any) -> dict[str, tuple[Any, slice]]:
-    """Each projection the kernel reads (`PROJECTIONS`) as the linear layer holding it and its
-    rows there: a layer of its own, or rows of a fused one (Phi-3's `qkv_proj`, q then k then
-    v, and `gate_up_proj`, gate then up). ValueError for a fused layer of other rows."""
+    """Each projection the kernel reads (q, k, v, o, gate, up, down) as the linear layer
+    holding it and its rows there: a layer of its own, or rows of a fused one (Phi-3's
+    `qkv_proj`, q then k then v, and `gate_up_proj`, gate then up). ValueError for a fused
+    layer of other rows."""
     attn, mlp = layer.self_attn, layer.mlp
     everything = slice(None)
     parts: dict[str, tuple[Any, slice]]
