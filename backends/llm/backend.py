@@ -27,15 +27,14 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import json
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, TypeVar
 
 import torch
+from safetensors import safe_open
 
 from backends.base import Backend, BackendContext, ModelKind, checked_config
 from backends.errors import BackendClosedError, InputError, LoadError
@@ -71,29 +70,47 @@ _RUNTIME_OVERHEAD_BYTES = 64 * 2**20
 
 
 def _fused_scratch(
-    artifact_dir: Path, config: LLMConfig, dtype: torch.dtype | None, kv_cache: int
+    artifact_dir: Path,
+    files: list[Path],
+    config: LLMConfig,
+    dtype: torch.dtype | None,
+    quantizer: WeightQuantizer | None,
+    kv_cache: int,
 ) -> int:
     """Bytes the fused CPU step would hold for this model (its scratch grows with
     `max_num_batched_tokens` and the cores, its rotary tables with the longest context):
-    counted wherever the step may run fused (a float32 model of its families, int4
-    excepted), whatever the device."""
-    if not config.fused_step or config.quantization_method() == "int4":
+    counted where the step may run: a float32 model (as loaded) of its families, int8 or
+    unquantized, whatever the device (placement is decided later)."""
+    if not config.fused_step:
         return 0
-    if dtype not in (None, torch.float32):
+    floats: set[str] = set()
+    int4 = False
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                sl = f.get_slice(name)
+                if sl.get_dtype().startswith(("F", "BF")):
+                    floats.add(sl.get_dtype())
+                    shape = list(sl.get_shape())
+                    int4 = int4 or bool(quantizer and quantizer.stores_int4(name, shape))
+    if int4:  # an int4 layer keeps the model on the transformers path
         return 0
+    if (dtype is not None and dtype != torch.float32) or (dtype is None and floats != {"F32"}):
+        return 0  # not float32 once loaded
     try:
-        model_config = json.loads((artifact_dir / "config.json").read_text())
-        per_block = kv_bytes_per_block(
-            SimpleNamespace(**model_config), config.block_size, torch.float32
-        )
-        limits = [int(model_config["max_position_embeddings"])]
+        from transformers import AutoConfig
+
+        # The config as the model is built from it: transformers' defaults filled in.
+        model_config = AutoConfig.from_pretrained(artifact_dir, local_files_only=True)
+        per_block = kv_bytes_per_block(model_config, config.block_size, torch.float32)
+        limits = [int(model_config.max_position_embeddings)]
         limits.append(kv_cache // per_block * config.block_size)
-    except (OSError, ValueError, TypeError, KeyError, AttributeError, ZeroDivisionError):
-        return 0  # the load refuses such a folder
+    except Exception:  # any config the load refuses: it holds nothing
+        return 0
     if config.max_model_len is not None:
         limits.append(config.max_model_len)
     return predicted_scratch_bytes(
-        model_config,
+        model_config.to_dict(),
         max_context=max(1, min(limits)),
         max_rows=config.max_num_batched_tokens,
         threads=cores(),
@@ -139,7 +156,7 @@ class LLMBackend(Backend):
             weights
             + kv_cache
             + _RUNTIME_OVERHEAD_BYTES
-            + _fused_scratch(artifact_dir, config, dtype, kv_cache)
+            + _fused_scratch(artifact_dir, files, config, dtype, quantizer, kv_cache)
         )
 
     def load(self, artifact_dir: Path, device: str, dtype: torch.dtype | None = None) -> None:

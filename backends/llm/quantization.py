@@ -213,9 +213,13 @@ class WeightQuantizer:
     def tensor_bytes(self, name: str, shape: list[int], element_size: int) -> int:
         """Bytes the tensor `name` of `shape` takes once loaded, where it would take
         `element_size` bytes an element unquantized (`tensor_bytes_from_headers`'s size_of)."""
-        if is_quantized_weight(name, shape) and self._int4(tuple(shape)):
+        if self.stores_int4(name, shape):
             return int4_bytes(shape, self.group_size)
         return quantized_bytes(name, shape, element_size)
+
+    def stores_int4(self, name: str, shape: list[int]) -> bool:
+        """Whether the tensor `name` of `shape` is stored as int4 once loaded."""
+        return is_quantized_weight(name, shape) and self._int4(tuple(shape))
 
     def _int4(self, shape: tuple[int, ...]) -> bool:
         return self.method == "int4" and int4_fits(shape, self.group_size)

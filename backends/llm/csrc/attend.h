@@ -226,6 +226,10 @@ static void attend_heads(const struct layout *lay, const float *q, const int64_t
             cap_logits(s, to - from, lay->softcap);
             const float chunk = row_max(s, to - from);
             const float m = chunk > maxima[h] ? chunk : maxima[h];
+            if (m == -INFINITY) { /* nothing seen yet that weighs anything */
+                memset(s, 0, sizeof(float) * (size_t)(to - from));
+                continue;
+            }
             if (m > maxima[h] && sums[h] > 0.0f) {
                 const float rescale = expf(maxima[h] - m);
                 for (int64_t i = 0; i < head_dim; i++) out[h * head_dim + i] *= rescale;

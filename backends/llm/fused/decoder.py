@@ -62,7 +62,10 @@ def predicted_scratch_bytes(
 ) -> int:
     """What a model of this `config.json` holds for the fused step (`FusedDecoder
     .scratch_bytes`) if its steps run fused: 0 for a family the kernel does not run."""
-    if config.get("model_type") not in FAMILIES:
+    if config.get("model_type") not in FAMILIES or config.get("hidden_act") != "silu":
+        return 0
+    rope = config.get("rope_parameters") or {}
+    if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
         return 0
     try:
         heads = int(config["num_attention_heads"])

@@ -145,21 +145,56 @@ async def test_offload_and_restore_rebuild_it_over_the_new_tensors(llama: Path) 
         backend.unload()
 
 
-def test_its_scratch_is_predicted_from_the_config_and_counted(llama: Path) -> None:
-    """The scratch grows with the cores, the longest context and the rows of a step; the
-    prediction from config.json equals what the decoder holds, and the ledger counts it."""
-    runtime = {"kv_cache_bytes": 2**21, "max_num_batched_tokens": 256, "max_num_seqs": 64}
+def _variant(root: Path, llama: Path, variant: str) -> Path:
+    """The tiny Llama as given, without `max_position_embeddings` in its config.json (the
+    model takes transformers' default), or saved as bfloat16."""
+    if variant in ("plain", "int4 that fits no layer"):
+        return llama
+    folder = root / f"llama-{variant.replace(' ', '-')}"
+    if not folder.exists():
+        shutil.copytree(llama, folder)
+        if variant == "no max_position_embeddings":
+            config = json.loads((folder / "config.json").read_text())
+            del config["max_position_embeddings"]
+            (folder / "config.json").write_text(json.dumps(config))
+        else:
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(llama, dtype=torch.bfloat16)
+            model.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize(
+    "variant",
+    ["plain", "no max_position_embeddings", "int4 that fits no layer", "bfloat16 checkpoint"],
+)
+def test_its_scratch_is_predicted_from_the_config_and_counted(
+    root: Path, llama: Path, variant: str
+) -> None:
+    """The scratch grows with the rows of a step and the cores; the prediction from the
+    folder equals what the decoder holds (none where the model cannot run fused: a bfloat16
+    checkpoint loaded as it is), and the ledger counts it. int4 whose groups fit no layer
+    leaves every layer int8, which runs fused."""
+    folder = _variant(root, llama, variant)
+    runtime: dict[str, Any] = {
+        "kv_cache_bytes": 2**21, "max_num_batched_tokens": 256, "max_num_seqs": 64
+    }  # fmt: skip
+    if variant == "int4 that fits no layer":
+        runtime |= {"quantization": "int4", "quantization_group_size": 256}
     backend = LLMBackend(BackendContext("tiny", "1", runtime))
-    backend.load(llama, "cpu", torch.float32)
+    backend.load(folder, "cpu", None if variant == "bfloat16 checkpoint" else torch.float32)
     try:
         path = backend.engine.runner.fused
-        assert path.decoder is not None
         scratch = path.scratch_bytes
-        assert scratch >= path.decoder._work.nbytes > 0
-        predicted = LLMBackend.predict_memory(llama, runtime)
-        assert predicted - LLMBackend.predict_memory(llama, {**runtime, "fused_step": False}) == (
-            scratch
-        )
+        if variant == "bfloat16 checkpoint":
+            assert path.decoder is None and scratch == 0
+        else:
+            assert path.decoder is not None
+            assert scratch >= path.decoder._work.nbytes > 0
+        predicted = LLMBackend.predict_memory(folder, runtime)
+        without = LLMBackend.predict_memory(folder, {**runtime, "fused_step": False})
+        assert predicted - without == scratch
         assert backend.memory_bytes() <= predicted
     finally:
         backend.unload()
