@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -90,6 +91,31 @@ def require_safe_weights(folder: Path, *, allow_pickle: bool = False) -> list[Pa
     return []
 
 
+@dataclass(frozen=True)
+class HeaderTensor:
+    """A tensor as a safetensors header describes it: name, dtype ("F32", "BF16", "I8", ...)
+    and shape."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+
+    @property
+    def floating(self) -> bool:
+        return self.dtype.startswith(("F", "BF"))
+
+
+def header_tensors(files: Iterable[Path]) -> list[HeaderTensor]:
+    """Every tensor of these safetensors files, read from their headers only."""
+    tensors = []
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                sl = f.get_slice(name)
+                tensors.append(HeaderTensor(name, sl.get_dtype(), list(sl.get_shape())))
+    return tensors
+
+
 def tensor_bytes_from_headers(
     files: Iterable[Path],
     dtype: torch.dtype | None = None,
@@ -97,26 +123,32 @@ def tensor_bytes_from_headers(
     size_of: Callable[[str, list[int], int], int] | None = None,
 ) -> int:
     """Bytes the tensors of these safetensors files take once loaded, read from the headers
-    only; with `dtype`, floating-point tensors are counted as cast to it. `size_of(name,
-    shape, element_size)`, when given, says what a floating-point tensor takes instead
-    (a quantized weight)."""
+    only (`tensor_bytes`)."""
+    return tensor_bytes(header_tensors(files), dtype, size_of=size_of)
+
+
+def tensor_bytes(
+    tensors: Iterable[HeaderTensor],
+    dtype: torch.dtype | None = None,
+    *,
+    size_of: Callable[[str, list[int], int], int] | None = None,
+) -> int:
+    """Bytes these tensors take once loaded; with `dtype`, floating-point tensors are counted
+    as cast to it. `size_of(name, shape, element_size)`, when given, says what a
+    floating-point tensor takes instead (a quantized weight)."""
     total = 0
     target = torch.empty((), dtype=dtype).element_size() if dtype is not None else None
-    for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                sl = f.get_slice(name)
-                numel = 1
-                for dim in sl.get_shape():
-                    numel *= dim
-                kind = sl.get_dtype()
-                size = SAFETENSORS_DTYPE_BYTES.get(kind, 4)
-                if target is not None and kind.startswith(("F", "BF")):
-                    size = target
-                if size_of is not None and kind.startswith(("F", "BF")):
-                    total += size_of(name, list(sl.get_shape()), size)
-                    continue
-                total += numel * size
+    for t in tensors:
+        size = SAFETENSORS_DTYPE_BYTES.get(t.dtype, 4)
+        if target is not None and t.floating:
+            size = target
+        if size_of is not None and t.floating:
+            total += size_of(t.name, t.shape, size)
+            continue
+        numel = 1
+        for dim in t.shape:
+            numel *= dim
+        total += numel * size
     return total
 
 

@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-from safetensors import safe_open
 
 from backends.base import Backend, BackendContext, ModelKind, checked_config
 from backends.errors import BackendClosedError, InputError, LoadError
@@ -50,10 +49,12 @@ from backends.llm.quantization import WeightQuantizer
 from backends.llm.sampling_params import SamplingParams
 from backends.llm.structured.metrics import GrammarMetrics
 from backends.loading import (
+    HeaderTensor,
+    header_tensors,
     module_bytes,
     parse_dtype,
     require_safe_weights,
-    tensor_bytes_from_headers,
+    tensor_bytes,
 )
 from backends.parking import ParkedWeights, park, release
 from backends.runtime_config import LLMConfig, RuntimeConfig
@@ -71,7 +72,7 @@ _RUNTIME_OVERHEAD_BYTES = 64 * 2**20
 
 def _fused_scratch(
     artifact_dir: Path,
-    files: list[Path],
+    tensors: list[HeaderTensor],
     config: LLMConfig,
     dtype: torch.dtype | None,
     quantizer: WeightQuantizer | None,
@@ -83,16 +84,10 @@ def _fused_scratch(
     unquantized, whatever the device (placement is decided later)."""
     if not config.fused_step:
         return 0
-    floats: set[str] = set()
-    int4 = False
-    for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                sl = f.get_slice(name)
-                if sl.get_dtype().startswith(("F", "BF")):
-                    floats.add(sl.get_dtype())
-                    shape = list(sl.get_shape())
-                    int4 = int4 or bool(quantizer and quantizer.stores_int4(name, shape))
+    floats = {t.dtype for t in tensors if t.floating}
+    int4 = quantizer is not None and any(
+        quantizer.stores_int4(t.name, t.shape) for t in tensors if t.floating
+    )
     if int4:  # an int4 layer keeps the model on the transformers path
         return 0
     if (dtype is not None and dtype != torch.float32) or (dtype is None and floats != {"F32"}):
@@ -148,15 +143,16 @@ class LLMBackend(Backend):
         dtype = parse_dtype(config.dtype)
         method = config.quantization_method()
         quantizer = WeightQuantizer(method, config.quantization_group_size) if method else None
-        weights = tensor_bytes_from_headers(
-            files, dtype, size_of=quantizer.tensor_bytes if quantizer else None
+        tensors = header_tensors(files)
+        weights = tensor_bytes(
+            tensors, dtype, size_of=quantizer.tensor_bytes if quantizer else None
         )
         kv_cache = kv_cache_reservation(config, device_budget_bytes)
         return (
             weights
             + kv_cache
             + _RUNTIME_OVERHEAD_BYTES
-            + _fused_scratch(artifact_dir, files, config, dtype, quantizer, kv_cache)
+            + _fused_scratch(artifact_dir, tensors, config, dtype, quantizer, kv_cache)
         )
 
     def load(self, artifact_dir: Path, device: str, dtype: torch.dtype | None = None) -> None:

@@ -52,12 +52,25 @@ EXEMPT_PREFIXES = ("/health", "/metrics")
 # on the hardware the hub targets, and a later retry only spreads a burst thinner.
 EDGE_RETRY_AFTER = 1
 REASONS = ("event_loop_lag", "in_progress")
-# Inference routes whose JSON body names the model (`model`), and the largest body read here
-# to find it: bursts are of small requests; a longer body goes on unread.
-MODEL_IN_BODY = frozenset(
-    {"/v1/embeddings", "/v1/rerank", "/v2/rerank", "/rerank", "/v1/completions",
-     "/v1/chat/completions", "/v1/responses"}
-)  # fmt: skip
+# The inference routes the edge finds a model in, each with the model kind it serves and
+# the `endpoint` label its requests are counted under (hub.serving): those whose JSON body
+# names the model (`model`), and the per-model paths `/models/{name}/{action}`.
+BODY_ROUTES = {
+    "/v1/embeddings": ("embedder", "embeddings"),
+    "/v1/rerank": ("reranker", "rerank"),
+    "/v2/rerank": ("reranker", "rerank"),
+    "/rerank": ("reranker", "rerank"),
+    "/v1/completions": ("llm", "completions"),
+    "/v1/chat/completions": ("llm", "chat"),
+    "/v1/responses": ("llm", "responses"),
+}
+MODEL_ROUTES = {
+    "embed": ("embedder", "embeddings"),
+    "rerank": ("reranker", "rerank"),
+    "generate": ("llm", "generate"),
+}
+# The largest body read here to find the model: bursts are of small requests; a longer body
+# goes on unread.
 PEEK_BYTES = 64 * 1024
 
 
@@ -133,7 +146,7 @@ class EdgeLimitMiddleware:
             # caller allowed (else its 401): a refusal here says how loaded the model is.
             if (
                 saturated is not None
-                and saturated.kind == _kind_of(scope["path"])
+                and saturated.kind == _route_of(scope["path"])[0]
                 and hub.auth.known_user(*_credentials(scope))
             ):
                 await self._refuse_saturated(scope, send, saturated)
@@ -172,7 +185,8 @@ class EdgeLimitMiddleware:
             metrics.observe("queue_time")
         hub = _hub(scope)
         if hub is not None:  # an answered request like any other, in the model's series
-            answered = (saturated.model, str(saturated.version), _endpoint_of(scope["path"]))
+            endpoint = _route_of(scope["path"])[1]
+            answered = (saturated.model, str(saturated.version), endpoint)
             hub.metrics.requests.labels(*answered, "503").inc()
             hub.metrics.request_seconds.labels(*answered).observe(0.0)
         message = (
@@ -188,9 +202,9 @@ async def _requested_model(scope: Scope, receive: Receive) -> tuple[str | None, 
     is given again, in the same messages, before anything more."""
     path: str = scope["path"]
     parts = path.split("/")
-    if len(parts) == 4 and parts[1] == "models" and parts[3] in ("embed", "rerank", "generate"):
+    if len(parts) == 4 and parts[1] == "models" and parts[3] in MODEL_ROUTES:
         return parts[2] or None, receive
-    if path not in MODEL_IN_BODY:
+    if path not in BODY_ROUTES:
         return None, receive
     declared = _content_length(scope)
     if declared is None or declared > PEEK_BYTES:
@@ -242,30 +256,9 @@ def _hub(scope: Scope) -> Any:
     return getattr(scope["app"].state, "hub", None) if "app" in scope else None
 
 
-def _kind_of(path: str) -> str:
-    """The model kind an inference path serves."""
-    if path in ("/v1/embeddings",) or path.endswith("/embed"):
-        return "embedder"
-    if "rerank" in path:
-        return "reranker"
-    return "llm"
-
-
-# The `endpoint` label each inference path's requests are counted under (hub.serving).
-_ENDPOINTS = {
-    "/v1/embeddings": "embeddings",
-    "/v1/completions": "completions",
-    "/v1/chat/completions": "chat",
-    "/v1/responses": "responses",
-}
-
-
-def _endpoint_of(path: str) -> str:
-    if path in _ENDPOINTS:
-        return _ENDPOINTS[path]
-    if path.endswith("/embed"):
-        return "embeddings"
-    return "rerank" if "rerank" in path else "generate"
+def _route_of(path: str) -> tuple[str, str]:
+    """The model kind and endpoint label of a path `_requested_model` found a model in."""
+    return BODY_ROUTES.get(path) or MODEL_ROUTES[path.rsplit("/", 1)[-1]]
 
 
 def _credentials(scope: Scope) -> tuple[str | None, str | None]:
@@ -285,7 +278,7 @@ def _shed_metrics(
     """A counter of refusals, on the hub's registry (there once the lifespan built it): the
     edge's own reasons without a model, or a model's `queue_time` (the series its queue
     counts its own refusals in)."""
-    hub: Any = getattr(scope["app"].state, "hub", None) if "app" in scope else None
+    hub = _hub(scope)
     if hub is None:
         return None
     return ShedMetrics(hub.metrics.registry, model, version, reasons)

@@ -38,6 +38,25 @@ def make_settings(root: Path, mlflow_template: Path | None = None, **overrides: 
     return HubSettings(**values)
 
 
+# The bootstrap admin key of `auth_settings`, and its header.
+BOOTSTRAP_ADMIN_KEY = "boot-secret"
+ADMIN = {"Authorization": f"Bearer {BOOTSTRAP_ADMIN_KEY}"}
+
+
+def auth_settings(root: Path, mlflow_template: Path | None = None) -> tuple[HubSettings, str]:
+    """Settings with API keys required (`BOOTSTRAP_ADMIN_KEY` the bootstrap admin's) over a
+    migrated database that holds one user key, "app"; returned with that key."""
+    from registry.db import Database, upgrade
+    from registry.keys import ApiKeys
+
+    settings = make_settings(
+        root, mlflow_template, auth={"enabled": True, "bootstrap_admin_key": BOOTSTRAP_ADMIN_KEY}
+    )
+    upgrade(settings.database_url)
+    user_key, _ = ApiKeys(Database(settings.database_url)).create("app", "user")
+    return settings, user_key
+
+
 def make_mlflow_template(folder: Path) -> Path:
     """A migrated, empty MLflow database, made in a child process so the file is complete."""
     db = folder / "mlflow-template.db"

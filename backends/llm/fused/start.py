@@ -114,13 +114,15 @@ class FusedPath:
         self._settings = settings
         self._attention: list[AttentionParams] = []
         self.decoder: FusedDecoder | None = None
-        self._scratch_bytes = 0
+        self._scratch_bytes = 0  # the last decoder's, while none is built
         self.steps = 0  # steps run fused
 
     @property
     def scratch_bytes(self) -> int:
         """Bytes the fused step holds (its scratch, rotary tables), counted from its start on,
         between a `forget` and the next step's rebuild too; 0 while it is off."""
+        if self.decoder is not None:
+            return self.decoder.scratch_bytes
         return self._scratch_bytes if self._attention else 0
 
     def start(self, kv_caches: list[torch.Tensor]) -> str | None:
@@ -136,11 +138,11 @@ class FusedPath:
         )
         if reason is not None:
             log.info("steps run through the transformers modules: %s", reason)
-        if self.decoder is not None:
-            self._scratch_bytes = self.decoder.scratch_bytes
         return reason
 
     def forget(self) -> None:
+        if self.decoder is not None:  # held again once the next step rebuilds it
+            self._scratch_bytes = self.decoder.scratch_bytes
         self.decoder = None
 
     def decoder_for(
@@ -164,7 +166,6 @@ class FusedPath:
                         max_rows=self.max_rows,
                         threads=cores(),
                     )
-                    self._scratch_bytes = self.decoder.scratch_bytes
                 except (ValueError, RuntimeError, TypeError, AttributeError) as e:
                     reason = str(e)
             if reason is not None:

@@ -102,17 +102,10 @@ async def test_only_a_known_caller_on_a_route_of_the_models_kind_is_refused_at_t
     its 401, and a route of another kind its 400, as if the model were idle; a key the hub
     has not verified yet goes the whole way once (here: served, the queue being empty)."""
     from backends.errors import CapacityError
-    from registry.db import Database, upgrade
-    from registry.keys import ApiKeys
-    from tests.support.hubs import make_settings, running_app
+    from tests.support.hubs import ADMIN as admin
+    from tests.support.hubs import auth_settings, running_app
 
-    settings = make_settings(
-        tmp_path / "hub", mlflow_template,
-        auth={"enabled": True, "bootstrap_admin_key": "boot-secret"},
-    )  # fmt: skip
-    upgrade(settings.database_url)
-    user_key, _ = ApiKeys(Database(settings.database_url)).create("app", "user")
-    admin = {"Authorization": "Bearer boot-secret"}
+    settings, user_key = auth_settings(tmp_path / "hub", mlflow_template)
     user = {"Authorization": f"Bearer {user_key}"}
     async with running_app(settings) as (app, client):
         body = {"name": "emb", "kind": "embedder", "source": str(tiny_embedder_dir)}

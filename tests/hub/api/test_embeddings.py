@@ -367,17 +367,10 @@ def test_inference_routes_need_a_user_key_when_auth_is_on(
     tmp_path: Path, mlflow_template: Path, tiny_embedder_dir: Path, tiny_reranker_dir: Path
 ) -> None:
     from hub.app import create_app
-    from registry.db import Database, upgrade
-    from registry.keys import ApiKeys
-    from tests.support.hubs import make_settings
+    from tests.support.hubs import ADMIN as admin
+    from tests.support.hubs import auth_settings
 
-    settings = make_settings(
-        tmp_path / "hub", mlflow_template,
-        auth={"enabled": True, "bootstrap_admin_key": "boot-secret"},
-    )  # fmt: skip
-    upgrade(settings.database_url)
-    user_key, _ = ApiKeys(Database(settings.database_url)).create("app", "user")
-    admin = {"Authorization": "Bearer boot-secret"}
+    settings, user_key = auth_settings(tmp_path / "hub", mlflow_template)
     with TestClient(create_app(settings)) as client:
         for name, kind, source in [("emb", "embedder", tiny_embedder_dir),
                                    ("rr", "reranker", tiny_reranker_dir)]:  # fmt: skip
