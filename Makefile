@@ -6,7 +6,7 @@ PIP := $(VENV)/bin/python -m pip
 CONSTRAINTS := constraints.txt
 PYTEST_ARGS ?=
 
-# pip does not byte-compile what it installs (that was half of a fresh install's two minutes):
+# pip does not byte-compile what it installs (a large share of a fresh install's time):
 # Python compiles the modules a run imports, once, into __pycache__, which these targets let it
 # write even where the environment sets PYTHONDONTWRITEBYTECODE.
 PIP_INSTALL := $(PIP) install -q --no-compile

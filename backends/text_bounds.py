@@ -1,7 +1,7 @@
 """A text's length in characters, checked before it is tokenized.
 
-Tokenizing costs CPU in proportion to the text (a 4 MiB prompt took ~20 s of a tokenizer
-thread before the engine refused it as too long). No token of a vocabulary spans more
+Tokenizing costs CPU in proportion to the text (a prompt of a few MiB takes seconds of a
+tokenizer thread, only for the engine to refuse it as too long). No token of a vocabulary spans more
 characters than its longest entry, so a text of more than `max_tokens * chars_per_token`
 characters needs more than `max_tokens` tokens: it can be refused (or cut, where the caller
 asked for truncation) from its length alone, in microseconds.

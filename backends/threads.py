@@ -10,8 +10,8 @@ Only compute threads should own OpenMP teams. Every thread that runs a torch op 
 one thread gets a team of worker threads of its own, kept for as long as the thread lives
 (the main thread's forever), and once a process holds more OpenMP threads than it has cores,
 GNU OpenMP stops spinning between parallel regions and puts its workers to sleep at once: each
-region then pays a futex wake-up. A native few-row linear layer took 35 us from a thread that
-was the only one with a team and 90-105 us once the main thread had one too (the LLM engine's
+region then pays a futex wake-up: a native few-row linear layer costs two to three times as
+much once the main thread has a team too (the LLM engine's
 thread, next to an event loop that had run torch ops while loading). So `hub serve` starts
 every thread at one torch thread (`only_compute_threads`), and the compute threads run on
 `compute_threads()`: an LLM engine's step thread starts with that count

@@ -362,7 +362,7 @@ def main() -> None:
     parser.add_argument("--model-dir", type=Path, help="reuse (or build into) this folder")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
-    # HF static batching at its best batch size of 8, 16, 32, 64 on the 2-core machine.
+    # HF static batching at the best of batch sizes 8, 16, 32, 64 (docs/benchmarks.md).
     parser.add_argument("--static-batch-size", type=int, default=64)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)

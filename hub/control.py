@@ -2,7 +2,7 @@
 
 The registry (registry/) is synchronous: SQLAlchemy sessions and MLflow's client block. Every
 hub part that reads or writes it on the control path (admin routes, promotion, canaries, the
-reconciler) goes through `Control`, which owns the steps each of them used to repeat (probes
+reconciler) goes through `Control`, which owns the steps they all share (probes
 do not: they read the state hub.dependencies keeps):
 
 - the thread hop: each call runs the blocking registry call in a worker thread, so the event

@@ -164,7 +164,7 @@ class RegistrySettings(_Section):
     # model) is removed at start and in the version check once this old: a registration
     # still in progress, here or in another replica, is younger (registry/leftovers.py).
     leftover_grace: Seconds = Field(default=3600.0, ge=0)
-    # ---- dependencies down (issues 13, 16) ----
+    # ---- dependencies down: bounded MLflow and database calls ----
     # MLflow's HTTP client: the longest one request waits (to connect, then for each read)
     # and how often a failed one is retried. MLflow's own defaults (120 s, 7 retries with
     # backoff) held a call for minutes during an outage.
@@ -203,7 +203,7 @@ class TrafficSettings(_Section):
     # How often the canary controller looks at running canaries.
     canary_tick: Seconds = Field(default=1.0, gt=0)
     # How often this replica writes its per-version traffic counts and latency histograms
-    # to SQL, where readouts and canaries add up every replica's (issue 13).
+    # to SQL, where readouts and canaries add up every replica's.
     stats_flush_interval: Seconds = Field(default=2.0, gt=0)
     # Rows of traffic statistics not rewritten for this long are deleted.
     stats_retention: Seconds = Field(default=7 * 24 * 3600.0, gt=0)
@@ -254,7 +254,7 @@ class EngineSettings(_Section):
         )
 
 
-# ---- scale-out: replica membership (issue 13) ------------------------------------------------
+# ---- scale-out: replica membership ---------------------------------------------------------
 
 
 class ReplicaSettings(_Section):
@@ -349,7 +349,7 @@ class HubSettings(BaseSettings):
     max_event_loop_lag: Seconds = Field(default=0.0, ge=0)
     # Under `hub serve`, CPU encoders whose runtime config leaves `forward_process` unset run
     # their forward passes in worker processes (backends/forward_process.py); false keeps
-    # them in the hub's process (no fork server: a faster start, and loads ~0.25 s cheaper).
+    # them in the hub's process (no fork server: a faster start, and cheaper loads).
     encoder_worker_processes: bool = True
     # Safe loading: refuse pickle checkpoints and remote code unless explicitly allowed.
     allow_pickle: bool = False

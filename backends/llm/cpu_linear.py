@@ -2,9 +2,9 @@
 
 A decode step at batch 1 is a stream of the weights: each token reads every linear layer's
 weights once (88 MB for the 26M benchmark Llama), and torch's BLAS path for a one-row
-product runs on a single core, at ~8.5 GB/s on the 2-core machine the benchmarks run on.
+product runs on a single core, well below what the memory delivers.
 `csrc/linear.c` splits the output rows over the calling thread's torch threads (the OpenMP
-runtime torch has loaded) and reads ~25 GB/s with two: the linear layers of a batch-1 step
+runtime torch has loaded) and reads them several times faster: the linear layers of a batch-1 step
 take half the time or less. From `MAX_ROWS` rows on, torch's matrix product (which reuses each
 weight for every row) wins and is used.
 
@@ -32,9 +32,9 @@ from backends.llm.kernel_settings import KernelSettings
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "linear.c"
-# Rows (tokens) up to which the kernel runs; more go to torch. Measured on the benchmark
-# Llama's shapes with two threads: 1.9-2.2x torch at 1 row (5.5x for the 8192-row output
-# layer), 2-3x at 2-4 rows, 1.3-2.2x at 8, 0.8-1.3x at 16.
+# Rows (tokens) up to which the kernel runs; more go to torch. On the benchmark Llama's
+# shapes the kernel is ahead of torch up to 8 rows and level with it at 16
+# (docs/benchmarks.md: One stream at a time).
 MAX_ROWS = 8
 
 

@@ -10,8 +10,8 @@ stores the others as int8. `require_int4_kernel` raises a LoadError a user can a
 this torch or device has no such kernel.
 
 How it runs: activations go through the kernel in bfloat16 (in float32 it has no vectorised
-path here: about 30x slower), the output is cast back to the activations' dtype. Measured on
-this CPU with one thread (1536 x 512): 1 row 0.7x float32's time, 32 rows 0.8x, 256 rows 1.2x.
+path: far slower), the output is cast back to the activations' dtype. Its speed against
+float32's by rows is in docs/benchmarks.md (Quantization).
 """
 
 from __future__ import annotations

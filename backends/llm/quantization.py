@@ -68,8 +68,8 @@ def float32_reference() -> Iterator[None]:
 @functools.cache
 def native_bfloat16() -> bool:
     """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX). Without, a
-    bfloat16 matmul is emulated: 6.4x slower than float32 for a (512, 512) x (512, 1408)
-    product on a 2-core AVX2 machine."""
+    bfloat16 matmul is emulated, several times slower than float32
+    (docs/benchmarks.md: LLM throughput)."""
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 

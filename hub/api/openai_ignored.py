@@ -2,7 +2,7 @@
 
 Clients (the openai SDK's helpers, LangChain, litellm, agent frameworks) send these as a
 matter of course; refusing them breaks the client for no gain, and none of them changes what
-a request means on this server. Each is listed in the README. Fields that would change the
+a request means on this server. Each is listed in docs/api.md. Fields that would change the
 answer and that the hub cannot honour (`audio`, `web_search_options`, `moderation`, ...) stay
 unknown and are refused with a 400 naming them, as any unknown field is.
 """

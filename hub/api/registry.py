@@ -36,7 +36,7 @@ class VersionCreate(BaseModel):
     aliases: list[str] = Field(default_factory=list)
     config: dict[str, Any] = Field(default_factory=dict)
     description: str = ""
-    # The version's own evaluation set, run by the validation gate (see README).
+    # The version's own evaluation set, run by the validation gate (docs/registry.md).
     eval_set: dict[str, Any] | None = None
     base: str | None = Field(
         default=None,

@@ -2,8 +2,8 @@
 
 `asyncio.to_thread` shares one small default executor (min(32, cores + 4) threads) with
 everything else the hub does off the event loop. During an MLflow outage each call there
-used to sit in MLflow's retries for minutes, so probes and admin calls piled up threads until
-an unrelated unload waited 35 s for one. `BoundedCalls` gives a dependency its own few
+would sit in MLflow's retries for minutes, so probes and admin calls would pile up threads
+until unrelated work waited for one. `BoundedCalls` gives a dependency its own few
 threads and refuses, at once, a call made while they are all busy: an outage costs at most
 `workers` threads however many callers come, and no caller waits behind stuck calls.
 """

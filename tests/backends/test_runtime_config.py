@@ -22,13 +22,13 @@ from backends.runtime_config import (
 )
 from backends.units import parse_bytes, parse_duration
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
-def readme_table_keys(heading: str) -> set[str]:
-    """The backticked keys in the first column of the first table after the line that
-    starts with `heading`."""
-    lines = README.read_text().splitlines()
+def readme_table_keys(heading: str, page: str) -> set[str]:
+    """The backticked keys in the first column of the first table after the line of
+    docs/`page` that starts with `heading`."""
+    lines = (DOCS / page).read_text().splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith(heading))
     keys: set[str] = set()
     in_table = False
@@ -43,8 +43,8 @@ def readme_table_keys(heading: str) -> set[str]:
 
 
 def test_every_key_the_readme_documents_is_a_field_of_its_kind() -> None:
-    encoder = readme_table_keys("Per-version runtime settings")
-    llm = readme_table_keys("Engine settings are a model version's runtime")
+    encoder = readme_table_keys("Per-version runtime settings", "encoders.md")
+    llm = readme_table_keys("Engine settings are a model version's runtime", "engine.md")
     assert {"max_batch_size", "max_documents", "matryoshka_dims"} <= encoder
     assert {"kv_cache_bytes", "max_num_seqs", "dtype"} <= llm
     assert encoder - {"max_documents", "matryoshka_dims"} <= set(EncoderConfig.model_fields)

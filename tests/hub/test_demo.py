@@ -1,4 +1,4 @@
-"""The README's demo: `hub serve --config configs/demo.yaml` serves the real MiniLM, which the
+"""The demo: `hub serve --config configs/demo.yaml` serves the real MiniLM, which the
 official openai client reaches (vectors of sentences of mixed lengths sent concurrently equal
 sentence-transformers' own `encode`), a tiny LLM that answers its chat completions and a tiny
 reranker that answers /v1/rerank."""

@@ -13,9 +13,9 @@ from backends.llm.scheduler import ScheduledSequence, SchedulerOutput
 
 # Chunk rows times their context (the keys a chunk's queries read, counted per row) up to
 # which a step with prompt chunks still runs fused. The kernel reads a chunk's context once
-# per row where transformers' attention (SDPA) shares key tiles between rows; on the 26M
-# benchmark Llama a 512-token chunk from position 0 (131k) took the same time both ways, and
-# shorter ones less fused (16 tokens: 7 against 21 ms; 256: 82 against 96 ms).
+# per row where transformers' attention (SDPA) shares key tiles between rows; on the
+# benchmark Llama the two cost the same near a 512-token chunk from position 0 and the
+# fused step wins below that, so the bound keeps a margin (docs/benchmarks.md).
 MAX_CHUNK_ATTENTION = 65_536
 
 

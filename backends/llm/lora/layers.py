@@ -15,8 +15,8 @@ before the second `bmm`, so they add exactly nothing; base tokens are never gath
 their output is the base's exactly. Each token costs its own adapter's rank only; a dense
 alternative (every token times every adapter's columns, masked: one matmul each way) does k
 times that work, about 40% on top of the layers' FLOPs with 8 adapters of rank 16 on the 26M
-benchmark Llama, against about 5% here (benchmarks/lora.py: 0.84x the base's tokens per CPU
-second with 8 adapters mixed). The stacks are built once per set of adapters and reused
+benchmark Llama, against about 5% here (throughput: docs/benchmarks.md, LoRA).
+The stacks are built once per set of adapters and reused
 while the set stays; the gather index once per step and pattern of adapters.
 """
 

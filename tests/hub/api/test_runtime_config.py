@@ -44,7 +44,8 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
 ]
 BAD_IDS = [f"{kind}-{key}" for kind, _, key in BAD]
 
-# The README's examples and tables (every key of each kind at least once across these).
+# The documented examples and tables of docs/engine.md and docs/encoders.md (every key of
+# each kind at least once across these).
 VALID: dict[str, dict[str, Any]] = {
     "embedder": {"max_batch_tokens": 16384, "max_batch_size": 64, "batch_wait_ms": 2,
                  "max_queue": 4096, "unpadded": True, "batch_overhead_tokens": 32,
