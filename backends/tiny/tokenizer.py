@@ -44,14 +44,51 @@ ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
 SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, *ROLE_TOKENS)
 
 # Each turn is `<|role|>` + newline + content + eos; the eos ends an assistant turn too, so
-# generation stops where the turn ends.
+# generation stops where the turn ends. Tools are shown the Hermes / Qwen 2.5 way (what the
+# hub's default `hermes` tool parser reads): with `tools`, a system turn comes first with the
+# caller's leading system message, then each tool's JSON inside `<tools>` and how to call
+# one. An assistant turn writes its calls as `<tool_call>{"name", "arguments"}</tool_call>`,
+# one per line after its content; consecutive `tool` messages make one user turn of
+# `<tool_response>` blocks. Without tools and tool turns a conversation renders as before.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
-    "{{ raise_exception('Unknown role: ' + message['role']) }}"
+    "{% if tools %}"
+    "{{ '<|system|>\\n' }}"
+    "{% if messages and messages[0]['role'] == 'system' %}"
+    "{{ messages[0]['content'] + '\\n\\n' }}"
     "{% endif %}"
-    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + eos_token + '\\n' }}"
+    "{{ '# Tools\\n\\nThese functions can be called to answer; each is described by a JSON "
+    "schema inside <tools></tools>:\\n<tools>\\n' }}"
+    "{% for tool in tools %}{{ (tool | tojson) + '\\n' }}{% endfor %}"
+    "{{ '</tools>\\n\\nTo call functions, answer with one JSON object per call, each "
+    'inside <tool_call></tool_call>:\\n<tool_call>\\n{"name": <function name>, '
+    "\"arguments\": <arguments object>}\\n</tool_call>' + eos_token + '\\n' }}"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% set role = message['role'] %}"
+    "{% if role == 'system' and tools and loop.first %}"
+    "{% elif role == 'assistant' and message['tool_calls'] %}"
+    "{{ '<|assistant|>\\n' + (message['content'] or '') }}"
+    "{% for call in message['tool_calls'] %}"
+    "{% set function = call['function'] if call['function'] is defined else call %}"
+    "{% if message['content'] or not loop.first %}{{ '\\n' }}{% endif %}"
+    "{{ '<tool_call>\\n{\"name\": ' + (function['name'] | tojson) + ', \"arguments\": ' }}"
+    "{% if function['arguments'] is string %}{{ function['arguments'] }}"
+    "{% else %}{{ function['arguments'] | tojson }}{% endif %}"
+    "{{ '}\\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ eos_token + '\\n' }}"
+    "{% elif role == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}"
+    "{{ '<|user|>\\n' }}{% else %}{{ '\\n' }}{% endif %}"
+    "{{ '<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}"
+    "{{ eos_token + '\\n' }}{% endif %}"
+    "{% elif role in ['system', 'user', 'assistant'] %}"
+    "{{ '<|' + role + '|>\\n' + (message['content'] or '') + eos_token + '\\n' }}"
+    "{% else %}"
+    "{{ raise_exception('Unknown role: ' + role) }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
 )

@@ -8,6 +8,10 @@ messages, function tools and `tool_choice` follow the chat route's tool handling
 events are OpenAI's typed ones: response.created, response.in_progress,
 response.output_item.added, response.content_part.added, response.output_text.delta, ...done,
 response.function_call_arguments.delta / .done, response.output_item.done, response.completed.
+
+An answer cut by max_output_tokens is `incomplete`, and so is its last item (the message or
+the function call it was writing, with what was generated of it), streamed or not; the
+items before it are `completed`.
 """
 
 from __future__ import annotations
@@ -81,7 +85,13 @@ async def create_response(
         output.append(
             _call_item(shell.new_id("fc"), call.id, call.name, call.arguments, "completed")
         )
+    output[-1]["status"] = _last_item_status(choice.finish_reason)
     return shell.snapshot(output, choice.finish_reason)
+
+
+def _last_item_status(finish_reason: str | None) -> str:
+    """The status of an answer's last item: cut by max_output_tokens, it is incomplete."""
+    return "incomplete" if finish_reason == "length" else "completed"
 
 
 class _Shell:
@@ -158,7 +168,7 @@ def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
         "id": item_id,
         "status": status,
         "role": "assistant",
-        "content": content if status == "completed" else [],
+        "content": [] if status == "in_progress" else content,
     }
 
 
@@ -185,14 +195,14 @@ async def _events(gen: Generation, shell: _Shell, plan: ToolPlan) -> AsyncIterat
     tools = ToolStream(plan, shell.body.parallel_tool_calls) if plan.active else None
     finish: str | None = None
 
-    def close_message() -> list[str]:
+    def close_message(status: str = "completed") -> list[str]:
         nonlocal message
         if message is None:
             return []
         m, message = message, None
         part = {"type": "output_text", "text": m["text"], "annotations": [], "logprobs": []}
         where = {"item_id": m["id"], "output_index": m["index"], "content_index": 0}
-        item = _message_item(m["id"], m["text"], "completed")
+        item = _message_item(m["id"], m["text"], status)
         output.append(item)
         return [
             shell.event("response.output_text.done", **where, text=m["text"], logprobs=[]),
@@ -200,12 +210,12 @@ async def _events(gen: Generation, shell: _Shell, plan: ToolPlan) -> AsyncIterat
             shell.event("response.output_item.done", output_index=m["index"], item=item),
         ]
 
-    def close_call() -> list[str]:
+    def close_call(status: str = "completed") -> list[str]:
         nonlocal call
         if call is None:
             return []
         c, call = call, None
-        item = _call_item(c["id"], c["call_id"], c["name"], c["arguments"], "completed")
+        item = _call_item(c["id"], c["call_id"], c["name"], c["arguments"], status)
         output.append(item)
         where = {"item_id": c["id"], "output_index": c["index"]}
         return [
@@ -292,7 +302,9 @@ async def _events(gen: Generation, shell: _Shell, plan: ToolPlan) -> AsyncIterat
     if not output and message is None and call is None:
         for event in text(""):
             yield event
-    for event in close_message() + close_call():
+    # At most one item is still open: the last, cut short if the answer was.
+    last = _last_item_status(finish)
+    for event in close_message(last) + close_call(last):
         yield event
     kind = "response.incomplete" if finish == "length" else "response.completed"
     yield shell.event(kind, response=shell.snapshot(output, finish))

@@ -6,9 +6,12 @@ the chat template renders the tools and the version's parser (`tool_parsers`) fi
 the model's own format. `required` and a named function: output is constrained by a grammar,
 so arguments always match the function's JSON schema: a named call generates the arguments
 object itself, `required` a JSON list of `{"name", "arguments"}` (one item unless
-`parallel_tool_calls`). A constrained output cut by max_tokens is not valid JSON; it comes
-back as content with finish_reason `length` (streamed, what was generated of the call has
-gone out already, and the finish_reason says `length` as OpenAI's does).
+`parallel_tool_calls`).
+
+A call cut by max_tokens is still a call, in every mode and on every path, as OpenAI answers
+it: `tool_calls` with the arguments generated so far (not valid JSON) and finish_reason
+`length`; a finished output with calls says `tool_calls`. Streamed and whole answers are
+the same by construction: `parse` is what the stream sends, assembled.
 
 Every mode reads its output with a parser from `tool_parsers`, incrementally when streamed,
 so calls stream as OpenAI sends them: a header (id, name) first, then argument fragments.

@@ -142,6 +142,8 @@ def test_tokenizer_round_trips_any_unicode_and_renders_chat(tmp_path: Path) -> N
     assert prompt.endswith("<|user|>\nHi!<|eos|>\n<|assistant|>\n")
     closed = loaded.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
     assert not closed.endswith("<|assistant|>\n")
+    with pytest.raises(Exception, match="Unknown role: robot"):
+        loaded.apply_chat_template([{"role": "robot", "content": "beep"}], tokenize=False)
 
 
 def test_tokenizer_fills_larger_vocabularies_exactly(tmp_path: Path) -> None:

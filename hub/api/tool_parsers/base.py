@@ -8,7 +8,6 @@ a finished output, so a streamed answer and a whole one are read by the same cod
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 from hub.api.tool_parsers.cursor import (
@@ -45,11 +44,6 @@ class CallStream:
         self._scan: Scan[None] | None = parser.scan(self._cursor)
         self._resume()  # a parser may have something to say before any text (a named call)
 
-    @property
-    def broken(self) -> bool:
-        """A call went out that did not end well (cut short, or its arguments malformed)."""
-        return self._cursor.broken
-
     def feed(self, text: str) -> list[Event]:
         self._cursor.text += text
         self._resume()
@@ -83,28 +77,18 @@ class ToolParser:
         return CallStream(self)
 
     def parse(self, text: str) -> ParsedOutput:
-        """Content and calls of a finished output. An output whose calls did not all end
-        well (cut by max_tokens, arguments that are not JSON) is content, no calls: the
-        caller gets the text rather than a call it cannot run."""
+        """Content and calls of a finished output: exactly what `stream()` sends for it,
+        assembled. A call cut short (by max_tokens) or with arguments that are not JSON is
+        still a call, with the arguments as generated; content is None when it is empty."""
         stream = self.stream()
         events = stream.feed(text) + stream.finish()
-        content = "".join(e.text for e in events if isinstance(e, ContentDelta))
         headers = [e for e in events if isinstance(e, CallHeader)]
         if not headers:
             return ParsedOutput(text, [])
+        content = "".join(e.text for e in events if isinstance(e, ContentDelta))
         arguments = {h.index: "" for h in headers}
         for e in events:
             if isinstance(e, ArgumentsDelta):
                 arguments[e.index] += e.text
-        if stream.broken or not all(_is_json(a) for a in arguments.values()):
-            return ParsedOutput(text, [])
         calls = [ParsedToolCall(h.name, arguments[h.index], h.id) for h in headers]
-        return ParsedOutput(content.strip() or None, calls)
-
-
-def _is_json(text: str) -> bool:
-    try:
-        json.loads(text)
-    except ValueError:
-        return False
-    return True
+        return ParsedOutput(content or None, calls)

@@ -18,7 +18,8 @@ ARGUMENT_KEYS = ("arguments", "parameters")
 
 def call_object(cursor: Cursor, index: int) -> Scan[None]:
     """Read one call object as call `index`. NotACall before its header went out; after
-    that, an output that ends inside it or malformed arguments mark the cursor `broken`."""
+    that, an output that ends inside it or malformed arguments end the call with the
+    arguments read so far (none if they had not begun)."""
     if (yield from cursor.skip_ws()) != "{":
         raise NotACall("a call is a JSON object")
     cursor.pos += 1
@@ -65,9 +66,7 @@ def call_object(cursor: Cursor, index: int) -> Scan[None]:
     except (NotACall, EOFError, ValueError) as e:
         if not named:
             raise NotACall("the output ended inside a call") from e
-        # The header is out: the call stands, complete only if its arguments were read.
-        cursor.broken = cursor.broken or not has_arguments
-        return
+        return  # the header is out: the call stands with what was read of it
     if not named:
         raise NotACall("a call names its function")
     if not has_arguments:
@@ -77,7 +76,7 @@ def call_object(cursor: Cursor, index: int) -> Scan[None]:
 def call_list(cursor: Cursor, index: int) -> Scan[int]:
     """Read `[call, call, ...]` (the `[` not yet consumed) with the first call's index
     `index`; the number of calls read. NotACall if the first item is not a call; a list
-    that does not close after its calls (cut short, or not a call inside) is `broken`."""
+    cut short, or with something else than a call after its calls, ends there."""
     cursor.pos += 1
     count = 0
     while True:
@@ -86,7 +85,6 @@ def call_list(cursor: Cursor, index: int) -> Scan[int]:
         except NotACall:
             if count == 0:
                 raise
-            cursor.broken = True
             return count
         count += 1
         c = yield from cursor.skip_ws()
@@ -95,6 +93,4 @@ def call_list(cursor: Cursor, index: int) -> Scan[int]:
             continue
         if c == "]":
             cursor.pos += 1
-        else:
-            cursor.broken = True
         return count

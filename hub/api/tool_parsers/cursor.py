@@ -9,7 +9,12 @@ name) once the name is complete, then the call's arguments in fragments as they 
 Nothing is sent for text whose meaning is still open (a possible marker, a call object before
 its name): the parser holds it, and if it turns out not to be a call (`NotACall`), the
 framing hands it back as content with `flush_from`. After the first call, text outside calls
-is dropped, as a finished output's parse always did.
+is dropped. Whitespace right before a call is not content either: trailing whitespace waits
+until text or the end of the output shows it is not followed by a call.
+
+A call whose header went out stays a call whatever follows: cut short by max_tokens or with
+arguments that are not JSON, it keeps the arguments that were read, as OpenAI's answer does
+for a call cut by length (its client sees finish_reason `length` and can tell).
 """
 
 from __future__ import annotations
@@ -66,14 +71,12 @@ def partial_marker(text: str, marker: str, start: int = 0) -> int:
 
 class Cursor:
     """The text of one choice so far, the parser's position in it and the events it has
-    produced. `broken` is set when a call whose header went out did not end well (the output
-    was cut short, or its arguments are not a JSON value)."""
+    produced."""
 
     def __init__(self) -> None:
         self.text = ""
         self.pos = 0
         self.eof = False
-        self.broken = False
         self.events: list[Event] = []
         self.calls = 0
         # The call whose arguments are being read: (index, where the unsent part starts).
@@ -108,22 +111,26 @@ class Cursor:
                 return False
             yield
 
-    def content_until(self, marker: str) -> Scan[bool]:
-        """Send text as content up to `marker` and consume the marker (True), or send it all
-        up to the end of the output (False). A tail that may begin the marker waits."""
+    def content_until(self, marker: str) -> Scan[int | None]:
+        """Send text as content up to `marker`, consume the marker and return where the text
+        held for it begins (the marker and the whitespace before it, which `flush_from` hands
+        back if no call follows); or send it all up to the end of the output (None). A tail
+        that may begin the marker waits, and so does trailing whitespace."""
         while True:
             at = self.text.find(marker, self.pos)
             if at >= 0:
-                self.emit_content(self.text[self.pos : at])
+                held = _blank_tail(self.text, self.pos, at)
+                self.emit_content(self.text[self.pos : held])
                 self.pos = at + len(marker)
-                return True
+                return held
             end = len(self.text)
             if not self.eof:
                 end -= partial_marker(self.text, marker, self.pos)
+                end = _blank_tail(self.text, self.pos, end)
             self.emit_content(self.text[self.pos : end])
             self.pos = end
             if self.eof:
-                return False
+                return None
             yield
 
     def rest_as_content(self) -> Scan[None]:
@@ -186,18 +193,17 @@ class Cursor:
             self.events.append(ContentDelta(text))
 
     def flush_from(self, mark: int) -> None:
-        """A false start: the text held since `mark` is content after all. After a call it
-        is dropped, and if the output ended there, it was a call cut short: `broken`."""
+        """A false start: the text held since `mark` is content after all (after a call,
+        dropped like all text outside calls)."""
         self.emit_content(self.text[mark : self.pos])
-        if self.calls and self.eof and self.pos >= len(self.text):
-            self.broken = True
 
     def start_call(self, index: int, name: str) -> None:
         self.calls += 1
         self.events.append(CallHeader(index, f"call_{uuid.uuid4().hex[:24]}", name))
 
     def arguments(self, index: int) -> Scan[None]:
-        """Read a call's arguments value, sending it in fragments as it arrives. Arguments
+        """Read a call's arguments value, sending it in fragments as it arrives; an output
+        that ends inside it, or text that is no JSON value, ends it where it stands. Arguments
         written as a JSON string (some models do) go out decoded, once complete."""
         c = yield from self.skip_ws()
         start = self.pos
@@ -205,7 +211,6 @@ class Cursor:
             try:
                 decoded = json.loads((yield from self.string()))
             except (EOFError, ValueError):
-                self.broken = True
                 return
             self.events.append(ArgumentsDelta(index, decoded))
             return
@@ -213,7 +218,7 @@ class Cursor:
         try:
             yield from self.value()
         except (EOFError, NotACall):
-            self.broken = True
+            pass
         finally:
             self._send_arguments()
             self._open_args = None
@@ -229,3 +234,10 @@ class Cursor:
         if self.pos > sent:
             self.events.append(ArgumentsDelta(index, self.text[sent : self.pos]))
             self._open_args = (index, self.pos)
+
+
+def _blank_tail(text: str, start: int, end: int) -> int:
+    """Where the whitespace that ends `text[start:end]` begins."""
+    while end > start and text[end - 1] in _WHITESPACE:
+        end -= 1
+    return end

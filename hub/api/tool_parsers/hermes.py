@@ -17,8 +17,7 @@ class HermesParser(ToolParser):
         index = 0
         # Content streams up to each `<tool_call>`; what lies between calls (the closing
         # tags, newlines) is dropped once a call went out.
-        while (yield from cursor.content_until(START)):
-            mark = cursor.pos - len(START)
+        while (mark := (yield from cursor.content_until(START))) is not None:
             try:
                 yield from call_object(cursor, index)
             except NotACall:

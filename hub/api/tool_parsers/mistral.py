@@ -15,8 +15,7 @@ class MistralParser(ToolParser):
 
     def scan(self, cursor: Cursor) -> Scan[None]:
         index = 0
-        while (yield from cursor.content_until(MARKER)):
-            mark = cursor.pos - len(MARKER)
+        while (mark := (yield from cursor.content_until(MARKER))) is not None:
             try:
                 c = yield from cursor.skip_ws()
                 if c == "[":

@@ -19,7 +19,7 @@ import pytest
 from hub.settings import HubSettings
 from tests.hub.api.test_rerank import DOCUMENTS, QUERY, predict
 from tests.hub.api.test_structured import ASK, SCHEMAS, TIME, WEATHER
-from tests.support.tool_model import build_tool_llm, serving_tool_llm
+from tests.support.tool_model import serving_tool_llm
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +38,8 @@ def base(
     settings: HubSettings,
     tiny_llm_dir: Path,
     tiny_reranker_dir: Path,
-    tmp_path: Path,
 ) -> Iterator[str]:
-    with serving_tool_llm(settings, build_tool_llm(tiny_llm_dir, tmp_path / "llm")) as url:
+    with serving_tool_llm(settings, tiny_llm_dir) as url:
         r = httpx.post(
             f"{url}/admin/registry/models",
             json={"name": "rr", "kind": "reranker", "source": str(tiny_reranker_dir)},

@@ -14,7 +14,7 @@ import pytest
 
 from hub.settings import HubSettings
 from tests.hub.api.test_structured import PERSON, SCHEMAS, openai_client
-from tests.support.tool_model import build_tool_llm, serving_tool_llm
+from tests.support.tool_model import serving_tool_llm
 
 WEATHER_TOOL = {
     "type": "function",
@@ -25,8 +25,9 @@ WEATHER_TOOL = {
 
 
 @pytest.fixture(scope="module")
-def tool_llm_dir(tiny_llm_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tool_llm(tiny_llm_dir, tmp_path_factory.mktemp("responses") / "llm")
+def tool_llm_dir(tiny_llm_dir: Path) -> Path:
+    """The tiny LLM: its own chat template renders tools, calls and tool results."""
+    return tiny_llm_dir
 
 
 @pytest.fixture

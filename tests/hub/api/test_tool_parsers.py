@@ -9,7 +9,7 @@ import json
 import pytest
 
 from hub.api.tool_parsers import ToolParser, parser_for
-from hub.api.tool_parsers.constrained import RequiredCalls
+from hub.api.tool_parsers.constrained import NamedCall, RequiredCalls
 from hub.api.tool_parsers.hermes import HermesParser
 from hub.api.tool_parsers.llama3 import Llama3JsonParser
 from hub.api.tool_parsers.mistral import MistralParser
@@ -65,8 +65,9 @@ def test_auto_stream_sends_content_then_the_call_header_then_arguments() -> None
     pieces = ["Sure", ". <tool", '_call>{"name": "f", ', '"arguments": {"a": 1}}</tool_call>']
     deltas = [d for i, p in enumerate(pieces) for d in stream.push(p, i == len(pieces) - 1)]
     assert deltas[0] == {"content": "Sure"}
-    # "<tool" is held back until it turns out to start a call.
-    assert deltas[1] == {"content": ". "}
+    # "<tool" is held back until it turns out to start a call, and the blank before it
+    # until it turns out to be followed by one.
+    assert deltas[1] == {"content": "."}
     header, arguments = deltas[2]["tool_calls"][0], deltas[3]["tool_calls"][0]
     assert header["id"].startswith("call_") and header["type"] == "function"
     assert header["function"] == {"name": "f", "arguments": ""}
@@ -116,7 +117,7 @@ def test_streaming_any_split_gives_the_parse_of_the_whole(parser: ToolParser, te
         deltas = streamed(parser, [text[i : i + size] for i in range(0, len(text), size)])
         content, calls = assembled(deltas)
         assert calls == expected, size
-        assert content.strip() == (whole.content or "")
+        assert content == (whole.content or "")
     # One character at a time, the arguments go out as they arrive, not once complete.
     fragments = [d for d in streamed(parser, list(text)) if "tool_calls" in d]
     assert len(fragments) > 2 * len(expected)
@@ -136,3 +137,59 @@ def test_false_starts_stream_as_content() -> None:
         for pieces in (list(text), [text]):
             assert assembled(streamed(parser, pieces)) == (text, []), (parser.name, text)
         assert parser.parse(text).tool_calls == [] and parser.parse(text).content == text
+
+
+def raw_calls(deltas: list[dict]) -> list[tuple[str, str]]:
+    """(name, arguments text) per call as a client accumulates them, JSON or not."""
+    out: list[list[str]] = []
+    for d in deltas:
+        for call in d.get("tool_calls", []):
+            if "id" in call:
+                out.append([call["function"]["name"], ""])
+            else:
+                out[-1][1] += call["function"]["arguments"]
+    return [(n, a) for n, a in out]
+
+
+@pytest.mark.parametrize(
+    ("parser", "text", "content", "cut"),
+    [
+        (HermesParser(), 'Let me see.\n<tool_call>\n{"name": "f", "arguments": {"city": "Pa',
+         "Let me see.", [("f", '{"city": "Pa')]),
+        (HermesParser(), '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>\n'
+         '<tool_call>{"name": "g", "arg', None, [("f", '{"a": 1}'), ("g", "")]),
+        (HermesParser(), '<tool_call>{"name": "f", "arguments": {"a": 1,, }}</tool_call>',
+         None, [("f", '{"a": 1,, }')]),
+        (Llama3JsonParser(), '{"name": "f", "parameters": {"a": [1, 2', None,
+         [("f", '{"a": [1, 2')]),
+        (MistralParser(), 'Ok [TOOL_CALLS]f[ARGS]{"a": tr', "Ok", [("f", '{"a": tr')]),
+        (RequiredCalls(), '[{"name": "f", "arguments": {"a": 1}}, {"name": "g", "arguments": {',
+         None, [("f", '{"a": 1}'), ("g", "{")]),
+        (NamedCall("f"), '{"city": "Par', None, [("f", '{"city": "Par')]),
+    ],
+)  # fmt: skip
+def test_a_call_cut_short_is_still_a_call_streamed_or_not(
+    parser: ToolParser, text: str, content: str | None, cut: list[tuple[str, str]]
+) -> None:
+    """As OpenAI answers a call cut by max_tokens: the call with the arguments generated so
+    far, whole and streamed alike (the finish_reason, `length`, says it is cut)."""
+    whole = parser.parse(text)
+    assert whole.content == content
+    assert [(c.name, c.arguments) for c in whole.tool_calls] == cut
+    for size in (1, 4, len(text)):
+        deltas = streamed(parser, [text[i : i + size] for i in range(0, len(text), size)])
+        assert raw_calls(deltas) == cut, size
+        assert "".join(d.get("content", "") for d in deltas) == (content or ""), size
+
+
+def test_blank_before_a_call_is_not_content_but_a_blank_tail_is() -> None:
+    for pieces in (list("Hi \n"), ["Hi \n"]):
+        assert assembled(streamed(HermesParser(), pieces)) == ("Hi \n", [])
+    text = 'Hi \n<tool_call>oops</tool_call> \n<tool_call>{"name": "f", "arguments": {}}'
+    assert HermesParser().parse(text).content == "Hi \n<tool_call>oops</tool_call>"
+    for size in (1, len(text)):
+        pieces = [text[i : i + size] for i in range(0, len(text), size)]
+        assert assembled(streamed(HermesParser(), pieces)) == (
+            "Hi \n<tool_call>oops</tool_call>",
+            [("f", {})],
+        )
