@@ -1,8 +1,9 @@
 """Errors raised by backends, each carrying what the caller needs to act on it.
 
-The hub maps them onto HTTP: `InputError` is the caller's mistake (400), `CapacityError` means
-"try again later" (503 with `Retry-After`), as does `TransientError` (a failure the backend
-recovered from), and `LoadError` means the model could not be brought up.
+The hub maps them onto HTTP: `InputError` is the caller's mistake (400; a prompt over the
+context is a `ContextLengthError`, coded `context_length_exceeded` as OpenAI codes it),
+`CapacityError` means "try again later" (503 with `Retry-After`), as does `TransientError` (a
+failure the backend recovered from), and `LoadError` means the model could not be brought up.
 """
 
 from __future__ import annotations
@@ -22,6 +23,11 @@ class InputError(BackendError):
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+class ContextLengthError(InputError):
+    """The prompt, or the prompt with the tokens asked for, does not fit the model's context;
+    `param` names what to shorten (the prompt) or lower (max_tokens)."""
 
 
 class CapacityError(BackendError):

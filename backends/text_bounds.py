@@ -49,11 +49,13 @@ class CharBound:
         """False when `text` surely needs more than `max_tokens` tokens."""
         return len(text) <= self.max_chars
 
-    def require(self, text: str, param: str, what: str) -> None:
-        """Raise InputError naming `param` when `text` (called `what` in the message) surely
-        needs more than `max_tokens` tokens."""
+    def require(
+        self, text: str, param: str, what: str, *, error: type[InputError] = InputError
+    ) -> None:
+        """Raise `error` (an InputError) naming `param` when `text` (called `what` in the
+        message) surely needs more than `max_tokens` tokens."""
         if not self.fits(text):
-            raise InputError(
+            raise error(
                 f"{what} has {len(text):,} characters; no token of this model's vocabulary "
                 f"spans more than {self.chars_per_token}, so it needs more than the "
                 f"{self.max_tokens:,} tokens the model takes; shorten it",

@@ -13,6 +13,8 @@ from hub.settings import AuthSettings
 from registry.keys import ApiKeys, hash_key
 
 CACHE_SECONDS = 30.0
+# OpenAI's code for a missing or wrong key; SDKs and gateways branch on it.
+INVALID_API_KEY = "invalid_api_key"
 
 
 class Authenticator:
@@ -29,11 +31,16 @@ class Authenticator:
         if not key:
             raise Unauthorized(
                 "an API key is required: send `Authorization: Bearer <key>`",
+                code=INVALID_API_KEY,
                 headers={"WWW-Authenticate": "Bearer"},
             )
         identity = await self._identity(key)
         if identity is None:
-            raise Unauthorized("invalid or revoked API key", headers={"WWW-Authenticate": "Bearer"})
+            raise Unauthorized(
+                "invalid or revoked API key",
+                code=INVALID_API_KEY,
+                headers={"WWW-Authenticate": "Bearer"},
+            )
         name, role = identity
         if admin and role != "admin":
             raise Forbidden("this path needs an admin key")

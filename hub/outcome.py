@@ -21,6 +21,7 @@ from backends.errors import (
     BackendClosedError,
     BackendError,
     CapacityError,
+    ContextLengthError,
     InputError,
     LoadError,
     TransientError,
@@ -76,6 +77,8 @@ _TABLE: dict[type[BaseException], Outcome | Callable[[BaseException], Outcome]] 
     ClientGone: Outcome(CLIENT_CLOSED, "client_closed_request"),
     asyncio.CancelledError: Outcome(CLIENT_CLOSED, "client_closed_request"),
     # Backends
+    # OpenAI's code for a prompt (with max_tokens) over the context; clients branch on it.
+    ContextLengthError: Outcome(400, _INVALID, "context_length_exceeded"),
     InputError: Outcome(400, _INVALID),
     CapacityError: Outcome(503, _UNAVAILABLE),
     BackendClosedError: Outcome(503, _UNAVAILABLE),
@@ -84,7 +87,8 @@ _TABLE: dict[type[BaseException], Outcome | Callable[[BaseException], Outcome]] 
     TransientError: Outcome(503, _UNAVAILABLE),
     BackendError: Outcome(500, "server_error"),
     # The registry
-    NotFoundError: Outcome(404, _INVALID),
+    # As the hub's own NotFound (an unknown model): every 404 is one type.
+    NotFoundError: Outcome(404, "not_found_error"),
     InvalidConfigError: Outcome(400, _INVALID, "invalid_runtime_config"),
     InvalidSourceError: Outcome(400, _INVALID),
     InvalidTrafficError: Outcome(400, _INVALID),

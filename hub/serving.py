@@ -53,6 +53,24 @@ EMBEDDER = Kind("embedder", EmbedderBackend)
 RERANKER = Kind("reranker", RerankerBackend)
 LLM = Kind("llm", LLMBackend)
 
+# How a refusal names a kind and what an endpoint needs, as a sentence reads them.
+_A_KIND = {"llm": "an LLM", "embedder": "an embedder", "reranker": "a reranker"}
+_ENDPOINT_NEEDS = {
+    "embeddings": "embeddings need",
+    "rerank": "reranking needs",
+    "chat": "chat completions need",
+    "completions": "completions need",
+    "generate": "generation needs",
+    "responses": "responses need",
+}
+
+
+def wrong_kind_message(name: str, kind: str, endpoint: str, wanted: str) -> str:
+    """The refusal of `name` (a `kind`) at `endpoint`, which needs a `wanted`, e.g.
+    "model 'x' is an LLM; embeddings need an embedder"."""
+    needs = _ENDPOINT_NEEDS.get(endpoint, f"the {endpoint} endpoint needs")
+    return f"model {name!r} is {_A_KIND.get(kind, kind)}; {needs} {_A_KIND.get(wanted, wanted)}"
+
 
 @dataclass
 class InferenceRequest(Generic[B]):
@@ -108,7 +126,7 @@ class Serving:
         raised here, before the model is acquired."""
         if route.kind != kind.name:
             raise BadRequest(
-                f"model {route.name!r} is a {route.kind}; {endpoint} needs a {kind.name}",
+                wrong_kind_message(route.name, route.kind, endpoint, kind.name),
                 param="model",
                 code="wrong_model_kind",
             )

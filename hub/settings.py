@@ -8,6 +8,7 @@ the environment: subsystems receive these frozen objects.
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from pathlib import Path
@@ -33,6 +34,10 @@ from hub.units import parse_bytes, parse_duration
 
 ENV_PREFIX = "HUB_"
 CONFIG_ENV = "HUB_CONFIG"
+# Variables the `hub` command reads as a client of a running hub (`--url`, `--key`); they
+# share the prefix but are no settings of the server, so the loader neither reads nor
+# refuses them. Any other HUB_ variable must name a setting.
+CLIENT_ENV = frozenset({"HUB_URL", "HUB_API_KEY"})
 
 
 class SettingsError(Exception):
@@ -392,12 +397,21 @@ class HubSettings(BaseSettings):
 
 
 def _env_keys(environ: dict[str, str]) -> dict[str, str]:
-    """{top-level settings key: environment variable} for every HUB_ variable."""
+    """{top-level settings key: environment variable} for every HUB_ variable meant for the
+    server (not $HUB_CONFIG, not the client's CLIENT_ENV)."""
     out = {}
     for var in environ:
-        if var.startswith(ENV_PREFIX) and var != CONFIG_ENV:
+        if var.startswith(ENV_PREFIX) and var != CONFIG_ENV and var not in CLIENT_ENV:
             out[var[len(ENV_PREFIX) :].lower().split("__", 1)[0]] = var
     return out
+
+
+def _unknown_env(var: str, known: set[str]) -> str:
+    """One line for an unknown HUB_ variable, with the closest setting or client variable."""
+    names = {f"{ENV_PREFIX}{key.upper()}" for key in known} | CLIENT_ENV | {CONFIG_ENV}
+    head = var.split("__", 1)[0]
+    close = difflib.get_close_matches(head, sorted(names), n=1, cutoff=0.75)
+    return f"{var} (did you mean {close[0]}?)" if close else var
 
 
 def load_settings(path: str | Path | None = None) -> HubSettings:
@@ -420,8 +434,9 @@ def load_settings(path: str | Path | None = None) -> HubSettings:
     unknown_env = sorted(var for key, var in env_keys.items() if key not in known)
     if unknown_env:
         raise SettingsError(
-            f"environment: unknown setting {', '.join(unknown_env)} "
-            f"(known keys: {', '.join(sorted(known))})"
+            f"environment: unknown setting {', '.join(_unknown_env(v, known) for v in unknown_env)}"
+            f" (known keys: {', '.join(sorted(known))}; the client's own variables: "
+            f"{', '.join(sorted(CLIENT_ENV))})"
         )
     try:
         return HubSettings(**data)

@@ -26,7 +26,7 @@ from hub.settings import HubSettings
 from hub.traffic.service import TrafficService
 from hub.validation import ValidationGate
 from hub.webhooks import EVENTS, WebhookVerifier
-from registry.db import REGISTRATION_LOCK, Database, upgrade
+from registry.db import REGISTRATION_LOCK, Database, sqlite_path, upgrade
 from registry.keys import ApiKeys
 from registry.outage import dependency_down
 from registry.service import Registry
@@ -95,6 +95,8 @@ class Hub:
             {"database": registry.db.ping, "mlflow": registry.mlflow.ping},
             interval=reg.health_interval,
             timeout=max(reg.database_timeout, reg.mlflow_timeout),
+            # Embedded MLflow: its first check creates (migrates) the SQLite store.
+            created_on_first_use={"mlflow"} if sqlite_path(settings.mlflow_tracking_uri) else (),
             metrics_registry=metrics.registry,
         )
         loader = VersionLoader(

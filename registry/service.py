@@ -191,7 +191,9 @@ class Registry:
                 "adapter_config.json); leave base out to register a full model"
             )
         if kind != "llm":
-            raise InvalidSourceError(f"a LoRA adapter is an llm, not a {kind}")
+            raise InvalidSourceError(
+                f"a LoRA adapter is registered as kind llm, not {kind}; register it with kind llm"
+            )
         inspected = inspect_adapter_folder(folder, link_root=self.fetcher.link_root(source, folder))
         if self.adapter_check is not None:
             base_view = self.get_version(base.name, base.version)

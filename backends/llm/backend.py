@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 import torch
 
 from backends.base import Backend, BackendContext, ModelKind, checked_config
-from backends.errors import BackendClosedError, InputError, LoadError
+from backends.errors import BackendClosedError, ContextLengthError, InputError, LoadError
 from backends.llm.async_engine import AsyncLLMEngine, RequestStream
 from backends.llm.config import EngineConfig, kv_cache_reservation, llm_config
 from backends.llm.detokenizer import token_bytes
@@ -212,7 +212,7 @@ class LLMBackend(Backend):
 
     def encode(self, text: str, *, param: str = "prompt") -> list[int]:
         self._require()
-        self._prompt_bound.require(text, param, param)
+        self._prompt_bound.require(text, param, param, error=ContextLengthError)
         require_encodable(text, param)
         ids: list[int] = self.tokenizer.encode(text)
         return ids
@@ -241,7 +241,9 @@ class LLMBackend(Backend):
             raise InputError(
                 f"the chat template refused the messages: {e}", param="messages"
             ) from e
-        self._prompt_bound.require(text, "messages", "the prompt the messages make")
+        self._prompt_bound.require(
+            text, "messages", "the prompt the messages make", error=ContextLengthError
+        )
         ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False)
         return ids
 

@@ -1,14 +1,15 @@
 """What one generation request may ask of an engine: checked before anything is queued.
 
 Pure: a request's prompt and sampling parameters against the model's limits, raising
-`InputError` naming the field, or the number of tokens the request may generate.
+`InputError` naming the field (`ContextLengthError` when they overflow the context), or the
+number of tokens the request may generate.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from backends.errors import InputError
+from backends.errors import ContextLengthError, InputError
 from backends.llm.sampling_params import SamplingParams
 
 
@@ -53,7 +54,7 @@ def checked_max_tokens(
             )
     room = limits.max_model_len - n_prompt
     if room < 1:
-        raise InputError(
+        raise ContextLengthError(
             f"the prompt has {n_prompt} tokens but this model's context is "
             f"{limits.max_model_len} tokens, leaving no room to generate",
             param="prompt",
@@ -74,7 +75,7 @@ def checked_max_tokens(
             param="max_tokens",
         )
     if params.max_tokens > room:
-        raise InputError(
+        raise ContextLengthError(
             f"this model's context is {limits.max_model_len} tokens, but the request needs "
             f"{n_prompt + params.max_tokens} ({n_prompt} in the prompt plus max_tokens="
             f"{params.max_tokens}); shorten the prompt or lower max_tokens",

@@ -213,8 +213,9 @@ async def create_chat_completion(
         return [prompt], apply_plan(params, plan)
 
     gen = await start_generation(
-        serving, route, "chat", build, priority=body.priority, keep_alive=body.keep_alive
-    )
+        serving, route, "chat", build, priority=body.priority, keep_alive=body.keep_alive,
+        prompt_param="messages",
+    )  # fmt: skip
     plan, parallel = plans[0], body.parallel_tool_calls
     if body.stream:
         return sse_response(
@@ -360,8 +361,9 @@ async def _generate(
         return [prompt], body.sampling_params(max_tokens=body.max_tokens, logprobs=body.logprobs)
 
     gen = await start_generation(
-        serving, route, "generate", build, priority=body.priority, keep_alive=body.keep_alive
-    )
+        serving, route, "generate", build, priority=body.priority, keep_alive=body.keep_alive,
+        prompt_param=given[0],
+    )  # fmt: skip
     if body.stream:
         return sse_response(gen, _generate_events(gen))
     choices = await gen.answer(request)

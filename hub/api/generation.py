@@ -20,6 +20,7 @@ from types import TracebackType
 
 from starlette.requests import Request
 
+from backends.errors import InputError
 from backends.llm.async_engine import RequestStream
 from backends.llm.backend import LLMBackend
 from backends.llm.engine import RequestOutput
@@ -33,6 +34,8 @@ from hub.traffic.request import ServedRequest
 
 # What a route makes of the backend: the prompts (token ids), their sampling parameters.
 PromptBuilder = Callable[[LLMBackend], tuple[list[list[int]], SamplingParams]]
+# What the LLM backend calls a prompt in its errors, whatever field of the request it came from.
+_BACKEND_PROMPT_PARAMS = ("prompt", "messages")
 
 
 @dataclass
@@ -165,8 +168,11 @@ async def start_generation(
     *,
     priority: int = 0,
     keep_alive: float | None = None,
+    prompt_param: str = "prompt",
 ) -> Generation:
-    """Acquire the model and submit the request's prompts; raises before anything streams."""
+    """Acquire the model and submit the request's prompts; raises before anything streams.
+    `prompt_param`: the request field the prompts were made from (`messages` for a chat);
+    an InputError about the prompt names it, as the caller sent it."""
     stack = contextlib.AsyncExitStack()
     req = await stack.enter_async_context(
         serving.serve(route, endpoint, LLM, keep_alive=keep_alive)
@@ -183,6 +189,8 @@ async def start_generation(
     except BaseException as e:
         for stream in streams:
             stream.abort()
+        if isinstance(e, InputError) and e.param in _BACKEND_PROMPT_PARAMS:
+            e.param = prompt_param
         await stack.__aexit__(type(e), e, e.__traceback__)
         raise
     return Generation(backend, route, prompts, params, streams, stack, served=req.served)

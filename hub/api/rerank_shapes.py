@@ -7,9 +7,10 @@
   tokens before it is paired with the query; `priority` is accepted and ignored (a reranker's
   queue is first come, first served).
 - `POST /rerank`, Hugging Face TEI when the body has `texts`: `{query, texts, model?,
-  return_text?, truncate?, raw_scores?, truncation_direction?}` -> `[{index, score, text?}]`,
-  most relevant first. TEI serves one model, so `model` may be left out when exactly one
-  reranker is registered. Without `texts` the body is Jina's / Cohere v1's, answered exactly
+  return_text?, truncate?, raw_scores?, truncation_direction?, top_n?}` -> `[{index, score,
+  text?}]`, most relevant first (the first `top_n` of them; litellm's `huggingface/` provider
+  sends it). TEI serves one model, so `model` may be left out when exactly one reranker is
+  registered. Without `texts` the body is Jina's / Cohere v1's, answered exactly
   as `/v1/rerank` answers it (vLLM serves that shape on `/rerank` too).
 
 Scores, truncation, routing by name or `name@alias`, and errors are those of `/v1/rerank`.
@@ -187,6 +188,8 @@ class TeiRerankCreate(BaseModel):
     truncate: bool = False
     truncation_direction: Literal["Right", "Left", "right", "left"] = "Right"
     raw_scores: bool = False
+    # Not TEI's own: litellm's `huggingface/` rerank sends it; the most relevant top_n only.
+    top_n: PositiveInt | None = None
     keep_alive: KeepAlive = None
 
 
@@ -232,7 +235,7 @@ async def _tei_rerank(
                          keep_alive=body.keep_alive)  # fmt: skip
     ranks = [
         TeiRank(index=i, score=scored.scores[i], text=body.texts[i] if body.return_text else None)
-        for i in ranked(scored.scores)
+        for i in ranked(scored.scores, body.top_n)
     ]
     return _json([r.model_dump(exclude_none=True) for r in ranks], route)
 

@@ -70,8 +70,9 @@ async def create_response(
         return [prompt], apply_plan(params, plan)
 
     gen = await start_generation(
-        serving, route, "responses", build, priority=body.priority, keep_alive=body.keep_alive
-    )
+        serving, route, "responses", build, priority=body.priority, keep_alive=body.keep_alive,
+        prompt_param="input",
+    )  # fmt: skip
     shell = _Shell(body, gen)
     if body.stream:
         return sse_response(gen, _events(gen, shell, plans[0]))

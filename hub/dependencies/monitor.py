@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Gauge
@@ -86,8 +86,12 @@ class DependencyMonitor:
     answers. `check_now()` runs every check once and returns when all finished (start-up);
     `start()` repeats them every `interval` seconds until `stop()`. A check still running
     when the next is due is not started again (no thread piles up), and one outliving
-    `timeout` counts as down. `state(name)` never blocks. Listeners hear (name, up) on every
-    change of `up`, on the event loop.
+    `timeout` counts as down, except the first check of a dependency in
+    `created_on_first_use`: a local store its first use creates (embedded MLflow importing
+    and migrating its SQLite database, tens of seconds on a first start) cannot be
+    unreachable, so that check is awaited whole and `up` stays None meanwhile.
+    `state(name)` never blocks. Listeners hear (name, up) on every change of `up`, on the
+    event loop.
     """
 
     def __init__(
@@ -96,10 +100,12 @@ class DependencyMonitor:
         *,
         interval: float,
         timeout: float,
+        created_on_first_use: Collection[str] = (),
         metrics_registry: CollectorRegistry | None = None,
     ) -> None:
         self.interval = interval
         self._checks = dict(checks)
+        self._created_on_first_use = frozenset(created_on_first_use)
         self._calls = {
             name: BoundedCalls(f"{name} check", workers=1, deadline=timeout) for name in checks
         }
@@ -154,8 +160,9 @@ class DependencyMonitor:
                     task.add_done_callback(self._running.discard)
 
     async def _check(self, name: str) -> None:
+        creating = name in self._created_on_first_use and self._states[name].up is None
         try:
-            await self._calls[name].run(self._checks[name])
+            await self._calls[name].run(self._checks[name], deadline=None if creating else True)
         except Exception as e:
             self._record(name, False, _reason(e), detail=_root_text(e))
         else:

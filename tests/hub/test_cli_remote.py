@@ -44,7 +44,9 @@ def served(tmp_path_factory: pytest.TempPathFactory, mlflow_template: Path) -> I
             }
         )
     )
-    with hub_process(config, cwd=root, port=port):
+    # `hub serve` runs with the client's variables exported too (a user's shell has them).
+    client_env = {"HUB_URL": f"http://127.0.0.1:{port}", "HUB_API_KEY": "hub-unused"}
+    with hub_process(config, cwd=root, port=port, env=client_env):
         yield config
 
 
@@ -87,6 +89,20 @@ def test_registry_commands_go_through_the_running_hub(
     status = json.loads(_hub(served, "status").stdout)
     pinned = [(m["name"], m["version"]) for m in status["models"] if m["pinned"]]
     assert pinned == [("emb", 1)]
+
+
+def test_hub_url_names_the_hub_to_ask(
+    served: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # No config: the default address (port 8000) is not the hub's; $HUB_URL is.
+    monkeypatch.delenv("HUB_CONFIG", raising=False)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HUB_URL", _base(served))
+    monkeypatch.setenv("HUB_API_KEY", "hub-unused")
+    result = runner.invoke(app, ["events"])
+    assert result.exit_code == 0, result.output
+    assert "locally" not in result.stderr and "unknown setting" not in result.stderr
+    assert not (tmp_path / ".hub").exists()  # nothing was created here: the hub answered
 
 
 def test_a_read_command_imports_no_mlflow_and_migrates_nothing(served: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -65,7 +66,24 @@ def test_bad_environment_value_names_the_variable(
 
 def test_unknown_environment_setting_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HUB_PROT", "9000")
-    with pytest.raises(SettingsError, match="HUB_PROT"):
+    with pytest.raises(SettingsError, match=r"HUB_PROT \(did you mean HUB_PORT\?\)"):
+        load_settings(None)
+
+
+def test_client_variables_are_accepted_and_not_settings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The CLI's own variables (README, `hub models --help`) share the prefix.
+    monkeypatch.setenv("HUB_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("HUB_API_KEY", "hub-secret")
+    s = load_settings(write(tmp_path, "port: 8001\n"))
+    assert s.port == 8001 and s.host == "127.0.0.1"
+    assert "hub-secret" not in repr(s.model_dump())
+
+
+def test_a_misspelt_client_variable_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HUB_API_KYE", "hub-secret")
+    with pytest.raises(SettingsError, match=r"HUB_API_KYE \(did you mean HUB_API_KEY\?\)"):
         load_settings(None)
 
 
@@ -80,3 +98,17 @@ def test_cli_exits_2_on_bad_settings(tmp_path: Path) -> None:
     )
     assert proc.returncode == 2
     assert "log_level" in proc.stderr and str(path) in proc.stderr
+
+
+def test_cli_runs_with_the_client_variables_exported(tmp_path: Path) -> None:
+    path = write(tmp_path, f"database_url: sqlite:///{tmp_path / 'hub.db'}\n")
+    env = {**os.environ, "HUB_URL": "http://127.0.0.1:9", "HUB_API_KEY": "hub-secret"}
+    env.pop("HUB_CONFIG", None)
+    for args in (["db", "upgrade", "--config", str(path)], ["serve", "--help"]):
+        proc = subprocess.run(
+            [sys.executable, "-m", "hub.cli", *args],
+            capture_output=True, text=True, timeout=120, env=env,
+            cwd=Path(__file__).resolve().parents[2],
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        assert "unknown setting" not in proc.stderr

@@ -1,8 +1,8 @@
 """litellm against a live hub, as its users point it at an OpenAI- or Cohere-compatible
 server: the `openai/` provider for chat (plain, streamed, tool calls required and streamed,
 assembled by litellm's own `stream_chunk_builder`), the `cohere/` and `jina_ai/` providers for
-rerank. Answers parse into litellm's types, tool arguments match their schemas, scores are
-the model's."""
+rerank, and the `huggingface/` provider against TEI's `/rerank`. Answers parse into litellm's
+types, tool arguments match their schemas, scores are the model's."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import pytest
 from hub.settings import HubSettings
 from tests.hub.api.test_rerank import DOCUMENTS, QUERY, predict
 from tests.hub.api.test_structured import ASK, SCHEMAS, TIME, WEATHER
+from tests.support.live import live_hub
 from tests.support.tool_model import serving_tool_llm
 
 
@@ -94,3 +95,34 @@ def test_litellm_openai_cohere_and_jina_providers(
             [r["relevance_score"] for r in results], want[order[:3]], atol=1e-5
         )
         assert [r["document"]["text"] for r in results] == [DOCUMENTS[i] for i in order[:3]]
+
+
+def test_litellm_huggingface_rerank_on_tei_shape(
+    litellm: Any, settings: HubSettings, tiny_reranker_dir: Path
+) -> None:
+    # litellm's `huggingface/` provider speaks TEI's /rerank, with `top_n` added, and leaves
+    # truncation off (so no over-long document here).
+    texts = [DOCUMENTS[i] for i in (0, 1, 2, 4)]
+    want = predict(tiny_reranker_dir, QUERY, texts)
+    order = [int(i) for i in np.argsort(-want, kind="stable")]
+    with live_hub(settings) as (base, _app):
+        r = httpx.post(
+            f"{base}/admin/registry/models",
+            json={"name": "rr", "kind": "reranker", "source": str(tiny_reranker_dir)},
+            timeout=120,
+        )
+        assert r.status_code == 201, r.text
+        answer = litellm.rerank(
+            model="huggingface/rr",
+            query=QUERY,
+            documents=texts,
+            top_n=2,
+            return_documents=True,
+            api_base=base,
+            api_key="unused",
+        )
+    assert [r["index"] for r in answer.results] == order[:2]
+    np.testing.assert_allclose(
+        [r["relevance_score"] for r in answer.results], want[order[:2]], atol=1e-5
+    )
+    assert [r["document"]["text"] for r in answer.results] == [texts[i] for i in order[:2]]

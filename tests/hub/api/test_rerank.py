@@ -89,7 +89,7 @@ def test_per_model_and_per_version_routes(reranker: TestClient, tiny_reranker_di
 def test_refusals(reranker: TestClient, tiny_embedder_dir: Path) -> None:
     register(reranker, "emb", "embedder", tiny_embedder_dir)
     r = reranker.post("/v1/rerank", json={"model": "emb", "query": "q", "documents": ["d"]})
-    assert r.status_code == 400 and "is a embedder; rerank needs a reranker" in r.text
+    assert r.status_code == 400 and "is an embedder; reranking needs a reranker" in r.text
     r = reranker.post("/v1/embeddings", json={"model": "rr", "input": "hi"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "model"
     r = reranker.post("/v1/rerank", json={"model": "rr", "query": "q", "documents": ["d"] * 6})

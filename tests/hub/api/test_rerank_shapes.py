@@ -124,6 +124,23 @@ def test_tei_rerank(reranker: TestClient, tiny_reranker_dir: Path) -> None:
     assert r.status_code == 400 and "rerankers: rr, rr2" in r.json()["error"]["message"]
 
 
+def test_tei_rerank_keeps_the_top_n(reranker: TestClient, tiny_reranker_dir: Path) -> None:
+    # The body litellm's `huggingface/` rerank provider sends for `top_n=2`.
+    texts = [DOCUMENTS[i] for i in (0, 1, 2, 4)]
+    body = {"raw_scores": False, "truncate": False, "truncation_direction": "Right",
+            "query": QUERY, "texts": texts, "top_n": 2, "return_text": True}  # fmt: skip
+    r = reranker.post("/rerank", json=body)
+    assert r.status_code == 200, r.text
+    want = predict(tiny_reranker_dir, QUERY, texts)
+    order = [int(i) for i in np.argsort(-want, kind="stable")]
+    assert [x["index"] for x in r.json()] == order[:2]
+    assert [x["text"] for x in r.json()] == [texts[i] for i in order[:2]]
+    everything = reranker.post("/rerank", json={**body, "top_n": 10})
+    assert [x["index"] for x in everything.json()] == order
+    r = reranker.post("/rerank", json={**body, "top_n": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_n"
+
+
 def test_jina_body_on_rerank_answers_as_v1(reranker: TestClient) -> None:
     body = {"model": "rr", "query": QUERY, "documents": DOCUMENTS, "top_n": 2,
             "return_documents": True}  # fmt: skip
