@@ -17,20 +17,29 @@ unexport PYTHONDONTWRITEBYTECODE
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 
-$(VENV)/.installed: $(VENV)/bin/python pyproject.toml $(CONSTRAINTS)
+# Installing the package also compiles its native CPU kernels (setup.py's build_kernels).
+$(VENV)/.installed: $(VENV)/bin/python pyproject.toml setup.py $(CONSTRAINTS)
 	$(PIP_INSTALL) -c $(CONSTRAINTS) -e '.[demo]'
 	touch $@
 
 # One resolution for both extras (a fresh clone's `make test` installs once, not twice).
-$(VENV)/.installed-dev: $(VENV)/bin/python pyproject.toml $(CONSTRAINTS)
+$(VENV)/.installed-dev: $(VENV)/bin/python pyproject.toml setup.py $(CONSTRAINTS)
 	$(PIP_INSTALL) -c $(CONSTRAINTS) -e '.[demo,dev]'
 	touch $(VENV)/.installed $@
+
+# The kernels again when a C source changed since the install built them (only what is out of
+# date is compiled); without a compiler the hub warns and runs its slower torch path.
+KERNELS := backends/llm/_native/.built
+$(KERNELS): $(VENV)/bin/python $(wildcard backends/llm/csrc/*) backends/llm/native_build.py
+	mkdir -p $(@D)
+	$(VENV)/bin/python -m backends.llm.native_build build || true
+	touch $@
 
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
 
 ## Start the hub on its embedded default (SQLite, embedded MLflow, demo models) at :8000.
-serve: $(VENV)/.installed
+serve: $(VENV)/.installed $(KERNELS)
 	$(VENV)/bin/hub serve --config configs/demo.yaml
 
 ## Install the dev extras and run the whole test suite: everything but the `serial` tests on
@@ -38,7 +47,7 @@ serve: $(VENV)/.installed
 ## ones (a cluster of PostgreSQL, MLflow and three hubs, timing-sensitive) alone. A pass that
 ## PYTEST_ARGS leaves empty (exit status 5) is not a failure.
 TEST_WORKERS ?= 2
-test: $(VENV)/.installed-dev
+test: $(VENV)/.installed-dev $(KERNELS)
 	$(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadscope -m "not serial" $(PYTEST_ARGS) \
 		|| [ $$? -eq 5 ]
 	$(VENV)/bin/python -m pytest -m serial $(PYTEST_ARGS) || [ $$? -eq 5 ]

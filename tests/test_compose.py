@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -196,9 +197,10 @@ def test_gpu_reservation_is_offered_commented_out(services: dict[str, Any]) -> N
 def test_dockerfile_is_pinned_non_root_and_layer_cached() -> None:
     text = DOCKERFILE.read_text()
     bases = from_images(text)
-    assert len(bases) == 1 and bases[0].startswith("python:3.11.")
-    assert_pinned(bases[0], "Dockerfile")
-    assert "slim" in bases[0]
+    assert len(bases) == 2, "a build stage and the runtime stage"
+    for base in bases:
+        assert base.startswith("python:3.11.") and "slim" in base
+        assert_pinned(base, "Dockerfile")
 
     lines = [line.strip() for line in text.splitlines()]
     copy_manifest = lines.index("COPY pyproject.toml constraints.txt ./")
@@ -214,6 +216,79 @@ def test_dockerfile_is_pinned_non_root_and_layer_cached() -> None:
         'CMD ["hub", "serve", "--config", "/app/configs/compose.yaml", '
         '"--host", "0.0.0.0", "--port", "8000"]'
     ) in lines
+
+
+@dataclass
+class Stage:
+    base: str
+    name: str | None
+    instructions: list[tuple[str, str]]  # (INSTRUCTION, its arguments, continuations joined)
+
+    def args(self, instruction: str) -> list[str]:
+        return [a for i, a in self.instructions if i == instruction]
+
+
+def dockerfile_stages(text: str) -> list[Stage]:
+    """The Dockerfile's stages, each with its instructions (comments dropped, `\\`
+    continuations joined), as `docker build` reads them."""
+    logical, pending = [], ""
+    for line in text.splitlines():
+        if not pending and (not line.strip() or line.lstrip().startswith("#")):
+            continue
+        pending += line.rstrip()
+        if pending.endswith("\\"):
+            pending = pending[:-1] + " "
+            continue
+        logical.append(pending.strip())
+        pending = ""
+    stages: list[Stage] = []
+    for line in logical:
+        instruction, _, args = line.partition(" ")
+        if instruction.upper() == "FROM":
+            words = args.split()
+            name = words[2] if len(words) == 3 and words[1].upper() == "AS" else None
+            stages.append(Stage(words[0], name, []))
+        elif stages:
+            stages[-1].instructions.append((instruction.upper(), args.strip()))
+    return stages
+
+
+COMPILERS = ("gcc", "clang", "build-essential", "g++")
+
+
+def test_the_image_builds_the_kernels_in_its_build_stage_and_ships_them() -> None:
+    """The kernels are compiled where a compiler is (the build stage), checked there, and
+    reach the runtime stage with the installed package; the runtime stage installs no
+    compiler, so a missing kernel cannot be hidden by a compile at first use."""
+    build, runtime = dockerfile_stages(DOCKERFILE.read_text())
+    assert build.name and runtime.base.startswith("python:3.11.")
+    build_runs = build.args("RUN")
+    installs_compiler = [r for r in build_runs if "apt-get install" in r]
+    assert installs_compiler and any(c in installs_compiler[0].split() for c in COMPILERS)
+    # The venv the package is installed into, and then the install (setup.py's build step
+    # compiles the kernels into it) followed by the check that every variant is there.
+    assert any(a.startswith("VIRTUAL_ENV=/opt/venv") or " VIRTUAL_ENV=/opt/venv" in a
+               for a in build.args("ENV"))  # fmt: skip
+    assert any("python -m venv /opt/venv" in r for r in build_runs)
+    copies = build.args("COPY")
+    assert "setup.py README.md ./" in copies and "backends ./backends" in copies
+    [install] = [r for r in build_runs if "-c constraints.txt '.[demo]'" in r]
+    assert install.index("pip install") < install.index("native_build check")
+    assert "python -P -m backends.llm.native_build check" in install  # the installed copy
+    # The runtime stage: the built environment, no compiler, the hub on its PATH.
+    for run in runtime.args("RUN"):
+        assert not any(c in run.split() for c in COMPILERS), run
+    assert f"--from={build.name} /opt/venv /opt/venv" in runtime.args("COPY")
+    assert any("PATH=/opt/venv/bin:$PATH" in a for a in runtime.args("ENV"))
+    assert runtime.args("CMD") and runtime.args("CMD")[0].startswith('["hub", "serve"')
+
+
+def test_the_kernel_check_fails_without_the_built_libraries(tmp_path: Path) -> None:
+    """What the build stage's `native_build check` does on an install that built nothing."""
+    from backends.llm import native_build
+
+    assert native_build.main(["check", "--dir", str(tmp_path)]) == 1
+    assert native_build.missing(tmp_path, openmp=False)
 
 
 def test_compose_config_has_the_hub_keys() -> None:

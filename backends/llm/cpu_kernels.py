@@ -1,20 +1,26 @@
-"""Native CPU kernels, compiled on first use with the machine's C compiler, called via ctypes.
+"""Native CPU kernels in C, called via ctypes: the decode attention kernel, and how every
+kernel's library is found or built.
 
 Decode attention on a CPU is bound by memory traffic: the whole context of every sequence is
 read once per layer and step. Gathering a sequence's blocks into one tensor first (what plain
 torch can do) copies that context and reads it twice more; `csrc/paged_decode.c` reads the
-keys and values in place from the cache blocks instead. It is plain C (no torch headers), so
-it builds in well under a second; the shared library is cached in `KernelSettings.cache_dir`
-(default `~/.cache/model-hub/kernels`), keyed by the source, the flags and the CPU, and reused
-by every later process.
+keys and values in place from the cache blocks instead.
 
-Where no compiler is found, or the kernels are switched off (`KernelSettings.enabled`),
-`paged_decode(settings)` returns None and the engine keeps its torch path; the reason is
-logged once. `KernelSettings.compiler` picks the compiler (`cc` by default; arguments
-allowed). The hub fills these from its settings (`engine:`); this module reads no environment
-variable. A failed build is remembered in the cache (a `.failed`
-file beside where the library would be) so later processes do not retry it; a different
-compiler or source gets a fresh attempt.
+Where the libraries come from (`load_native`): installing the package builds every kernel
+for several instruction-set levels (`native_build`), and the best one this CPU runs is
+loaded. Without one for the current sources (a source checkout never installed, or C
+sources edited since), the kernel is compiled on first use with `KernelSettings.compiler`
+(`cc` by default; arguments allowed) for this CPU (`-march=native`) and cached in
+`KernelSettings.cache_dir` (default `~/.cache/model-hub/kernels`), keyed by the source, the
+flags and the CPU, and reused by every later process. A failed compile is remembered there
+(a `.failed` file beside where the library would be) so later processes do not retry it; a
+different compiler or source gets a fresh attempt.
+
+Where no library loads, or the kernels are switched off (`KernelSettings.enabled`),
+`paged_decode(settings)` returns None and the engine keeps its torch path: a WARNING says so
+once, and `native_build.kernel_reports()` (shown by `/admin/devices`) names the kernel as
+unavailable with the reason. The hub fills the settings from its `engine:` section; this
+module reads no environment variable.
 """
 
 from __future__ import annotations
@@ -23,23 +29,23 @@ import ctypes
 import functools
 import hashlib
 import logging
-import os
 import platform
 import shlex
 import shutil
 import subprocess
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
 import torch
 
+from backends.llm import native_build
 from backends.llm.kernel_settings import KernelSettings
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
+CSRC = native_build.CSRC
+SOURCE = CSRC / "paged_decode.c"
 K = TypeVar("K")
 # With OpenMP only where torch itself runs on GNU OpenMP: the library then links the
 # `libgomp.so.1` torch has already loaded, and the decode rows go to torch's own idle (still
@@ -63,7 +69,7 @@ class PagedDecodeKernel:
         self.path = path
         fn = library.hub_paged_decode_f32
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        fn.argtypes = [ptr, ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, i64, i64, i64, i64]
+        fn.argtypes = [ptr, ptr, i64, i64, i64, i64, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64]
         fn.argtypes += [ctypes.c_float, ctypes.c_int, ptr]
         fn.restype = ctypes.c_int
         self._fn = fn  # ctypes releases the GIL for the call: threads can share a batch
@@ -87,7 +93,8 @@ class PagedDecodeKernel:
     ) -> None:
         """Rows `rows` (all by default) of `out`; `threads` is used by a threaded build.
         `indices_checked`: the caller has passed these tables through `check_indices` (once
-        per step, not once per layer)."""
+        per step, not once per layer). The kernel checks every index it follows itself too:
+        ValueError (`raise_for_status`) for one out of range, whoever checked before."""
         b, kv_heads, group, head_dim = queries.shape
         _, num_blocks, block_size, cache_kv, cache_dim = kv_cache.shape
         if (
@@ -118,6 +125,7 @@ class PagedDecodeKernel:
             group,
             head_dim,
             tables.data_ptr(),
+            len(tables),
             table_starts.data_ptr(),
             lens.data_ptr(),
             b,
@@ -128,8 +136,7 @@ class PagedDecodeKernel:
             threads,
             out.data_ptr(),
         )
-        if status != 0:
-            raise MemoryError("paged decode: no memory for its scratch buffers")
+        raise_for_status("paged decode", status)
 
     @staticmethod
     def check_indices(
@@ -182,17 +189,36 @@ class PagedDecodeKernel:
             raise ValueError(f"paged decode: block ids must be in [0, {num_blocks})")
 
 
+def raise_for_status(kernel: str, status: int) -> None:
+    """Nothing for status 0; else the exception a kernel's status stands for: MemoryError
+    for its scratch, ValueError naming the argument out of range (nothing was run)."""
+    if status == 0:
+        return
+    message = f"{kernel}: the native kernel refused the call: {native_build.status_message(status)}"
+    if status == native_build.NO_MEMORY:
+        raise MemoryError(message)
+    raise ValueError(message)
+
+
+def switched_off(kernel: str) -> None:
+    """Record that `kernel` is off by the settings (the torch path by choice)."""
+    native_build.record(
+        native_build.KernelReport(kernel, "off", reason="engine.cpu_kernels is false")
+    )
+
+
 @functools.cache
 def paged_decode(settings: KernelSettings = KernelSettings()) -> PagedDecodeKernel | None:
-    """The compiled kernel, built on first use; None (reason logged once per settings) where
-    it cannot be or `settings` switch it off."""
+    """The kernel (the install's build, or compiled on first use); None where no library
+    loads (a WARNING, once per settings: the slow path) or `settings` switch it off."""
     if not settings.enabled:
         log.info("native CPU kernels off (engine.cpu_kernels); decode attention runs in torch")
+        switched_off(SOURCE.stem)
         return None
     try:
         return load_paged_decode(openmp=torch_uses_gnu_openmp(), settings=settings)
     except (RuntimeError, ValueError) as e:
-        log.warning("decode attention runs in torch (slower): %s", e)
+        log.warning("slow path: decode attention runs in torch, no native kernel loads: %s", e)
         return None
 
 
@@ -214,39 +240,84 @@ def load_native(
     openmp: bool,
     settings: KernelSettings = KernelSettings(),
 ) -> K:
-    """`wrap` of the library built from `source` (or taken from the cache): the OpenMP build
-    first where `openmp` and the compiler is GCC, else the serial one. RuntimeError saying
-    why when no build loads."""
+    """`wrap` of `source`'s library: the one the install built for this CPU and these sources
+    (the OpenMP build first where `openmp`), else one compiled now into the kernel cache (a
+    source checkout without a build, or sources edited since). RuntimeError saying why
+    when none loads. The outcome is recorded in `native_build.kernel_reports()`."""
+    kernel = source.stem
+    errors = []
+    built = native_build.find_built(kernel, openmp=openmp) if source.parent == CSRC else []
+    for path in built:
+        try:
+            loaded = _load(path, wrap)
+        except (OSError, RuntimeError, AttributeError) as e:
+            errors.append(f"[{path.name}] {e}")
+            continue
+        native_build.record(native_build.KernelReport(kernel, "built", str(path)))
+        return loaded
+    if not built:
+        errors.append(f"no library built for this CPU and source in {native_build.BUILT_DIR}")
+    try:
+        loaded, path = _compile_and_load(source, wrap, openmp=openmp, settings=settings)
+    except RuntimeError as e:
+        reason = "; ".join([*errors, str(e)])
+        native_build.record(native_build.KernelReport(kernel, "unavailable", reason=reason))
+        raise RuntimeError(f"native kernel {source.name} unavailable: {reason}") from None
+    native_build.record(native_build.KernelReport(kernel, "compiled", str(path)))
+    return loaded
+
+
+def _load(path: Path, wrap: Callable[[ctypes.CDLL, Path], K]) -> K:
+    """`wrap` of the library at `path`; RuntimeError where loading it maps a second OpenMP
+    runtime beside torch's (never run on that)."""
+    runtimes = _openmp_runtimes()
+    kernel = wrap(ctypes.CDLL(str(path)), path)
+    added = _openmp_runtimes() - runtimes
+    if added:
+        raise RuntimeError(f"loading it mapped another OpenMP runtime {sorted(added)}")
+    return kernel
+
+
+def _compile_and_load(
+    source: Path,
+    wrap: Callable[[ctypes.CDLL, Path], K],
+    *,
+    openmp: bool,
+    settings: KernelSettings,
+) -> tuple[K, Path]:
+    """`source` compiled for this CPU with `settings.compiler` (or taken from the kernel
+    cache) and loaded: the OpenMP build first where `openmp` and the compiler is GCC, else
+    the serial one. RuntimeError saying why when no build loads."""
     compiler = shlex.split(settings.compiler)  # "ccache gcc" works too
     if not compiler or shutil.which(compiler[0]) is None:
         raise RuntimeError(f"no C compiler {settings.compiler!r} on PATH (set engine.cc to one)")
-    identity = _compiler_identity(compiler)
+    identity = native_build.compiler_identity(compiler)
     use_openmp = openmp and "Free Software Foundation" in identity
     flag_sets = (_OPENMP_FLAG_SETS if use_openmp else ()) + _SERIAL_FLAG_SETS
     errors = []
     for flags in flag_sets:
         try:
             path = _build(source, compiler, identity, flags, settings.resolved_cache_dir())
-            runtimes = _openmp_runtimes()
-            kernel = wrap(ctypes.CDLL(str(path)), path)
-            added = _openmp_runtimes() - runtimes
-            if added:  # a second OpenMP runtime next to torch's: never run on it
-                raise RuntimeError(f"loading it mapped another OpenMP runtime {sorted(added)}")
-            return kernel
+            return _load(path, wrap), path
         except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as e:
             errors.append(f"[{' '.join(flags)}] {e}")
-    raise RuntimeError(f"native kernel {source.name} unavailable: " + "; ".join(errors))
+    raise RuntimeError("; ".join(errors))
 
 
 def _build(
     source: Path, compiler: list[str], identity: str, flags: list[str], cache_dir: Path
 ) -> Path:
     """The shared library of `source` built with `flags`, from the cache when it is there."""
-    # The source and the headers beside it (what its quoted includes can name).
-    code = b"\0".join(p.read_bytes() for p in [source, *sorted(source.parent.glob("*.h"))])
     command = " ".join([*compiler, *flags])
     key = hashlib.sha256(
-        b"\0".join([code, command.encode(), identity.encode(), _cpu_identity()])
+        b"\0".join(
+            [
+                native_build.source_key(source).encode(),
+                command.encode(),
+                identity.encode(),
+                _cpu_identity(),
+            ]
+        )
     ).hexdigest()[:16]
     target = cache_dir / f"{source.stem}-{key}.so"
     if target.exists():
@@ -256,29 +327,13 @@ def _build(
     failed = target.with_suffix(".failed")
     if failed.exists():
         raise RuntimeError(f"{failed.read_text().strip()} (cached in {failed})")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and rename: processes building at once never see half a file.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
     try:
-        result = subprocess.run(
-            [*compiler, *flags, "-o", tmp, str(source), "-lm"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        if result.returncode != 0:
-            last = (result.stderr.strip().splitlines() or ["failed"])[-1]
-            reason = f"{command} could not build {source.name}: {last}"
-            failed.write_text(reason + "\n")
-            raise RuntimeError(reason)
-        os.chmod(tmp, 0o755)  # mkstemp's 0600 would keep other users of the cache out
-        os.replace(tmp, target)
-        log.info("built %s with %s", target, command)
-        return target
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        native_build.compile_library(compiler, flags, source, target)
+    except RuntimeError as e:
+        failed.write_text(f"{e}\n")
+        raise
+    log.info("built %s with %s", target, command)
+    return target
 
 
 def torch_uses_gnu_openmp() -> bool:
@@ -296,17 +351,6 @@ def _openmp_runtimes() -> set[str]:
     fields = (line.split(maxsplit=5) for line in maps.splitlines())
     paths = {f[5] for f in fields if len(f) == 6}
     return {p for p in paths if Path(p).name.startswith(("libgomp", "libomp", "libiomp"))}
-
-
-def _compiler_identity(compiler: list[str]) -> str:
-    """The compiler's `--version` text (part of the cache key; GCC's names its foundation)."""
-    try:
-        result = subprocess.run(
-            [*compiler, "--version"], capture_output=True, text=True, timeout=30
-        )
-    except (OSError, subprocess.SubprocessError) as e:
-        raise RuntimeError(f"cannot run the C compiler {' '.join(compiler)!r}: {e}") from e
-    return result.stdout
 
 
 def _cpu_identity() -> bytes:

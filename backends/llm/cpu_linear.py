@@ -26,7 +26,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from backends.llm.cpu_kernels import load_native, torch_uses_gnu_openmp
+from backends.llm.cpu_kernels import (
+    load_native,
+    raise_for_status,
+    switched_off,
+    torch_uses_gnu_openmp,
+)
 from backends.llm.kernel_settings import KernelSettings
 
 log = logging.getLogger(__name__)
@@ -46,7 +51,7 @@ class LinearKernel:
         fn = library.hub_linear_f32
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, ctypes.c_int]
-        fn.restype = None
+        fn.restype = ctypes.c_int
         self._fn = fn
         self.threaded = bool(library.hub_linear_threaded())
 
@@ -62,7 +67,7 @@ class LinearKernel:
             raise ValueError("linear: bias shape does not match the weight's rows")
         rows = x.numel() // in_features
         y = torch.empty((*x.shape[:-1], out_features), dtype=torch.float32)
-        self._fn(
+        status = self._fn(
             x.data_ptr(),
             rows,
             weight.data_ptr(),
@@ -72,22 +77,24 @@ class LinearKernel:
             out_features,
             torch.get_num_threads(),
         )
+        raise_for_status("linear", status)
         return y
 
 
 @functools.cache
 def linear_kernel(settings: KernelSettings = KernelSettings()) -> LinearKernel | None:
-    """The compiled kernel, built on first use; None (reason logged once per settings) where
-    it cannot be, `settings` switch it off, or only a serial build loads (one core: no
-    faster than torch's)."""
+    """The kernel (the install's build, or compiled on first use); None where no library
+    loads (a WARNING, once per settings: the slow path), `settings` switch it off, or only a
+    serial build loads (one core: no faster than torch's)."""
     if not settings.enabled:
+        switched_off(SOURCE.stem)
         return None
     try:
         kernel = load_native(
             SOURCE, LinearKernel, openmp=torch_uses_gnu_openmp(), settings=settings
         )
     except (RuntimeError, ValueError) as e:
-        log.warning("linear layers run in torch at every batch size: %s", e)
+        log.warning("slow path: linear layers run in torch, no native kernel loads: %s", e)
         return None
     if not kernel.threaded:
         log.info("native linear kernel built without OpenMP; linear layers run in torch")

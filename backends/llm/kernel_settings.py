@@ -10,14 +10,16 @@ from pathlib import Path
 
 @dataclass(frozen=True)
 class KernelSettings:
-    """Whether and how the native kernels are built: passed down from the hub's settings."""
+    """Whether the native kernels run, and how they are compiled where the install built none
+    for this CPU and these sources: passed down from the hub's settings."""
 
-    # False: never build or use them; decode attention runs in torch.
+    # False: never build or use them; the engine runs its torch path.
     enabled: bool = True
-    # Where built libraries (and remembered failures) are kept; None: the user's cache
-    # folder, `~/.cache/model-hub/kernels`.
+    # Where libraries compiled at first use (and remembered failures) are kept; None: the
+    # user's cache folder, `~/.cache/model-hub/kernels`. The install's own builds live in the
+    # package (`backends/llm/_native`) and are used first.
     cache_dir: Path | None = None
-    # The C compiler command, arguments allowed ("ccache gcc").
+    # The C compiler command for a compile at first use, arguments allowed ("ccache gcc").
     compiler: str = "cc"
 
     def resolved_cache_dir(self) -> Path:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends
 from pydantic import BaseModel, Field
 
+from backends.llm.native_build import KernelReport, kernel_reports
 from hub.api.deps import ManagerDep, RouterDep, require_admin
 from hub.manager import DeviceStatus, HostTierStatus, ModelStatus
 
@@ -78,9 +79,25 @@ class HostTierPublic(BaseModel):
         return cls(**s.__dict__)
 
 
+class KernelPublic(BaseModel):
+    kernel: str
+    state: str = Field(
+        description="built (installed library), compiled (at first use), off, unavailable "
+        "(no library loads: the slower torch path) or not loaded (no model asked yet)"
+    )
+    slow_path: bool
+    library: str | None
+    reason: str | None
+
+    @classmethod
+    def of(cls, r: KernelReport) -> KernelPublic:
+        return cls(**r.__dict__, slow_path=r.slow_path)
+
+
 class DeviceList(BaseModel):
     devices: list[DevicePublic]
     host_tier: HostTierPublic
+    kernels: list[KernelPublic] = Field(description="the LLM engine's native CPU kernels")
 
 
 @router.get("/models", response_model=list[ModelStatusPublic])
@@ -93,6 +110,7 @@ async def admin_devices(manager: ManagerDep) -> DeviceList:
     return DeviceList(
         devices=[DevicePublic.of(d) for d in manager.device_status()],
         host_tier=HostTierPublic.of(manager.host_tier_status()),
+        kernels=[KernelPublic.of(r) for r in kernel_reports()],
     )
 
 

@@ -1,7 +1,8 @@
 """The LLM engine's kernel switches are hub settings (`engine:`, `HUB_ENGINE__*`), with the
 old `MODEL_HUB_*` / `CC` variables read as defaults by the settings alone, and they reach the
-backend at load: the native decode kernel is built where `engine.kernel_cache_dir` says, and
-not at all with `engine.cpu_kernels: false`."""
+backend at load: without a library built at install, the kernels are compiled where
+`engine.kernel_cache_dir` says, and not at all with `engine.cpu_kernels: false`;
+`/admin/devices` says which."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 import yaml
 from fastapi.testclient import TestClient
 
+from backends.llm import native_build
 from backends.llm.kernel_settings import KernelSettings
 from hub.app import create_app
 from hub.settings import SettingsError, load_settings
@@ -59,7 +61,10 @@ def test_the_old_variables_are_defaults_read_by_the_settings(
     assert load_settings().engine.kernel_cache_dir == tmp_path / "xdg" / "model-hub" / "kernels"
 
 
-def generate_once(tmp_path: Path, mlflow_template: Path, folder: Path, engine: dict) -> None:
+def generate_once(
+    tmp_path: Path, mlflow_template: Path, folder: Path, engine: dict
+) -> dict[str, dict]:
+    """Generate once on a fresh hub; `/admin/devices`'s kernel rows after, by kernel."""
     settings = make_settings(tmp_path / "hub", mlflow_template, engine=engine)
     with TestClient(create_app(settings)) as client:
         body = {"name": "tiny", "kind": "llm", "source": str(folder),
@@ -68,22 +73,40 @@ def generate_once(tmp_path: Path, mlflow_template: Path, folder: Path, engine: d
         generate = {"model": "tiny", "prompt": "the gulls", "max_tokens": 4, "temperature": 0}
         r = client.post("/v1/completions", json=generate)
         assert r.status_code == 200, r.text
+        return {k["kernel"]: k for k in client.get("/admin/devices").json()["kernels"]}
 
 
 def test_the_kernel_settings_reach_the_engine_at_load(
-    tmp_path: Path, mlflow_template: Path, tiny_llm_dir: Path
+    tmp_path: Path, mlflow_template: Path, tiny_llm_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if shutil.which("cc") is None:
         pytest.skip("no C compiler 'cc': the native decode kernel cannot be built")
+    # No library built at install (a source checkout): compiled on first use.
+    monkeypatch.setattr(native_build, "BUILT_DIR", tmp_path / "not-built")
     off = tmp_path / "off"
     off.mkdir()
-    generate_once(tmp_path / "a", mlflow_template, tiny_llm_dir,
-                  {"cpu_kernels": False, "kernel_cache_dir": str(off)})  # fmt: skip
+    kernels = generate_once(tmp_path / "a", mlflow_template, tiny_llm_dir,
+                            {"cpu_kernels": False, "kernel_cache_dir": str(off)})  # fmt: skip
     assert not list(off.iterdir()), "switched off: nothing is built"
+    assert kernels["fused_decode"]["state"] == kernels["linear"]["state"] == "off"
     on = tmp_path / "on"
-    generate_once(tmp_path / "b", mlflow_template, tiny_llm_dir,
-                  {"cpu_kernels": True, "kernel_cache_dir": str(on), "cc": "cc"})  # fmt: skip
+    engine = {"cpu_kernels": True, "kernel_cache_dir": str(on), "cc": "cc"}
+    kernels = generate_once(tmp_path / "b", mlflow_template, tiny_llm_dir, engine)
+    for name in ("fused_decode", "linear"):
+        assert kernels[name]["state"] == "compiled" and not kernels[name]["slow_path"]
+        assert kernels[name]["library"].startswith(str(on))
     # The tiny Llama's steps run fused (the decode attention kernel is built on the first step
     # through transformers, which this one request never needs).
     built = {p.name.split("-")[0] for p in on.glob("*.so")}
     assert {"fused_decode", "linear"} <= built, "the kernels are built in the configured folder"
+
+
+def test_with_no_library_and_no_compiler_the_devices_say_slow_path(
+    tmp_path: Path, mlflow_template: Path, tiny_llm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(native_build, "BUILT_DIR", tmp_path / "not-built")
+    engine = {"kernel_cache_dir": str(tmp_path / "cache"), "cc": "no-such-compiler-here"}
+    kernels = generate_once(tmp_path / "a", mlflow_template, tiny_llm_dir, engine)
+    fused = kernels["fused_decode"]
+    assert (fused["state"], fused["slow_path"]) == ("unavailable", True)
+    assert "no-such-compiler-here" in fused["reason"]

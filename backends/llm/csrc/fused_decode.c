@@ -28,6 +28,7 @@
 #include <stdlib.h>
 
 #include "attend.h"
+#include "check.h"
 #include "project.h"
 
 #ifdef _OPENMP
@@ -57,12 +58,15 @@ struct hub_step {
     int64_t rows;                                   /* tokens in the step */
     const int64_t *tokens, *slots;                  /* (rows) */
     const int64_t *tables, *table_starts, *lens;    /* block ids; (rows) each */
-    const float *cos, *sin;                         /* (n, head_dim) */
+    const float *cos, *sin;                         /* (rope_len, head_dim) */
     const int64_t *rope_rows;                       /* (rows): each row's of cos/sin */
     int64_t samples;                                /* rows whose logits are wanted */
     const int64_t *sample_rows;                     /* (samples) */
     float *logits;                                  /* (samples, vocab) */
-    float *work;
+    float *work;                                    /* (work_floats) */
+    int64_t table_len;                              /* block ids in `tables` */
+    int64_t rope_len;                               /* rows of cos and sin */
+    int64_t work_floats;
 };
 
 int hub_fused_threaded(void) {
@@ -291,19 +295,46 @@ static void layer_step(const struct hub_model *m, const struct hub_layer *l,
     project_stage(&a, &l->down, hidden, b->x, 1);
 }
 
-/* One step: logits of the sample rows. Returns 0; -1, with nothing done, when a row's
- * token, cache slot or context length is out of range (a context longer than the scratch
- * was sized for among them). */
+/* The model's sizes as the stages assume them: positive, whole heads per KV head, an even
+ * head size (the rotation takes halves). */
+static int check_model(const struct hub_model *m) {
+    if (m->hidden < 1 || m->heads < 1 || m->kv_heads < 1 || m->heads % m->kv_heads != 0 ||
+        m->head_dim < 2 || m->head_dim % 2 != 0 || m->inter < 1 || m->vocab < 1 ||
+        m->layers < 0 || m->num_blocks < 1 || m->block_size < 1 || m->max_context < 1 ||
+        m->threads < 1)
+        return HUB_BAD_SHAPE;
+    return HUB_OK;
+}
+
+/* Every index the step follows: each row's token, cache slot, rotary row and context (its
+ * table's extent and block ids), each sample row, and the scratch the rows need. */
+static int check_step(const struct hub_model *m, const struct hub_step *s) {
+    const int64_t rows = s->rows, slots = m->num_blocks * m->block_size;
+    if (rows < 0 || s->table_len < 0 || s->rope_len < 0) return HUB_BAD_SHAPE;
+    /* The LM head's scratch holds `rows` rows. */
+    if (s->samples < 0 || s->samples > rows) return HUB_BAD_SAMPLE;
+    if (hub_fused_work_floats(m, rows) > s->work_floats) return HUB_BAD_SCRATCH;
+    for (int64_t r = 0; r < rows; r++) {
+        if (s->tokens[r] < 0 || s->tokens[r] >= m->vocab) return HUB_BAD_TOKEN;
+        if (s->slots[r] < 0 || s->slots[r] >= slots) return HUB_BAD_SLOT;
+        if (s->rope_rows[r] < 0 || s->rope_rows[r] >= s->rope_len) return HUB_BAD_POSITION;
+        const int status = check_context(s->tables, s->table_len, s->table_starts[r],
+                                         s->lens[r], m->max_context, m->num_blocks,
+                                         m->block_size);
+        if (status != HUB_OK) return status;
+    }
+    for (int64_t i = 0; i < s->samples; i++)
+        if (s->sample_rows[i] < 0 || s->sample_rows[i] >= rows) return HUB_BAD_SAMPLE;
+    return HUB_OK;
+}
+
+/* One step: logits of the sample rows. Returns HUB_OK, or (having done nothing) the
+ * `check.h` status of the first size or index out of range. */
 int hub_fused_step(const struct hub_model *m, const struct hub_step *s) {
     const int64_t rows = s->rows, hidden = m->hidden;
-    const int64_t slots = m->num_blocks * m->block_size;
-    for (int64_t r = 0; r < rows; r++)
-        if (s->lens[r] > m->max_context || s->lens[r] < 1 || s->tokens[r] < 0 ||
-            s->tokens[r] >= m->vocab || s->slots[r] < 0 || s->slots[r] >= slots)
-            return -1;
-    if (s->samples > rows) return -1; /* the LM head's scratch holds `rows` rows */
-    for (int64_t i = 0; i < s->samples; i++)
-        if (s->sample_rows[i] < 0 || s->sample_rows[i] >= rows) return -1;
+    int status = check_model(m);
+    if (status == HUB_OK) status = check_step(m, s);
+    if (status != HUB_OK) return status;
 #ifdef _OPENMP
 #pragma omp parallel num_threads(m->threads > 1 ? (int)m->threads : 1)
 #endif
@@ -330,5 +361,5 @@ int hub_fused_step(const struct hub_model *m, const struct hub_step *s) {
             operand(b.h, hidden, s->samples, hidden, &m->lm_head, b.panels, b.weights, b.blocks);
         project_stage(&a, &m->lm_head, m->vocab, s->logits, 0);
     }
-    return 0;
+    return HUB_OK;
 }

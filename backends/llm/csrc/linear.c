@@ -11,9 +11,14 @@
  * Four output rows are computed at a time: for each input row, four independent chains of
  * 8-wide multiply-adds (the portable vector type compiles to whatever SIMD the target has)
  * over `in`; the four weight rows stay in the core's cache while the input rows take turns.
+ *
+ * Returns HUB_OK, or HUB_BAD_SHAPE (having done nothing) for a size out of range or a
+ * missing input, weight or output.
  */
 #include <stdint.h>
 #include <string.h>
+
+#include "check.h"
 
 typedef float v8 __attribute__((vector_size(32)));
 
@@ -83,12 +88,15 @@ static void one_row(const float *x, int64_t m, const float *w, const float *bias
     }
 }
 
-void hub_linear_f32(const float *x, int64_t m, const float *w, const float *bias, float *y,
-                    int64_t in, int64_t out, int threads) {
+int hub_linear_f32(const float *x, int64_t m, const float *w, const float *bias, float *y,
+                   int64_t in, int64_t out, int threads) {
+    if (m < 0 || in < 1 || out < 0 || ((!x || !w || !y) && m > 0 && out > 0))
+        return HUB_BAD_SHAPE;
     int64_t blocks = out / 4;
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(threads > 1 && blocks > 1 ? threads : 1) schedule(static)
 #endif
     for (int64_t b = 0; b < blocks; b++) four_rows(x, m, w, bias, y, in, out, 4 * b);
     for (int64_t o = 4 * blocks; o < out; o++) one_row(x, m, w, bias, y, in, out, o);
+    return HUB_OK;
 }

@@ -305,16 +305,15 @@ class FusedDecoder:
         s.tables = base + 8 * (5 * rows + samples)
         s.cos, s.sin = cos.data_ptr(), sin.data_ptr()
         s.logits, s.work = logits.data_ptr(), self._work_address
+        s.table_len, s.rope_len, s.work_floats = len(step.tables), len(cos), self._work.numel()
         # The calling thread's torch threads, within what the scratch was sized for.
         self._model.threads = max(1, min(self.threads, torch.get_num_threads()))
         if before is not None:
             before()
         try:
-            status = self._kernel.step(self._model, s)
+            self._kernel.step(self._model, s)  # ValueError for what check() refuses
         finally:
             self._model.threads = self.threads
-        if status != 0:  # check() refuses what the kernel would
-            raise ValueError("fused step: the kernel refused the step's indices")
         return logits
 
     def _rope_tables(self, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:

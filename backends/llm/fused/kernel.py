@@ -1,7 +1,10 @@
 """`csrc/fused_decode.c` through ctypes: the structs it reads, and the loaded library.
 
 The structs mirror the C ones field for field (`hub_layer`, `hub_model`, `hub_step`); a
-pointer field holds a tensor's data pointer, which the caller keeps alive.
+pointer field holds a tensor's data pointer, which the caller keeps alive. The step checks
+every index it follows against the sizes the structs give (the table's length, the rotary
+tables' rows, the scratch's floats) and refuses the step without running it: `FusedKernel
+.step` raises ValueError naming what is out of range.
 """
 
 from __future__ import annotations
@@ -14,7 +17,12 @@ from typing import Any
 
 import torch
 
-from backends.llm.cpu_kernels import load_native, torch_uses_gnu_openmp
+from backends.llm.cpu_kernels import (
+    load_native,
+    raise_for_status,
+    switched_off,
+    torch_uses_gnu_openmp,
+)
 from backends.llm.kernel_settings import KernelSettings
 
 log = logging.getLogger(__name__)
@@ -72,6 +80,8 @@ class CStep(ctypes.Structure):
         *((name, ctypes.c_void_p) for name in ("lens", "cos", "sin", "rope_rows")),
         ("samples", _i64),
         *((name, ctypes.c_void_p) for name in ("sample_rows", "logits", "work")),
+        # The lengths of `tables`, of `cos` and `sin` (rows), and of `work` (floats).
+        *((name, _i64) for name in ("table_len", "rope_len", "work_floats")),
     ]
 
 
@@ -91,20 +101,22 @@ class FusedKernel:
     def work_floats(self, model: CModel, rows: int) -> int:
         return int(self._work(ctypes.byref(model), rows))
 
-    def step(self, model: CModel, step: CStep) -> int:
-        return int(self._step(ctypes.byref(model), ctypes.byref(step)))
+    def step(self, model: CModel, step: CStep) -> None:
+        """Run `step`; ValueError (nothing run) for an index or size out of range."""
+        raise_for_status("fused step", self._step(ctypes.byref(model), ctypes.byref(step)))
 
 
 @functools.cache
 def fused_kernel(settings: KernelSettings = KernelSettings()) -> FusedKernel | None:
-    """The compiled kernel, built on first use; None (reason logged once per settings) where
-    it cannot be or `settings` switch it off."""
+    """The kernel (the install's build, or compiled on first use); None where no library
+    loads (a WARNING, once per settings: the slow path) or `settings` switch it off."""
     if not settings.enabled:
+        switched_off(SOURCE.stem)
         return None
     try:
         return load_native(SOURCE, FusedKernel, openmp=torch_uses_gnu_openmp(), settings=settings)
     except (RuntimeError, ValueError) as e:
-        log.warning("the fused CPU step is unavailable; steps run through transformers: %s", e)
+        log.warning("slow path: CPU steps run through transformers, no fused kernel loads: %s", e)
         return None
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from backends.llm import cpu_kernels
+from backends.llm import cpu_kernels, native_build
 from backends.llm.attention import (
     NativeDecode,
     PagedAttentionMetadata,
@@ -69,9 +69,10 @@ MIXED = [(37, 1), (4, 1), (8, 12), (0, 9), (0, 1)]
 @functools.cache
 def native_kernel(openmp: bool) -> cpu_kernels.PagedDecodeKernel:
     compiler = os.environ.get("CC") or "cc"
-    if shutil.which(compiler) is None:
-        pytest.skip(f"no C compiler {compiler!r}: the native decode kernel cannot be built")
-    kernel = cpu_kernels.load_paged_decode(openmp=openmp)
+    try:
+        kernel = cpu_kernels.load_paged_decode(openmp=openmp)
+    except RuntimeError:
+        pytest.skip(f"no built kernel and no C compiler {compiler!r} to build one")
     if openmp and not kernel.threaded:
         pytest.skip("this process has no GNU OpenMP runtime (torch's) to build against")
     return kernel
@@ -163,11 +164,44 @@ def test_the_native_kernel_refuses_tensors_it_cannot_read() -> None:
     check([0, 3], [0], [5], 4, 4)  # two blocks of 4 hold 5 tokens
 
 
+@pytest.mark.parametrize("openmp", [True, False])
+def test_the_native_kernel_itself_refuses_indices_out_of_range(openmp: bool) -> None:
+    """Past the Python checks (`indices_checked=True` skips them), the C entry point checks
+    every index it follows and refuses the call, leaving the output untouched."""
+    kernel = native_kernel(openmp)
+    q = torch.ones(2, 2, 2, 8)
+    cache = torch.ones(2, 4, 4, 2, 8)
+    good = {
+        "tables": torch.tensor([0, 1, 2]),
+        "table_starts": torch.tensor([0, 2]),
+        "lens": torch.tensor([8, 3]),
+    }
+    for change, message in [
+        ({"tables": torch.tensor([0, 4, 2])}, "block id is outside the KV cache"),
+        ({"tables": torch.tensor([0, -1, 2])}, "block id is outside the KV cache"),
+        ({"table_starts": torch.tensor([0, 3])}, "outside its block table"),
+        ({"table_starts": torch.tensor([-1, 2])}, "outside its block table"),
+        ({"lens": torch.tensor([8, 5])}, "outside its block table"),  # row 1: 2 blocks
+        ({"lens": torch.tensor([8, 0])}, "context length"),
+    ]:
+        out = torch.full_like(q, 7.0)
+        args = good | change
+        with pytest.raises(ValueError, match=f"refused the call: .*{message}"):
+            kernel(q, cache, **args, out=out, sliding_window=None, softcap=None,
+                   indices_checked=True)  # fmt: skip
+        assert bool((out == 7.0).all()), "nothing is computed for a refused call"
+    out = torch.zeros_like(q)
+    kernel(q, cache, **good, out=out, sliding_window=None, softcap=None, indices_checked=True)
+    assert torch.allclose(out, torch.ones_like(q))  # equal values: any weights average to 1
+
+
 def test_a_failed_build_is_remembered_and_not_retried(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     if shutil.which("cc") is None:
         pytest.skip("no C compiler 'cc'")
+    # No library built at install: the kernel is compiled on first use (a source checkout).
+    monkeypatch.setattr(native_build, "BUILT_DIR", tmp_path / "not-built")
     # A flag the compiler rejects stands in for a compiler too old for the source.
     settings = cpu_kernels.KernelSettings(
         cache_dir=tmp_path, compiler="cc -fno-such-flag-for-this-test"
@@ -183,15 +217,22 @@ def test_a_failed_build_is_remembered_and_not_retried(
     assert not list(tmp_path.glob("*.so"))
 
 
-def test_without_a_compiler_or_switched_off_the_engine_keeps_the_torch_path(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+def test_without_a_built_library_or_compiler_or_switched_off_the_torch_path_is_said(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    monkeypatch.setattr(native_build, "BUILT_DIR", tmp_path / "not-built")
     missing = cpu_kernels.KernelSettings(cache_dir=tmp_path, compiler="no-such-compiler-here")
     assert cpu_kernels.paged_decode(missing) is None
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert any("slow path" in r.getMessage() for r in warnings)
     assert "no-such-compiler-here" in caplog.text
+    report = {r.kernel: r for r in native_build.kernel_reports()}["paged_decode"]
+    assert (report.state, report.slow_path) == ("unavailable", True)
+    assert report.reason is not None and "no library built" in report.reason
     off = cpu_kernels.KernelSettings(enabled=False, cache_dir=tmp_path)
     assert cpu_kernels.paged_decode(off) is None
     assert not list(tmp_path.iterdir()), "switched off, nothing is built"
+    assert {r.kernel: r.state for r in native_build.kernel_reports()}["paged_decode"] == "off"
 
 
 def check_step(

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import functools
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -14,18 +13,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from backends.llm import cpu_linear
+from backends.llm import cpu_linear, native_build
 from backends.llm.kernel_settings import KernelSettings
 
 
 @functools.cache
 def kernel() -> cpu_linear.LinearKernel:
-    compiler = os.environ.get("CC") or "cc"
-    if shutil.which(compiler) is None:
-        pytest.skip(f"no C compiler {compiler!r}: the native linear kernel cannot be built")
     built = cpu_linear.linear_kernel(KernelSettings())  # the instance `install` uses
     if built is None:
-        pytest.skip("no threaded build (torch has no GNU OpenMP runtime here)")
+        compiler = os.environ.get("CC") or "cc"
+        pytest.skip(f"no threaded build loads (none built, no GNU OpenMP or no {compiler!r})")
     return built
 
 
@@ -55,9 +52,9 @@ class Counting:
     def __init__(self, fn: Any) -> None:
         self.fn, self.calls = fn, 0
 
-    def __call__(self, *args: Any) -> None:
+    def __call__(self, *args: Any) -> int:
         self.calls += 1
-        self.fn(*args)
+        return int(self.fn(*args))
 
 
 def test_installed_in_a_model_it_runs_few_rows_and_torch_the_rest(tiny_llm_dir: Path) -> None:
@@ -85,10 +82,21 @@ def test_installed_in_a_model_it_runs_few_rows_and_torch_the_rest(tiny_llm_dir: 
         built._fn = counting.fn
 
 
-def test_switched_off_nothing_is_installed(tmp_path: Path) -> None:
+def test_switched_off_or_unavailable_nothing_is_installed(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))
     off = KernelSettings(enabled=False, cache_dir=tmp_path)
     assert cpu_linear.install(model, off) == 0
+    monkeypatch.setattr(native_build, "BUILT_DIR", tmp_path / "not-built")
     missing = KernelSettings(cache_dir=tmp_path, compiler="no-such-compiler-here")
     assert cpu_linear.install(model, missing) == 0
     assert "forward" not in vars(model[0])
+
+
+def test_the_kernel_itself_refuses_sizes_out_of_range() -> None:
+    """The C entry point, called directly with no buffers, refuses rather than reads."""
+    fn = kernel()._fn
+    assert fn(None, 1, None, None, None, 4, 4, 1) == 2  # csrc/check.h HUB_BAD_SHAPE
+    assert fn(None, -1, None, None, None, 4, 4, 1) == 2
+    assert fn(None, 0, None, None, None, 4, 4, 1) == 0  # no rows: nothing to read

@@ -299,3 +299,40 @@ def test_lora_steps_run_through_transformers_and_base_steps_fused(root: Path) ->
     adapted = run_all(engine, [(p, GREEDY) for p in prompts], ["a"] * len(prompts))
     assert [r[0].token_ids for r in adapted] != plain
     assert engine.runner.fused.steps == fused  # no step with the adapter ran fused
+
+
+def test_the_kernel_itself_refuses_indices_out_of_range(llama: Path) -> None:
+    """Past `check` (`checked=True` skips it), the C step checks every index it follows and
+    refuses the step: nothing runs, the KV cache is left as it was."""
+    decoder = make_engine(llama).runner.fused.decoder
+    assert decoder is not None
+    good = {
+        "tokens": [10, 11],
+        "positions": [0, 1],
+        "slots": [0, 1],
+        "tables": [0],
+        "table_starts": [0, 0],
+        "lens": [1, 2],
+        "sample_rows": [1],
+    }
+    rows = 4 * decoder.max_rows  # past the scratch however few threads run the step
+    too_many = {"tokens": [10] * rows, "positions": [0] * rows, "slots": [0] * rows,
+                "table_starts": [0] * rows, "lens": [1] * rows, "sample_rows": [0]}  # fmt: skip
+    before = [kv.clone() for kv in decoder.kv_caches]
+    for change, message in [
+        ({"tables": [decoder.slots]}, "block id is outside the KV cache"),
+        ({"tables": [-1]}, "block id is outside the KV cache"),
+        ({"table_starts": [0, 1]}, "outside its block table"),
+        ({"tables": [], "table_starts": [0, 0]}, "outside its block table"),
+        ({"lens": [1, 0]}, "context length"),
+        ({"lens": [1, 10**9]}, "context length"),
+        ({"positions": [0, 10**9]}, "position is outside the rotary tables"),
+        ({"tokens": [10, decoder.vocab]}, "token id"),
+        ({"slots": [0, -1]}, "cache slot"),
+        ({"sample_rows": [2]}, "sample row"),
+        (too_many, "more scratch"),
+    ]:
+        with pytest.raises(ValueError, match=f"fused step: .*refused the call: .*{message}"):
+            decoder(FusedStep(**(good | change)), checked=True)
+    assert all(torch.equal(a, b) for a, b in zip(before, decoder.kv_caches, strict=True))
+    assert decoder(FusedStep(**good), checked=True).shape == (1, decoder.vocab)
