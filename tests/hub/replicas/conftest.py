@@ -33,7 +33,7 @@ def placement_budget(placement_embedder_dir: Path, small_model_dir: Path) -> int
     """Room for two placement models and one small model (emb, rerank), with the same slack
     short of a third placement model, as the manager charges them (weights plus the
     encoder's runtime reserve, which dominates the small ones)."""
-    from backends.embedder import EmbedderBackend
+    from backends.encoders.embedder import EmbedderBackend
 
     big = EmbedderBackend.predict_memory(placement_embedder_dir, {})
     small = EmbedderBackend.predict_memory(small_model_dir, {})
