@@ -50,7 +50,6 @@ from collections.abc import Callable, Sequence
 from typing import Any, Generic
 
 from backends.admission import DeviceWork, QueueTimeAdmission
-from backends.batch_metrics import BatchMetrics
 from backends.encoders.batch_items import (
     BatchStages,
     I,
@@ -61,6 +60,7 @@ from backends.encoders.batch_items import (
     pool_order,
 )
 from backends.encoders.batch_limits import BatchLimits
+from backends.encoders.batch_metrics import BatchMetrics
 from backends.encoders.batch_work import BatchWork
 from backends.errors import BackendClosedError, CapacityError, InputError
 

@@ -22,8 +22,8 @@ import torch
 
 from backends.admission import device_work
 from backends.base import Backend, BackendContext, checked_config
-from backends.batch_metrics import BatchMetrics
 from backends.encoders.batch_limits import BatchLimits
+from backends.encoders.batch_metrics import BatchMetrics
 from backends.encoders.batching import DynamicBatcher
 from backends.encoders.forward_process import (
     ForwardProcessError,

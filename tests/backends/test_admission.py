@@ -11,8 +11,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from backends.admission import DeviceWork, QueueTimeAdmission, device_work
-from backends.batch_metrics import BatchMetrics
 from backends.encoders.batch_limits import BatchLimits
+from backends.encoders.batch_metrics import BatchMetrics
 from backends.encoders.batching import DynamicBatcher
 from backends.errors import CapacityError
 from backends.runtime_config import EmbedderConfig, RuntimeConfigError
