@@ -24,7 +24,6 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from backends.errors import LoadError
-from backends.llm.kernel_settings import KernelSettings
 from backends.runtime_config import RuntimeConfig, RuntimeConfigError
 
 C = TypeVar("C", bound=RuntimeConfig)
@@ -38,7 +37,8 @@ class ModelKind(enum.StrEnum):
 
 @dataclass(frozen=True)
 class BackendContext:
-    """What a backend is told about itself when it is created."""
+    """What a backend is told about itself when it is created; a kind may extend it with what
+    only it reads (`backends.llm.context.LLMContext`)."""
 
     # Registered model name and version, used as metric labels and in error messages.
     model: str
@@ -53,9 +53,6 @@ class BackendContext:
     trust_remote_code: bool = False
     # Budget of the device the model is placed on, for settings given as a fraction of it.
     device_budget_bytes: int | None = None
-    # The LLM engine's native CPU kernels: on or off, their cache and compiler (hub settings
-    # `engine:`); other kinds ignore it.
-    kernels: KernelSettings = field(default_factory=KernelSettings)
 
 
 class Backend(abc.ABC):

@@ -9,7 +9,7 @@ def backend_class(kind: ModelKind | str) -> type[Backend]:
     """The Backend subclass for `kind`; imports lazily so unused kinds cost nothing."""
     kind = ModelKind(kind)
     if kind is ModelKind.EMBEDDER:
-        from backends.embedder import EmbedderBackend
+        from backends.encoders.embedder import EmbedderBackend
 
         return EmbedderBackend
     if kind is ModelKind.LLM:
@@ -17,7 +17,7 @@ def backend_class(kind: ModelKind | str) -> type[Backend]:
 
         return LLMBackend
     if kind is ModelKind.RERANKER:
-        from backends.reranker import RerankerBackend
+        from backends.encoders.reranker import RerankerBackend
 
         return RerankerBackend
     raise NotImplementedError(f"no backend serves kind {kind.value!r} yet")

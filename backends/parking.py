@@ -11,7 +11,7 @@ tensor reachable under two names) and outside references to a parameter (an engi
 
 `release(module)` frees a module's tensors in place at unload, without waiting for the
 garbage collector. `share(module)` lays a CPU module's tensors out the same way in one block of
-shared memory, for worker processes to map (`backends.forward_process`).
+shared memory, for worker processes to map (`backends.encoders.forward_process`).
 
 The module must be idle for both steps (the manager guarantees it: nothing is in flight).
 Tensors that are not parameters or buffers of the module (caches an engine keeps elsewhere)

@@ -152,7 +152,7 @@ class EncoderConfig(RuntimeConfig):
     # Run batches packed into one row; None: on a CPU only.
     unpadded: Flag | None = None
     # Run forward passes in worker processes that share the weights, off the hub's
-    # interpreter lock (backends/forward_process.py); None: on a CPU under `hub serve`.
+    # interpreter lock (backends/encoders/forward_process.py); None: on a CPU under `hub serve`.
     forward_process: Flag | None = None
     # The workers' niceness: 0 competes with the hub's own threads for the cores as an
     # equal, higher yields them to the event loop and the LLM engine when both want them.

@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as `python benchmarks/<name>.py` from anywhere
     sys.path.insert(0, str(REPO))
 
-from tests.support.process import hub_process, read_log  # noqa: E402
+from benchmarks.launch.process import hub_config, hub_process, read_log  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 MODEL = "minilm"
@@ -121,20 +121,9 @@ def process_cpu_seconds(pid: int) -> float:
 
 # ---- the hub as a real process --------------------------------------------------------------
 def _hub_config(root: Path, source: str, runtime_config: dict[str, Any]) -> Path:
-    config = {
-        "database_url": f"sqlite:///{root / 'hub.db'}",
-        "mlflow_tracking_uri": f"sqlite:///{root / 'mlflow.db'}",
-        "cache_dir": str(root / "cache"),
-        "demo_dir": str(root / "demo"),
-        "devices": [{"name": "cpu", "memory_budget": "4GiB"}],
-        "host_cache_budget": "1GiB",
-        "log_level": "warning",
-        "models": [{"name": MODEL, "kind": "embedder", "source": source,
-                    "preload": True, "config": runtime_config}],
-    }  # fmt: skip
-    path = root / "hub.yaml"
-    path.write_text(json.dumps(config))  # JSON is YAML
-    return path
+    model = {"name": MODEL, "kind": "embedder", "source": source, "preload": True,
+             "config": runtime_config}  # fmt: skip
+    return hub_config(root, [model])
 
 
 @contextmanager

@@ -44,7 +44,7 @@ from tqdm import tqdm
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from tests.support.process import hub_process  # noqa: E402
+from benchmarks.launch.process import hub_config, hub_process  # noqa: E402
 
 RESULTS = REPO_ROOT / "benchmarks" / "results"
 MODEL = "bench-llm"
@@ -54,20 +54,9 @@ VOCAB = 8192
 
 
 def _hub_config(root: Path, source: Path) -> Path:
-    config = {
-        "database_url": f"sqlite:///{root / 'hub.db'}",
-        "mlflow_tracking_uri": f"sqlite:///{root / 'mlflow.db'}",
-        "cache_dir": str(root / "cache"),
-        "demo_dir": str(root / "demo"),
-        "devices": [{"name": "cpu", "memory_budget": "4GiB"}],
-        "host_cache_budget": "1GiB",
-        "log_level": "warning",
-        "models": [{"name": MODEL, "kind": "llm", "source": str(source), "preload": True,
-                    "config": {"kv_cache_bytes": "512MiB", "max_num_seqs": 64}}],
-    }  # fmt: skip
-    path = root / "hub.yaml"
-    path.write_text(json.dumps(config))  # JSON is YAML
-    return path
+    model = {"name": MODEL, "kind": "llm", "source": str(source), "preload": True,
+             "config": {"kv_cache_bytes": "512MiB", "max_num_seqs": 64}}  # fmt: skip
+    return hub_config(root, [model])
 
 
 @contextmanager

@@ -53,8 +53,8 @@ if str(REPO) not in sys.path:  # run as `python benchmarks/<name>.py` from anywh
     sys.path.insert(0, str(REPO))
 
 from benchmarks.embed_throughput import make_sentences  # noqa: E402
+from benchmarks.launch.process import hub_config, hub_process, read_log  # noqa: E402
 from benchmarks.raw_http import post_json  # noqa: E402
-from tests.support.process import hub_process, read_log  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 EMBEDDER, RERANKER = "emb", "rr"
@@ -86,22 +86,13 @@ def _hub_config(
         {"name": RERANKER, "kind": "reranker", "source": str(reranker), "preload": True,
          "config": config},
     ]  # fmt: skip
-    hub = {
-        "database_url": f"sqlite:///{root / 'hub.db'}",
-        "mlflow_tracking_uri": f"sqlite:///{root / 'mlflow.db'}",
-        "cache_dir": str(root / "cache"),
-        "demo_dir": str(root / "demo"),
-        "devices": [{"name": "cpu", "memory_budget": "4GiB"}],
-        "host_cache_budget": "1GiB",
-        "log_level": "warning",
-        "max_requests_in_progress": shedding.max_in_progress,
-        "max_event_loop_lag": shedding.max_event_loop_lag,
-        "encoder_worker_processes": workers,
-        "models": models,
-    }
-    path = root / "hub.yaml"
-    path.write_text(json.dumps(hub))  # JSON is YAML
-    return path
+    return hub_config(
+        root,
+        models,
+        max_requests_in_progress=shedding.max_in_progress,
+        max_event_loop_lag=shedding.max_event_loop_lag,
+        encoder_worker_processes=workers,
+    )
 
 
 @contextmanager

@@ -38,7 +38,7 @@ from tqdm import tqdm
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from backends.tokenization import Encoded, EncoderTokenizer  # noqa: E402
+from backends.encoders.tokenization import Encoded, EncoderTokenizer  # noqa: E402
 from hub.demo import minilm_dir  # noqa: E402
 
 RESULTS = REPO_ROOT / "benchmarks" / "results"
@@ -96,9 +96,9 @@ def main() -> None:
 
     from sentence_transformers import CrossEncoder, SentenceTransformer
 
-    from backends.embedder import _EmbedStages
-    from backends.reranker import _RerankStages
-    from backends.unpadded import UnpaddedCrossEncoder, UnpaddedEncoder
+    from backends.encoders.embedder import _EmbedStages
+    from backends.encoders.reranker import _RerankStages
+    from backends.encoders.unpadded import UnpaddedCrossEncoder, UnpaddedEncoder
 
     rng = random.Random(0)
     embedder = SentenceTransformer(str(minilm_dir()), device="cpu")

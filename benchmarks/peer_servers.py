@@ -25,8 +25,7 @@ from typing import Any
 
 import httpx
 
-from tests.support.postgres import free_port
-from tests.support.process import hub_process, read_log
+from benchmarks.launch.process import free_port, hub_config, hub_process, read_log
 
 # What each request body gains on top of the OpenAI completion fields, given its output
 # length: the server's own way to generate exactly that many tokens.
@@ -73,20 +72,10 @@ def _threads_env(threads: int) -> dict[str, str]:
 @contextlib.contextmanager
 def hub_server(model_dir: Path, root: Path, threads: int) -> Iterator[Endpoint]:
     """`hub serve` with the benchmark model registered and preloaded."""
-    config = {
-        "database_url": f"sqlite:///{root / 'hub.db'}",
-        "mlflow_tracking_uri": f"sqlite:///{root / 'mlflow.db'}",
-        "cache_dir": str(root / "cache"),
-        "demo_dir": str(root / "demo"),
-        "devices": [{"name": "cpu", "memory_budget": "4GiB"}],
-        "host_cache_budget": "1GiB",
-        "log_level": "warning",
-        "models": [{"name": "bench", "kind": "llm", "source": str(model_dir), "preload": True,
-                    "config": {"kv_cache_bytes": "512MiB", "max_num_seqs": 64,
-                               "max_num_batched_tokens": 512}}],
-    }  # fmt: skip
-    path = root / "hub.yaml"
-    path.write_text(json.dumps(config))  # JSON is YAML
+    model = {"name": "bench", "kind": "llm", "source": str(model_dir), "preload": True,
+             "config": {"kv_cache_bytes": "512MiB", "max_num_seqs": 64,
+                        "max_num_batched_tokens": 512}}  # fmt: skip
+    path = hub_config(root, [model])
     env = {**_threads_env(threads), "HF_HUB_OFFLINE": "1"}
     with hub_process(path, cwd=root, env=env, timeout=300) as (base, proc):
 

@@ -2,7 +2,7 @@
 the replicas (a load balancer that knows nothing of models), with placement off and on.
 
 A throwaway PostgreSQL, an MLflow server and three `hub serve` replicas on loopback
-(tests/support/cluster.py); six embedders (7 MiB of weights, charged 39 MiB with the
+(benchmarks/launch/cluster.py); six embedders (7 MiB of weights, charged 39 MiB with the
 encoder's runtime reserve; the same random weights under six names) on replicas whose CPU
 budget holds two of them and not three (the shared test cluster's budget). Every replica's
 local cache is filled first (each model loaded and unloaded once on each replica), so neither
@@ -42,13 +42,16 @@ import httpx  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from backends.tiny import build_tiny_embedder  # noqa: E402
-from tests.hub.replicas.conftest import (  # noqa: E402
+from benchmarks.launch.cluster import Cluster, running_cluster, wait_for  # noqa: E402
+from benchmarks.launch.round_robin import (  # noqa: E402  # noqa: E402
     PLACEMENT_MODELS,
+    Answer,
     build_placement_embedder,
+    loads,
     placement_budget,
+    replica_ids,
+    round_robin,
 )
-from tests.support.cluster import Cluster, running_cluster, wait_for  # noqa: E402
-from tests.support.round_robin import Answer, loads, replica_ids, round_robin  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 ARMS = (("off", "false"), ("on", "true"))

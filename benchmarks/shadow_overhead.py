@@ -45,7 +45,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as `python benchmarks/<name>.py` from anywhere
     sys.path.insert(0, str(REPO))
 
-from tests.support.process import hub_process  # noqa: E402
+from benchmarks.launch.process import hub_config, hub_process  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 MODEL = "emb"
@@ -84,17 +84,7 @@ def model_sources(kind: str, root: Path) -> tuple[str, str]:
 @contextmanager
 def hub_server(root: Path, env: dict[str, str]) -> Iterator[str]:
     """`hub serve` on a fresh SQLite registry under `root`; yields its base URL."""
-    config = {
-        "database_url": f"sqlite:///{root / 'hub.db'}",
-        "mlflow_tracking_uri": f"sqlite:///{root / 'mlflow.db'}",
-        "cache_dir": str(root / "cache"),
-        "demo_dir": str(root / "demo"),
-        "devices": [{"name": "cpu", "memory_budget": "4GiB"}],
-        "host_cache_budget": "1GiB",
-        "log_level": "warning",
-    }
-    (root / "hub.yaml").write_text(json.dumps(config))  # JSON is YAML
-    with hub_process(root / "hub.yaml", cwd=root, env=env, timeout=300) as (base, _):
+    with hub_process(hub_config(root), cwd=root, env=env, timeout=300) as (base, _):
         yield base
 
 

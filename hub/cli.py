@@ -46,7 +46,7 @@ def serve(
     """Start the hub: migrate, register configured models, serve HTTP."""
     import uvicorn
 
-    from backends import forward_process
+    from backends.encoders import forward_process
     from backends.threads import only_compute_threads
     from hub.app import create_app
     from hub.logs import configure_logging

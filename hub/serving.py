@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from backends.base import Backend
-from backends.embedder import EmbedderBackend
+from backends.encoders.embedder import EmbedderBackend
+from backends.encoders.reranker import RerankerBackend
 from backends.errors import BackendError, CapacityError
 from backends.llm.backend import LLMBackend
-from backends.reranker import RerankerBackend
 from hub.errors import BadRequest, HubError
 from hub.manager import ModelManager
 from hub.metrics import HubMetrics

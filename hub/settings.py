@@ -353,8 +353,8 @@ class HubSettings(BaseSettings):
     max_requests_in_progress: int = Field(default=256, ge=0)
     max_event_loop_lag: Seconds = Field(default=0.0, ge=0)
     # Under `hub serve`, CPU encoders whose runtime config leaves `forward_process` unset run
-    # their forward passes in worker processes (backends/forward_process.py); false keeps
-    # them in the hub's process (no fork server: a faster start, and cheaper loads).
+    # their forward passes in worker processes (backends/encoders/forward_process.py); false
+    # keeps them in the hub's process (no fork server: a faster start, and cheaper loads).
     encoder_worker_processes: bool = True
     # Safe loading: refuse pickle checkpoints and remote code unless explicitly allowed.
     allow_pickle: bool = False

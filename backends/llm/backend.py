@@ -39,6 +39,7 @@ from backends.base import Backend, BackendContext, ModelKind, checked_config
 from backends.errors import BackendClosedError, ContextLengthError, InputError, LoadError
 from backends.llm.async_engine import AsyncLLMEngine, RequestStream
 from backends.llm.config import EngineConfig, kv_cache_reservation, llm_config
+from backends.llm.context import kernel_settings
 from backends.llm.detokenizer import token_bytes
 from backends.llm.engine import LLMEngine, RequestOutput
 from backends.llm.fused.decoder import predicted_scratch_bytes
@@ -174,7 +175,7 @@ class LLMBackend(Backend):
             config,
             allow_pickle=ctx.allow_pickle,
             trust_remote_code=ctx.trust_remote_code,
-            kernels=ctx.kernels,
+            kernels=kernel_settings(ctx),
             quantization=self.config.quantization_method(),
             group_size=self.config.quantization_group_size,
         )

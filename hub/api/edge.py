@@ -42,7 +42,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from backends.batch_metrics import ShedMetrics
+from backends.shed_metrics import ShedMetrics
 from hub.api.errors import error_body
 from hub.saturation import Saturated
 

@@ -16,7 +16,7 @@ import numpy as np
 from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from backends.embedder import Embeddings
+from backends.encoders.embedder import Embeddings
 from hub.api.bodies import RouteKey, UserBody, cancelled_if_client_leaves, openapi_body
 from hub.api.deps import RouterDep, ServingDep
 from hub.api.serving import EMBEDDER, VERSION_HEADER, KeepAlive, Serving

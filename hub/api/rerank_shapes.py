@@ -27,7 +27,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from backends.reranker import Scores
+from backends.encoders.reranker import Scores
 from hub.api.bodies import (
     RouteKey,
     UserBody,

@@ -9,8 +9,9 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from backends.base import Backend, BackendContext, checked_config
+from backends.base import Backend, BackendContext, ModelKind, checked_config
 from backends.kinds import backend_class
+from backends.llm.context import LLMContext
 from backends.llm.kernel_settings import KernelSettings
 from backends.loading import parse_dtype
 from backends.runtime_config import RuntimeConfig, config_type
@@ -107,7 +108,7 @@ class VersionLoader:
         self, prepared: PreparedVersion, device_budget: int | None = None
     ) -> BackendContext:
         view = prepared.view
-        return BackendContext(
+        context = BackendContext(
             model=view.name,
             version=str(view.version),
             runtime_config=prepared.config,
@@ -115,8 +116,10 @@ class VersionLoader:
             allow_pickle=self.allow_pickle,
             trust_remote_code=self.trust_remote_code,
             device_budget_bytes=device_budget,
-            kernels=self.kernels,
         )
+        if prepared.backend_cls.kind is ModelKind.LLM:  # only the LLM engine builds kernels
+            return LLMContext.of(context, self.kernels)
+        return context
 
 
 def _adapter_key(view: VersionView) -> str:

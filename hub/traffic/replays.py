@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from backends.base import Backend
-from backends.embedder import EmbedderBackend
+from backends.encoders.embedder import EmbedderBackend
 from hub.traffic.shadow import exact_match, mean_cosine, rank_correlation
 
 

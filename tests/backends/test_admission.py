@@ -11,12 +11,12 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from backends.admission import DeviceWork, QueueTimeAdmission, device_work
-from backends.batch_limits import BatchLimits
-from backends.batch_metrics import BatchMetrics
-from backends.batching import DynamicBatcher
+from backends.encoders.batch_limits import BatchLimits
+from backends.encoders.batch_metrics import BatchMetrics
+from backends.encoders.batching import DynamicBatcher
 from backends.errors import CapacityError
 from backends.runtime_config import EmbedderConfig, RuntimeConfigError
-from tests.backends.test_batching import Item, UpperModel, submit, wait_entered
+from tests.backends.encoders.test_batching import Item, UpperModel, submit, wait_entered
 
 
 def test_nothing_is_refused_before_a_pass_is_measured() -> None:

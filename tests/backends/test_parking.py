@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from backends.base import BackendContext
-from backends.embedder import EmbedderBackend
+from backends.encoders.embedder import EmbedderBackend
 from backends.parking import ALIGNMENT, park, release
 
 

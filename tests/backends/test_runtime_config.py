@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from backends.batch_limits import BatchLimits
+from backends.encoders.batch_limits import BatchLimits
 from backends.runtime_config import (
     EmbedderConfig,
     EncoderConfig,

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from backends.base import BackendContext
-from backends.embedder import EmbedderBackend
+from backends.encoders.embedder import EmbedderBackend
+from backends.encoders.reranker import RerankerBackend
 from backends.errors import InputError
 from backends.llm.backend import LLMBackend
-from backends.reranker import RerankerBackend
 from backends.text_input import require_encodable
 
 

@@ -18,9 +18,9 @@ import pytest
 import yaml
 
 from backends.units import parse_bytes
+from benchmarks.launch.process import REPO
 from hub.app import create_app
 from hub.settings import HubSettings, load_settings
-from tests.support.process import REPO
 
 K8S = REPO / "deploy" / "kubernetes"
 BASE, OVERLAY = K8S / "base", K8S / "overlays" / "example"

@@ -12,8 +12,8 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from benchmarks.launch.process import free_port
 from hub.cli import app
-from tests.support.postgres import free_port
 
 runner = CliRunner()
 

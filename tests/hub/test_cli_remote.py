@@ -17,10 +17,9 @@ import pytest
 import yaml
 from typer.testing import CliRunner, Result
 
+from benchmarks.launch.process import REPO, free_port, hub_process
 from hub.cli import app
 from tests.hub.test_cli import last_json
-from tests.support.postgres import free_port
-from tests.support.process import REPO, hub_process
 
 runner = CliRunner()
 

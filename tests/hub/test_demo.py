@@ -12,7 +12,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.support.process import hub_process
+from benchmarks.launch.process import hub_process
 
 REPO = Path(__file__).resolve().parents[2]
 SENTENCES = [

@@ -15,10 +15,10 @@ import pytest
 from alembic.script import ScriptDirectory
 from sqlalchemy import create_engine, inspect, text
 
+from benchmarks.launch.process import REPO
 from registry.db import MIGRATION_LOCK, alembic_config, current_revision, upgrade
 from registry.schema import Base
 from tests.support.postgres import throwaway_postgres
-from tests.support.process import REPO
 
 pytestmark = pytest.mark.postgres
 

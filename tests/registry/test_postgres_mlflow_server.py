@@ -11,8 +11,8 @@ import pytest
 import yaml
 from mlflow import MlflowClient
 
-from tests.support.postgres import free_port, throwaway_postgres
-from tests.support.process import hub_process, mlflow_server
+from benchmarks.launch.process import free_port, hub_process, mlflow_server
+from tests.support.postgres import throwaway_postgres
 
 SECRET = "compose-webhook-secret"
 

@@ -11,9 +11,9 @@ from collections.abc import Iterator
 import uvicorn
 from fastapi import FastAPI
 
+from benchmarks.launch.process import free_port
 from hub.app import create_app
 from hub.settings import HubSettings
-from tests.support.postgres import free_port
 
 
 @contextlib.contextmanager

@@ -89,10 +89,6 @@ class AdapterSpec:
     dtype: str  # safetensors dtype of the tensors ("F32", "BF16", ...)
     base_model_name_or_path: str | None = None
 
-    @property
-    def module_names(self) -> frozenset[str]:
-        return frozenset(m.module for m in self.modules)
-
 
 def read_adapter(folder: Path, *, max_rank: int = MAX_RANK) -> AdapterSpec:
     """The adapter in `folder`, checked; AdapterError names what cannot be served."""

@@ -37,9 +37,6 @@ class SlotTable:
     def resident(self) -> list[str]:
         return list(self._slots)
 
-    def slot_of(self, key: str) -> int | None:
-        return self._slots.get(key)
-
     def assign(self, keys: Collection[str]) -> list[Placement]:
         """Slots for all `keys` (each marked used now); the placements that need a copy."""
         if len(set(keys)) > self.num_slots:

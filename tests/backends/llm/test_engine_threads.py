@@ -13,6 +13,7 @@ import torch
 from backends import threads as threads_module
 from backends.base import BackendContext
 from backends.llm.backend import LLMBackend
+from backends.llm.context import LLMContext
 from backends.llm.engine import LLMEngine, RequestOutput
 from backends.llm.kernel_settings import KernelSettings
 from backends.llm.sampling_params import SamplingParams
@@ -94,7 +95,7 @@ async def test_the_torch_decode_path_leaves_new_threads_at_one(
     monkeypatch.setattr(threads_module, "_compute", None)
     only_compute_threads(2)
     try:
-        context = BackendContext(
+        context = LLMContext(
             "tiny", "1", {"kv_cache_bytes": 2 * 2**20}, kernels=KernelSettings(enabled=False)
         )
         backend = LLMBackend(context)

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from fastapi import FastAPI
 
+from backends.encoders.tokenization import EncoderTokenizer
 from backends.text_bounds import CharBound
-from backends.tokenization import EncoderTokenizer
 
 # ~5 characters a token: far more tokens than the tiny models' contexts, and (5 MB) more
 # characters than their length bound.

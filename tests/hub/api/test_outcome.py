@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException
 import backends
 import hub
 import registry
-from backends.embedder import EmbedderBackend
+from backends.encoders.embedder import EmbedderBackend
 from backends.errors import BackendError, CapacityError, LoadError
 from backends.llm.engine import EngineStepError
 from backends.llm.isolation import RequestFailedError

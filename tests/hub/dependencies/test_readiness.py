@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from backends.embedder import EmbedderBackend
+from backends.encoders.embedder import EmbedderBackend
 from hub.dependencies import BoundedCalls
 from registry.errors import DependencyUnavailable
 from tests.support.hubs import make_settings, running_app

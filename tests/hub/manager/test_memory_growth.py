@@ -10,7 +10,7 @@ import gc
 import weakref
 from pathlib import Path
 
-from backends.embedder import EmbedderBackend
+from backends.encoders.embedder import EmbedderBackend
 from hub.manager import ModelKey
 from hub.settings import HubSettings
 from hub.state import Hub

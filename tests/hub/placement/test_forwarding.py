@@ -14,6 +14,7 @@ import pytest
 import uvicorn
 from starlette.types import Message, Receive, Scope, Send
 
+from benchmarks.launch.process import free_port
 from hub.api.placement import _unless_client_leaves
 from hub.placement.forwarding import (
     FORWARDED_BY,
@@ -25,7 +26,6 @@ from hub.placement.forwarding import (
 )
 from hub.routing import Route
 from hub.settings import ReplicaSettings
-from tests.support.postgres import free_port
 
 BODY = b'{"model": "chat", "prompt": "hi", "stream": true}'
 

@@ -3,7 +3,7 @@ MLflow server and three `hub serve` replicas started at the same instant on the 
 
 Starting it costs tens of seconds on two cores, so it is package-scoped and shared: each test
 uses its own model names, and a test that kills a replica or MLflow brings it back before it
-ends (see tests/support/cluster.py). Models every test may rely on are configured here."""
+ends (see benchmarks/launch/cluster.py). Models every test may rely on are configured here."""
 
 from __future__ import annotations
 
@@ -13,31 +13,16 @@ from typing import Any
 
 import pytest
 
-from tests.support.cluster import Cluster, running_cluster
+from benchmarks.launch.cluster import Cluster, running_cluster
+from benchmarks.launch.postgres import PostgresUnavailable
+from benchmarks.launch.round_robin import (
+    PLACEMENT_MODELS,
+    build_placement_embedder,
+    placement_budget,
+)
 
 HEARTBEAT, EXPIRE = 0.5, 2.0
 CANARY_LEASE = 2.0
-
-# Placement (test_placement.py): six embedders, each charged more than any other model here,
-# on replicas whose budget holds two of them plus one small model, never three of them.
-PLACEMENT_MODELS = tuple(f"place-{i}" for i in range(6))
-
-
-def build_placement_embedder(folder: Path) -> Path:
-    from backends.tiny import build_tiny_embedder
-
-    return build_tiny_embedder(folder, hidden_size=256, num_layers=2, seed=13)
-
-
-def placement_budget(placement_embedder_dir: Path, small_model_dir: Path) -> int:
-    """Room for two placement models and one small model (emb, rerank), with the same slack
-    short of a third placement model, as the manager charges them (weights plus the
-    encoder's runtime reserve, which dominates the small ones)."""
-    from backends.embedder import EmbedderBackend
-
-    big = EmbedderBackend.predict_memory(placement_embedder_dir, {})
-    small = EmbedderBackend.predict_memory(small_model_dir, {})
-    return 2 * big + small + (big - small) // 2
 
 
 def cluster_config(
@@ -61,7 +46,8 @@ def cluster_config(
         # The encoders run in the hubs' own processes: these modules are about replicas
         # (routing, placement, shared statistics), and three hubs each starting a fork server
         # and workers for every load cost the suite some 40 s on two cores.
-        # tests/hub/test_demo.py and tests/backends/test_forward_process.py cover the workers.
+        # tests/hub/test_demo.py and tests/backends/encoders/test_forward_process.py cover the
+        # workers.
         "encoder_worker_processes": False,
         # test_shared_traffic.py: statistics flushed often, canaries looked at often, a dead
         # canary analyst replaced within CANARY_LEASE.
@@ -84,8 +70,11 @@ def cluster(
 ) -> Iterator[Cluster]:
     root = tmp_path_factory.mktemp("cluster")
     config = cluster_config(tiny_embedder_dir, tiny_reranker_dir, placement_embedder_dir)
-    with running_cluster(root, config) as c:
-        yield c
+    try:
+        with running_cluster(root, config) as c:
+            yield c
+    except PostgresUnavailable as e:
+        pytest.skip(str(e))
 
 
 # Modules that restart parts of the shared cluster (MLflow killed and started, a replica

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from mlflow import MlflowClient
 
-from tests.support.cluster import Cluster, Replica, wait_for
+from benchmarks.launch.cluster import Cluster, Replica, wait_for
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow, pytest.mark.serial]
 

@@ -16,9 +16,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.hub.replicas.conftest import EXPIRE, PLACEMENT_MODELS
-from tests.support.cluster import Cluster, wait_for
-from tests.support.round_robin import embed, loads, replica_ids, round_robin
+from benchmarks.launch.cluster import Cluster, wait_for
+from benchmarks.launch.round_robin import PLACEMENT_MODELS, embed, loads, replica_ids, round_robin
+from tests.hub.replicas.conftest import EXPIRE
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow, pytest.mark.serial]
 

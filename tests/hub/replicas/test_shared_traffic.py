@@ -15,8 +15,8 @@ import httpx
 import pytest
 from sqlalchemy import text
 
+from benchmarks.launch.cluster import Cluster, Replica, wait_for
 from tests.hub.replicas.conftest import CANARY_LEASE
-from tests.support.cluster import Cluster, Replica, wait_for
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow, pytest.mark.serial]
 

@@ -12,8 +12,8 @@ import pytest
 from mlflow import MlflowClient
 from sqlalchemy import text
 
+from benchmarks.launch.cluster import Cluster, wait_for
 from tests.hub.replicas.conftest import EXPIRE
-from tests.support.cluster import Cluster, wait_for
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow, pytest.mark.serial]
 

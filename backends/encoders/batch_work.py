@@ -1,5 +1,5 @@
 """The work one dynamic batcher has queued and in flight, as its admission and its device see
-it (`backends.batching` keeps the queue; `backends.admission` holds the estimate's rules).
+it (`backends.encoders.batching` keeps the queue; `backends.admission` holds the estimate's rules).
 
 Contract: holding the batcher's lock, the batcher calls `started(key, inputs)` when a forward
 pass takes a batch and `finished(key)` when it ends, `admit(size)` before queueing a request

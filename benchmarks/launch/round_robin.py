@@ -1,6 +1,7 @@
 """A round-robin embedding workload over a cluster's replicas, as a load balancer without
 model awareness sends it: request i goes to replica i % N and names one of `models`, drawn
-by a seeded random source. Shared by tests/hub/replicas/test_placement.py and
+by a seeded random source; and the placement models it runs on, with the budget that holds
+two of them per replica. Shared by tests/hub/replicas/test_placement.py and
 benchmarks/placement.py."""
 
 from __future__ import annotations
@@ -9,13 +10,36 @@ import random
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.cluster import Cluster
+from benchmarks.launch.cluster import Cluster
 
 LOADS = "hub_model_loads"  # hub_model_loads_total, by its family name
+
+# Six embedders, each charged more than any other model of the cluster, on replicas whose
+# budget holds two of them plus one small model, never three of them.
+PLACEMENT_MODELS = tuple(f"place-{i}" for i in range(6))
+
+
+def build_placement_embedder(folder: Path) -> Path:
+    """The placement models' embedder: a tiny one, wider and deeper than the default."""
+    from backends.tiny import build_tiny_embedder
+
+    return build_tiny_embedder(folder, hidden_size=256, num_layers=2, seed=13)
+
+
+def placement_budget(placement_embedder_dir: Path, small_model_dir: Path) -> int:
+    """Room for two placement models and one small model (emb, rerank), with the same slack
+    short of a third placement model, as the manager charges them (weights plus the
+    encoder's runtime reserve, which dominates the small ones)."""
+    from backends.encoders.embedder import EmbedderBackend
+
+    big = EmbedderBackend.predict_memory(placement_embedder_dir, {})
+    small = EmbedderBackend.predict_memory(small_model_dir, {})
+    return 2 * big + small + (big - small) // 2
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from backends.base import BackendContext
-from backends.embedder import EmbedderBackend
+from backends.encoders.embedder import EmbedderBackend
 from backends.errors import BackendClosedError, InputError, LoadError
 
 VOCABULARY = (
@@ -97,7 +97,7 @@ def test_pipelines_that_cannot_run_unpadded_stay_padded(
     from sentence_transformers import CrossEncoder, SentenceTransformer
     from sentence_transformers.sentence_transformer.modules import Pooling
 
-    from backends.unpadded import UnpaddedEncoder
+    from backends.encoders.unpadded import UnpaddedEncoder
 
     cross = CrossEncoder(str(tiny_reranker_dir), device="cpu")
     assert "does not start with Transformer, Pooling" in str(UnpaddedEncoder.refusal([cross.model]))

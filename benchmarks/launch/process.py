@@ -1,22 +1,50 @@
-"""Running `hub serve` as a real process on a loopback port, as a user would."""
+"""Running `hub serve` (and an MLflow server) as a real process on a loopback port, as a user
+would; `hub_config` writes the config file a local benchmark hub starts from."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import httpx
 
-from tests.support.postgres import free_port
-
 REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def hub_config(root: Path, models: Sequence[Mapping[str, Any]] = (), **settings: Any) -> Path:
+    """Write `root/hub.yaml` for a hub of its own under `root` (SQLite registry and MLflow, a
+    4 GiB CPU budget, a 1 GiB host cache, warnings only in the log) that registers `models`;
+    `settings` add or replace top-level keys. Returns the file's path."""
+    config = {
+        "database_url": f"sqlite:///{root / 'hub.db'}",
+        "mlflow_tracking_uri": f"sqlite:///{root / 'mlflow.db'}",
+        "cache_dir": str(root / "cache"),
+        "demo_dir": str(root / "demo"),
+        "devices": [{"name": "cpu", "memory_budget": "4GiB"}],
+        "host_cache_budget": "1GiB",
+        "log_level": "warning",
+        "models": [dict(m) for m in models],
+        **settings,
+    }
+    path = root / "hub.yaml"
+    path.write_text(json.dumps(config))  # JSON is YAML
+    return path
 
 
 def _spawn(

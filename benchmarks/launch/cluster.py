@@ -24,8 +24,8 @@ import httpx
 import yaml
 from sqlalchemy import Engine, create_engine
 
-from tests.support.postgres import free_port, throwaway_postgres
-from tests.support.process import REPO, read_log
+from benchmarks.launch.postgres import throwaway_postgres
+from benchmarks.launch.process import REPO, free_port, read_log
 
 
 def wait_for(condition: Callable[[], bool], what: str, within: float = 60) -> None:

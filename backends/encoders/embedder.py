@@ -3,9 +3,10 @@
 Pooling and normalisation are whatever the model folder's own modules say (`modules.json`):
 each batch runs the loaded `SentenceTransformer`'s module pipeline (Transformer -> Pooling ->
 Normalize ...) on inputs tokenized as its `encode` tokenizes them, so vectors equal `encode`'s
-up to float noise. On a CPU a batch runs unpadded, packed into one row (`backends.unpadded`),
-where the pipeline allows it exactly. Concurrent requests share batches (`backends.batching`); one
-request's inputs may span several batches and come back in order.
+up to float noise. On a CPU a batch runs unpadded, packed into one row
+(`backends.encoders.unpadded`), where the pipeline allows it exactly. Concurrent requests share
+batches (`backends.encoders.batching`); one request's inputs may span several batches and come
+back in order.
 
 Runtime config (a version's `config` at registration; all optional): the batching keys of
 `BatchLimits` (`max_batch_tokens`, `max_batch_size`, `batch_wait_ms`, `max_queue`),
@@ -25,18 +26,18 @@ import numpy as np
 import torch
 
 from backends.base import BackendContext, ModelKind
-from backends.encoder import (
+from backends.encoders.encoder import (
     BatchedEncoderBackend,
     model_max_length,
     sentence_transformers_kwargs,
     unpadded_setting,
 )
+from backends.encoders.tokenization import Encoded, EncoderTokenizer
+from backends.encoders.unpadded import UnpaddedEncoder, padded_embed
 from backends.errors import InputError, LoadError
 from backends.loading import require_safe_weights
 from backends.runtime_config import EmbedderConfig
 from backends.text_input import require_encodable
-from backends.tokenization import Encoded, EncoderTokenizer
-from backends.unpadded import UnpaddedEncoder, padded_embed
 
 # One input: a text, or content token ids (no special tokens).
 EmbedInput = str | Sequence[int]
@@ -65,7 +66,7 @@ class _EmbedRequest:
 
 class _EmbedStages:
     """Tokenize requests' inputs; run a batch through the module pipeline, packed into one
-    row when `packed` is set (`backends.unpadded`), else padded."""
+    row when `packed` is set (`backends.encoders.unpadded`), else padded."""
 
     def __init__(
         self,

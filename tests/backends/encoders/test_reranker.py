@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from backends.base import BackendContext
+from backends.encoders.reranker import RerankerBackend
 from backends.errors import InputError, LoadError
-from backends.reranker import RerankerBackend
 
 WORDS = ["the", "harbour", "town", "woke", "to", "fog", "and", "the", "ferry", "waited", "while",
          "gulls", "argued", "over", "nets"]  # fmt: skip
@@ -113,8 +113,8 @@ def test_cross_encoders_without_a_known_first_token_head_stay_padded(
     from sentence_transformers import CrossEncoder, SentenceTransformer
     from transformers import BertForSequenceClassification
 
-    from backends import unpadded
-    from backends.tokenization import EncoderTokenizer
+    from backends.encoders import unpadded
+    from backends.encoders.tokenization import EncoderTokenizer
 
     embedder = SentenceTransformer(str(tiny_embedder_dir), device="cpu")
     refusal = unpadded.UnpaddedCrossEncoder.refusal
@@ -139,7 +139,7 @@ def test_cross_encoders_without_a_known_first_token_head_stay_padded(
     with monkeypatch.context() as patch:
         # Skips BERT's pooler: a head that does not compute what the model does.
         patch.setattr(unpadded, "_first_token_head", lambda c: lambda first: c.classifier(first))
-        with caplog.at_level("INFO", logger="backends.unpadded"):
+        with caplog.at_level("INFO", logger="backends.encoders.unpadded"):
             assert unpadded.UnpaddedCrossEncoder.probe(cross, tokenizer) is None
     assert "packed logits differ from padded ones" in caplog.text
     assert classifier.config._attn_implementation == before

@@ -1,4 +1,4 @@
-"""An encoder's stages packed for a forward worker process (backends/forward_process.py).
+"""An encoder's stages packed for a forward worker process (backends/encoders/forward_process.py).
 
 The weights go as one block of shared memory (`backends.parking.share` lays the module out in
 it, one copy) and the rest of the stages (modules, tokenizer, packed-attention helpers) as a

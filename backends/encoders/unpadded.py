@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from backends.tokenization import Encoded, EncoderTokenizer
+from backends.encoders.tokenization import Encoded, EncoderTokenizer
 
 log = logging.getLogger(__name__)
 

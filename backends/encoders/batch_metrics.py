@@ -1,4 +1,4 @@
-"""Prometheus metrics of dynamic batching, labelled by model and version.
+"""Prometheus metrics of the encoders' dynamic batching, labelled by model and version.
 
 Every batcher of one hub registers on the hub's one `CollectorRegistry`; a collector can be
 registered only once per registry, so the collectors are created once per registry and each
@@ -11,7 +11,9 @@ import threading
 import weakref
 from collections.abc import Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Gauge, Histogram
+
+from backends.shed_metrics import ShedMetrics
 
 _SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _TOKEN_BUCKETS = (16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
@@ -48,24 +50,11 @@ class _Collectors:
             "forward)",
             labels, buckets=_SECONDS_BUCKETS, registry=registry,
         )  # fmt: skip
-        self.shed = Counter(
-            "hub_requests_shed_total",
-            "Requests refused with 503 before queueing: queue_full (max_queue inputs or "
-            "max_waiting sequences wait), queue_time (the estimated wait exceeds "
-            "max_queue_time_ms; refused by the model's queue, or at the HTTP edge while it "
-            "drains), event_loop_lag or in_progress (max_requests_in_progress HTTP requests were "
-            "in progress in the process; model and version empty)",
-            [*labels, "reason"], registry=registry,
-        )  # fmt: skip
         self.queued_inputs = Gauge(
             "hub_batch_queued_inputs", "Inputs waiting for a forward pass", labels,
             registry=registry,
         )  # fmt: skip
 
-
-# Why a model's queue shed a request: it was full, or its estimated wait was too long. (The
-# HTTP edge sheds for its own reason, with no model: hub/api/edge.py.)
-SHED_REASONS = ("queue_full", "queue_time")
 
 _by_registry: weakref.WeakKeyDictionary[CollectorRegistry, _Collectors] = (
     weakref.WeakKeyDictionary()
@@ -105,7 +94,8 @@ class BatchMetrics:
         self._request.observe(latency_s)
 
     def observe_shed(self, reason: str) -> None:
-        """A request was refused before queueing, for `reason` (one of SHED_REASONS)."""
+        """A request was refused before queueing, for `reason` (one of
+        `backends.shed_metrics.SHED_REASONS`)."""
         self._shed.observe(reason)
 
 
@@ -115,22 +105,3 @@ def _collectors(registry: CollectorRegistry) -> _Collectors:
         if collectors is None:
             collectors = _by_registry[registry] = _Collectors(registry)
         return collectors
-
-
-class ShedMetrics:
-    """`hub_requests_shed_total` of one model version, for any kind (the LLM engine too), for
-    each of `reasons` (shown at 0 from the start)."""
-
-    def __init__(
-        self,
-        registry: CollectorRegistry,
-        model: str,
-        version: str,
-        reasons: Sequence[str] = SHED_REASONS,
-    ) -> None:
-        shed = _collectors(registry).shed
-        self._by_reason = {reason: shed.labels(model, version, reason) for reason in reasons}
-
-    def observe(self, reason: str) -> None:
-        """A request was refused before queueing, for `reason` (one of its reasons)."""
-        self._by_reason[reason].inc()

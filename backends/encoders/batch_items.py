@@ -1,4 +1,4 @@
-"""What the dynamic batcher (backends.batching) moves around: the stages contract a backend
+"""What the dynamic batcher (backends.encoders.batching) moves around: the stages contract a backend
 implements (`BatchStages`: tokenize payloads, run one batch forward), one submitted payload
 (`PendingRequest`: where its results go, how many are missing) and one tokenized input waiting
 in the pool (`PooledInput`, ordered by length then arrival)."""

@@ -1,6 +1,6 @@
-"""Encoder forward passes in worker processes (backends/forward_process.py): the same answers
-as in-process passes, weights shared rather than copied, a killed worker replaced, and the
-workers gone after offload and unload."""
+"""Encoder forward passes in worker processes (backends/encoders/forward_process.py): the same
+answers as in-process passes, weights shared rather than copied, a killed worker replaced, and
+the workers gone after offload and unload."""
 
 from __future__ import annotations
 
@@ -17,12 +17,12 @@ import psutil
 import pytest
 from prometheus_client import CollectorRegistry
 
-from backends import forward_process, stage_packing
 from backends.base import BackendContext
-from backends.embedder import EmbedderBackend
+from backends.encoders import forward_process, stage_packing
+from backends.encoders.embedder import EmbedderBackend
+from backends.encoders.reranker import RerankerBackend
 from backends.errors import LoadError, TransientError
-from backends.reranker import RerankerBackend
-from tests.backends.test_embedder import sentences
+from tests.backends.encoders.test_embedder import sentences
 
 
 def embedder(folder: Path, **config: object) -> EmbedderBackend:
@@ -186,7 +186,7 @@ def test_where_weights_cannot_be_shared_the_passes_stay_here_or_the_load_fails(
     monkeypatch.setattr(stage_packing, "share", no_room)
     forward_process.use_by_default()
     try:
-        with caplog.at_level(logging.WARNING, logger="backends.encoder"):
+        with caplog.at_level(logging.WARNING, logger="backends.encoders.encoder"):
             backend = embedder(tiny_embedder_dir)  # the default: a warning, passes here
         try:
             assert backend.worker_pids() == []
@@ -215,7 +215,7 @@ async def test_a_worker_ignores_a_ctrl_c_meant_for_the_hub(tiny_embedder_dir: Pa
 
 
 def test_an_error_in_a_worker_comes_back_as_itself_or_says_what_it_was() -> None:
-    from backends.forward_process import _sendable
+    from backends.encoders.forward_process import _sendable
 
     class Strict(Exception):
         def __init__(self, code: int, why: str) -> None:  # pickle cannot rebuild it

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from backends.batch_limits import BatchLimits
-from backends.batching import DynamicBatcher
+from backends.encoders.batch_limits import BatchLimits
+from backends.encoders.batching import DynamicBatcher
 from backends.errors import BackendClosedError, CapacityError, InputError
 from backends.runtime_config import EmbedderConfig, RuntimeConfigError
 

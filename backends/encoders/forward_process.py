@@ -9,10 +9,10 @@ at 13 ms. So on a CPU the forward passes run in worker processes (runtime config
 `forward_process`):
 
 - The weights are shared, not copied: the stages are packed once per pool
-  (`backends.stage_packing`: the weights in one block of shared memory, the rest pickled
+  (`backends.encoders.stage_packing`: the weights in one block of shared memory, the rest pickled
   against it) and each worker maps the same pages, so the model is counted and held once,
   and the hub keeps the module for accounting, parking and unload.
-- Workers fork from the fork server (`backends.fork_server`); one worker per forward thread
+- Workers fork from the fork server (`backends.encoders.fork_server`); one worker per forward thread
   of the batcher, each on `threads` torch threads at niceness `nice`. A pass takes an idle
   worker, sends it the batch's token ids through a pipe, and blocks without the lock until
   the rows come back.
@@ -44,9 +44,9 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
+from backends.encoders.fork_server import WorkerProcess, fork_server
+from backends.encoders.stage_packing import PackedStages, pack_stages
 from backends.errors import BackendClosedError, TransientError
-from backends.fork_server import WorkerProcess, fork_server
-from backends.stage_packing import PackedStages, pack_stages
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ def _serve(conn: Connection, shape: WorkerShape, packed: PackedStages) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     torch.set_num_threads(shape.threads)
     stages = packed.unpack()
-    from backends import unpadded
+    from backends.encoders import unpadded
 
     unpadded.register()  # the packed path's attention, named in the model's config
     conn.send(("ok", None))

@@ -29,7 +29,7 @@ requests gets full batches, a lone client pays no wait. With several forward thr
 Capacity. At most `max_queue` inputs wait (not yet in a forward pass); beyond that `submit`
 raises `CapacityError`. With `max_queue_time_s` set, a request whose estimated wait (the inputs
 ahead of it times the measured seconds per input, plus what is left of the passes in flight,
-plus the work the other models on the same device have outstanding: `backends.batch_work`,
+plus the work the other models on the same device have outstanding: `backends.encoders.batch_work`,
 `backends.admission`) exceeds it is refused the same way at once, so that a burst is shed
 rather than absorbed. A cancelled `submit` (the client went away) drops its inputs that have
 not run yet. Results resolve on the submitting event loop via `call_soon_threadsafe`, once
@@ -50,7 +50,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Generic
 
 from backends.admission import DeviceWork, QueueTimeAdmission
-from backends.batch_items import (
+from backends.encoders.batch_items import (
     BatchStages,
     I,
     P,
@@ -59,9 +59,9 @@ from backends.batch_items import (
     R,
     pool_order,
 )
-from backends.batch_limits import BatchLimits
-from backends.batch_metrics import BatchMetrics
-from backends.batch_work import BatchWork
+from backends.encoders.batch_limits import BatchLimits
+from backends.encoders.batch_metrics import BatchMetrics
+from backends.encoders.batch_work import BatchWork
 from backends.errors import BackendClosedError, CapacityError, InputError
 
 log = logging.getLogger(__name__)

@@ -22,16 +22,21 @@ import torch
 
 from backends.admission import device_work
 from backends.base import Backend, BackendContext, checked_config
-from backends.batch_limits import BatchLimits
-from backends.batch_metrics import BatchMetrics
-from backends.batching import DynamicBatcher
+from backends.encoders.batch_limits import BatchLimits
+from backends.encoders.batch_metrics import BatchMetrics
+from backends.encoders.batching import DynamicBatcher
+from backends.encoders.forward_process import (
+    ForwardProcessError,
+    PooledStages,
+    WorkerShape,
+    by_default,
+)
+from backends.encoders.tokenization import Encoded, EncoderTokenizer
 from backends.errors import BackendClosedError, LoadError
-from backends.forward_process import ForwardProcessError, PooledStages, WorkerShape, by_default
 from backends.loading import module_bytes, require_safe_weights, tensor_bytes_from_headers
 from backends.parking import ParkedWeights, park, release
 from backends.runtime_config import EncoderConfig, RuntimeConfig
 from backends.threads import compute_threads, intraop_threads
-from backends.tokenization import Encoded, EncoderTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +191,7 @@ class BatchedEncoderBackend(Backend, Generic[P, R, C]):
     def _start_pool(self, device: str) -> None:
         """Run the passes in worker processes when on a CPU and the runtime config says
         `forward_process: true`, or leaves it unset in a process that made them the default
-        (`hub serve`; backends/forward_process.py). LoadError when it says true and they
+        (`hub serve`; backends/encoders/forward_process.py). LoadError when it says true and they
         cannot start; by default that is a warning, and passes run here."""
         pooled, shape, setting = self._pooled, self._pool_shape, self.config.forward_process
         wanted = by_default() if setting is None else setting

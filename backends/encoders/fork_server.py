@@ -1,5 +1,5 @@
 """multiprocessing's fork server, for the encoders' forward workers
-(backends/forward_process.py).
+(backends/encoders/forward_process.py).
 
 The server imports torch and sentence-transformers once per hub (some 5 s, at the first load
 that wants workers); a worker forked from it starts in some 20 ms. Unlike multiprocessing's own
@@ -17,7 +17,12 @@ from multiprocessing.context import ForkServerProcess, set_spawning_popen
 from typing import Any
 
 # Imported once by the fork server, so a worker forked from it starts at once.
-_PRELOAD = ["torch", "sentence_transformers", "backends.embedder", "backends.reranker"]
+_PRELOAD = [
+    "torch",
+    "sentence_transformers",
+    "backends.encoders.embedder",
+    "backends.encoders.reranker",
+]
 _context_guard = threading.Lock()
 _context: Any = None
 

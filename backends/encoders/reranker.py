@@ -8,7 +8,7 @@ the model's config, else sigmoid for a one-label model, as sentence-transformers
 scores equal `predict`'s. Pairs of concurrent requests share batches; one request's documents
 may span several batches and come back in order.
 
-On a CPU a batch runs unpadded, packed into one row (`backends.unpadded`), where the
+On a CPU a batch runs unpadded, packed into one row (`backends.encoders.unpadded`), where the
 classifier's head is one known to read only each pair's first token (BERT, RoBERTa,
 XLM-RoBERTa) and a load-time probe finds packed logits equal to padded ones; otherwise
 padded batches, as `predict` runs them.
@@ -28,18 +28,18 @@ from typing import Any
 import torch
 
 from backends.base import BackendContext, ModelKind
-from backends.encoder import (
+from backends.encoders.encoder import (
     BatchedEncoderBackend,
     model_max_length,
     sentence_transformers_kwargs,
     unpadded_setting,
 )
+from backends.encoders.tokenization import Encoded, EncoderTokenizer
+from backends.encoders.unpadded import UnpaddedCrossEncoder, padded_logits
 from backends.errors import InputError, LoadError
 from backends.loading import require_safe_weights
 from backends.runtime_config import RerankerConfig
 from backends.text_input import require_encodable
-from backends.tokenization import Encoded, EncoderTokenizer
-from backends.unpadded import UnpaddedCrossEncoder, padded_logits
 
 # One pair's result: its score and the tokens it used.
 _Scored = tuple[float, int]
@@ -68,7 +68,7 @@ class _RerankRequest:
 
 class _RerankStages:
     """Tokenize (query, document) pairs; score a batch, packed into one row when `packed` is
-    set (`backends.unpadded`), else padded, with the model's activation."""
+    set (`backends.encoders.unpadded`), else padded, with the model's activation."""
 
     def __init__(
         self,

@@ -1,0 +1,29 @@
+"""What an LLM backend is told when it is created: the context every kind gets, plus the
+settings of the engine's native CPU kernels, which only the LLM engine builds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from backends.base import BackendContext
+from backends.llm.kernel_settings import KernelSettings
+
+
+@dataclass(frozen=True)
+class LLMContext(BackendContext):
+    """A `BackendContext` for an `LLMBackend`; a plain `BackendContext` means default kernels."""
+
+    # The engine's native CPU kernels: on or off, their cache and compiler (hub settings
+    # `engine:`).
+    kernels: KernelSettings = field(default_factory=KernelSettings)
+
+    @classmethod
+    def of(cls, context: BackendContext, kernels: KernelSettings) -> LLMContext:
+        """`context` with these kernel settings."""
+        common = {f.name: getattr(context, f.name) for f in fields(BackendContext)}
+        return cls(**common, kernels=kernels)
+
+
+def kernel_settings(context: BackendContext) -> KernelSettings:
+    """The kernel settings `context` carries; the defaults for a plain `BackendContext`."""
+    return context.kernels if isinstance(context, LLMContext) else KernelSettings()
