@@ -1,8 +1,8 @@
 """multiprocessing's fork server, for the encoders' forward workers
 (backends/encoders/forward_process.py).
 
-The server imports torch and sentence-transformers once per hub (some 5 s, at the first load
-that wants workers); a worker forked from it starts in some 20 ms. Unlike multiprocessing's own
+The server imports torch and sentence-transformers once per hub (seconds, at the first load
+that wants workers); a worker forked from it starts in milliseconds. Unlike multiprocessing's own
 fork-server processes, a worker does not import the parent's `__main__` (`WorkerProcess`).
 """
 

@@ -2,11 +2,9 @@
 
 A sentence-transformers forward pass is hundreds of small torch ops, and the Python between
 them needs the interpreter lock. In the hub's process that lock is also what the event loop
-runs on, so under a burst of HTTP requests every op of a pass waited for the loop: MiniLM's
-one-sentence pass took 14 ms alone and 120 ms while the loop answered 500 other requests,
-where the same pass in another process, beside a burst of 404s on the same two cores, stayed
-at 13 ms. So on a CPU the forward passes run in worker processes (runtime config
-`forward_process`):
+runs on, so under a burst of HTTP requests every op of a pass waits for the loop and a
+pass takes many times its own length; in another process it does not. So on a CPU the
+forward passes run in worker processes (runtime config `forward_process`):
 
 - The weights are shared, not copied: the stages are packed once per pool
   (`backends.encoders.stage_packing`: the weights in one block of shared memory, the rest pickled

@@ -8,9 +8,9 @@ attention runs per input over its own tokens: `varlen_attention`, registered wit
 transformers' `AttentionInterface`, takes the inputs' bounds as the `hub_bounds` keyword of
 the model's forward. The pooling module then reduces the flat output per input
 (sentence-transformers' `Pooling` accepts the bounds as `cu_seq_lens_q`), and the
-modules after it (`Normalize`, `Dense`) see ordinary sentence embeddings. On a CPU, MiniLM
-took 0.58-0.72x the time per sentence packed as in padded batches of the same 8-32 unsorted
-inputs (`benchmarks/packing.py`), and batches may grow as large as the queue allows.
+modules after it (`Normalize`, `Dense`) see ordinary sentence embeddings. Packed batches
+cost less per input than padded ones of the same unsorted inputs (`benchmarks/packing.py`),
+and batches may grow as large as the queue allows.
 
 Only pipelines it can run exactly are packed: a `Transformer` whose model supports the
 attention interface and is not a decoder, then `Pooling`, then only `Normalize` / `Dense`.
@@ -21,8 +21,7 @@ Cross-encoders (rerankers) pack the same way, `UnpaddedCrossEncoder`: the encode
 packed row, and the classification head, which reads each input's first token, gets those
 tokens' states as a batch of one-token inputs. Heads are architecture-specific, so only the
 ones known here are packed (BERT's pooler + classifier; RoBERTa's and XLM-RoBERTa's
-classifier), each checked by the same load-time probe. A MiniLM-sized cross-encoder took
-0.54-0.67x the time per pair packed.
+classifier), each checked by the same load-time probe.
 """
 
 from __future__ import annotations

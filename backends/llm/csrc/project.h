@@ -42,8 +42,7 @@ struct hub_weight {
 
 /* Rows from which a projection packs its input into panels; below, row tiles. int8 weights
  * are widened in registers by row tiles and into scratch for panels, which pays from more
- * rows on (26M benchmark Llama, 8 rows: 6.0 against 6.7 ms a step; 12 rows: 8.8 against
- * 8.1). */
+ * rows on (the widening into scratch costs more than it saves below about ten rows). */
 #define PANEL_MIN_ROWS 4
 #define INT8_PANEL_MIN_ROWS 10
 

@@ -6,8 +6,7 @@
  * - Row tiles, for a few rows (a memory-bound stream of the weights): one input row by 8
  *   weight rows, eight chains of 8-wide multiply-adds along `k`, then one transposing sum;
  *   the rows take turns on the tile's weights while they are in cache. Eight streams and a
- *   prefetch of the next tile keep more of memory's bandwidth busy than four (26 against
- *   18-22 GB/s on two cores where a plain sum reads 30-39).
+ *   prefetch of the next tile keep more of memory's bandwidth busy than four.
  * - Panel tiles, from about eight rows on (compute-bound): the input rows are first packed
  *   transposed, 16 rows to a panel ((k, 16) floats), and a tile is 16 rows by 6 weight rows
  *   with the rows along the vector lanes: per step of k, two panel loads and six broadcast
@@ -93,8 +92,7 @@ static inline v8 broadcast8(float f) { return (v8){f, f, f, f, f, f, f, f}; }
 
 /* The next panel tile's weight rows at column i, a cache line each: the weights stream from
  * memory, and six short rows (a few KiB each) at a time leave the hardware prefetchers too
- * little run to get ahead (a narrow tile streamed 11 GB/s without, 16 with, on two cores
- * where a plain sum reads 28). A prefetch past the weights' end never faults. */
+ * little run to get ahead. A prefetch past the weights' end never faults. */
 static inline void prefetch_next(const float *w, int64_t k, int64_t i) {
     for (int c = 0; c < PANEL_COLUMNS; c++) __builtin_prefetch(w + (PANEL_COLUMNS + c) * k + i);
 }
