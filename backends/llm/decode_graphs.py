@@ -176,17 +176,21 @@ class StaticDecode:
                 self.capture_bucket(size)
 
     def capture_bucket(self, size: int) -> None:
-        """Warm up and capture bucket `size`'s forward (CUDA only); timed into `stats`."""
+        """Warm up and capture bucket `size`'s forward (CUDA only); timed into `stats`.
+        The pool's bytes are the growth of the device memory torch reserves across the
+        capture, taken after emptying its cache (as `torch.cuda.graph` does on entry)."""
         device = self.device
         self._reset()  # the warm-up and the capture write K/V into the scratch slot only
         torch.cuda.synchronize(device)
         began = time.perf_counter()
-        reserved = torch.cuda.memory_reserved(device)
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             self._forward(size)
         torch.cuda.current_stream(device).wait_stream(side)
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        reserved = torch.cuda.memory_reserved(device)
         graph = torch.cuda.CUDAGraph()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
@@ -196,7 +200,7 @@ class StaticDecode:
         self.graphs[size] = graph
         self.stats.captures += 1
         self.stats.capture_seconds += time.perf_counter() - began
-        self.stats.pool_bytes += torch.cuda.memory_reserved(device) - reserved
+        self.stats.pool_bytes += max(0, torch.cuda.memory_reserved(device) - reserved)
 
     def drop(self) -> None:
         """Forget the graphs and their pool (their memory returns to the caching allocator)."""
