@@ -260,6 +260,10 @@ class StaticDecode:
             # write into them (the K/V) and read them without copies.
             for tensor in (self.inputs, self.tables, *self.kv_caches):
                 torch._dynamo.mark_static_address(tensor)
+            # One compiled graph per bucket (`size` is a constant of each): let Dynamo keep
+            # them all rather than fall back to eager past its default limit.
+            config = torch._dynamo.config
+            config.recompile_limit = max(config.recompile_limit, len(self.buckets) + 1)
             self._compiled = torch.compile(
                 self._model_logits, mode="reduce-overhead", dynamic=False
             )

@@ -7,9 +7,9 @@ largest bucket, the static step is off on this device, or capturing the bucket i
 failed (then graphs stay off for this model and it decodes eagerly, logged once).
 
 On when: `cuda_graphs` (the engine setting: True, False or "auto", which is on) on a CUDA
-device; `static_decode=True` also runs the static step, eagerly, on a CPU (what CI tests),
-`static_decode=False` never. The KV cache then has one more block than the pool hands out,
-the scratch block the padding rows write into (`scratch_blocks`).
+device where Triton is installed; `static_decode=True` also runs the static step, eagerly,
+on a CPU (what CI tests), `static_decode=False` never. The KV cache then has one more block
+than the pool hands out, the scratch block the padding rows write into (`scratch_blocks`).
 
 Lifetime: the step and its graphs point at the KV cache and the weights, so `forget` drops
 them whenever either moves (the runner calls it on allocate, release and `to`); they are
@@ -53,12 +53,15 @@ class StaticPath:
 
     @property
     def graphs_enabled(self) -> bool:
-        """Whether decode steps replay CUDA graphs on the runner's device now."""
+        """Whether decode steps replay CUDA graphs on the runner's device now. They need the
+        Triton decode kernel: without it a graph's attention would gather every row padded
+        to `max_model_len`, in memory and time."""
         return (
             self.runner.device.type == "cuda"
             and self.cuda_graphs is not False
             and self.static_decode is not False
             and self.failed is None
+            and triton_decode.kernel_for(self.runner.device) is not None
         )
 
     @property

@@ -89,7 +89,7 @@ def near_tie_or_equal(ref: tuple[list[int], list[set[int]]], ours: Completion) -
     return len(hf_tokens) == len(ours.token_ids)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2", "mistral", "phi3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2", "mistral", "phi3", "qwen3_moe"])
 def test_static_decode_equals_the_packed_step_and_transformers(
     arch: str, models_root: Path
 ) -> None:
