@@ -176,3 +176,36 @@ def test_static_step_is_rebuilt_after_offload_and_restore(models_root: Path) -> 
     steps_before = runner.graphs.stats.eager_steps
     assert tokens(run_all(eng, requests)) == first
     assert runner.graphs.stats.eager_steps > steps_before
+
+
+def test_steps_with_a_lora_adapter_take_the_packed_path(models_root: Path) -> None:
+    """Graphs hold the base model only: a decode step with an adapter's sequence runs packed,
+    one of base sequences alone runs static, and the outputs are the packed step's."""
+    from backends.llm.lora import read_adapter
+    from tests.backends.llm.lora_support import ATTENTION, build_adapter
+
+    base = build_model(models_root, "llama")
+    adapter = build_adapter(base, models_root / "llama-lora", ATTENTION)
+    requests = workload()
+    # Odd requests (ending at 5, 9, 13, 17 tokens) use the adapter; the last decodes are
+    # the base's alone.
+    owners: list[str | None] = ["a" if i % 2 else None for i in range(len(requests))]
+    outputs, static_steps = [], []
+    for static in (True, False):
+        eng = engine(base, static)
+        eng.runner.lora.add("a", read_adapter(adapter))
+        calls: list[bool] = []
+        for_step = eng.runner.graphs.for_step
+
+        def recording(output: Any, for_step: Any = for_step, calls: list[bool] = calls) -> Any:
+            step = for_step(output)
+            if step is not None:
+                assert all(item.seq.adapter is None for item in output.scheduled)
+            calls.append(step is not None)
+            return step
+
+        eng.runner.graphs.for_step = recording  # type: ignore[method-assign]
+        outputs.append(tokens(run_all(eng, requests, owners)))
+        static_steps.append(sum(calls))
+    assert outputs[0] == outputs[1]
+    assert static_steps[0] > 0 and static_steps[1] == 0
