@@ -36,7 +36,7 @@ def models_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("decode-graph-cuda-models")
 
 
-def cuda_engine(folder: Path, blocks: int = 1024, **config: Any) -> LLMEngine:
+def cuda_engine(folder: Path, blocks: int = 2048, **config: Any) -> LLMEngine:
     from transformers import AutoConfig
 
     settings: dict[str, Any] = {"block_size": 16, "max_num_seqs": 64, "max_model_len": 256}
@@ -103,19 +103,21 @@ def test_graph_replay_equals_the_eager_static_step_for_every_bucket(models_root:
         decode_kernel=graphs.decode_kernel,
     )
     rng = random.Random(0)
-    for size in runner.graphs.buckets:
-        for rows in {size, max(1, size - 1)}:  # full, and padded by one
-            free = list(range(runner.num_blocks))
-            rng.shuffle(free)
-            items = []
-            for _ in range(rows):
-                pos = rng.randrange(0, runner.max_model_len)
-                table = [free.pop() for _ in range(pos // runner.block_size + 1)]
-                seq = SimpleNamespace(token_ids=[rng.randrange(500)] * (pos + 1), block_ids=table)
-                items.append(SimpleNamespace(seq=seq, start=pos, num_tokens=1, sample=True))
-            replayed = graphs.run(items).clone()  # type: ignore[arg-type]
-            expected = eager.run(items).clone()  # type: ignore[arg-type]
-            torch.testing.assert_close(replayed, expected, atol=1e-4, rtol=1e-4)
+    with torch.inference_mode():  # as the runner's steps run
+        for size in runner.graphs.buckets:
+            for rows in {size, max(1, size - 1)}:  # full, and padded by one
+                free = list(range(runner.num_blocks))
+                rng.shuffle(free)
+                items = []
+                for _ in range(rows):
+                    pos = rng.randrange(0, runner.max_model_len)
+                    table = [free.pop() for _ in range(pos // runner.block_size + 1)]
+                    token_ids = [rng.randrange(500)] * (pos + 1)
+                    seq = SimpleNamespace(token_ids=token_ids, block_ids=table)
+                    items.append(SimpleNamespace(seq=seq, start=pos, num_tokens=1, sample=True))
+                replayed = graphs.run(items).clone()  # type: ignore[arg-type]
+                expected = eager.run(items).clone()  # type: ignore[arg-type]
+                torch.testing.assert_close(replayed, expected, atol=1e-4, rtol=1e-4)
     assert runner.graphs.stats.replays > 0
 
 
