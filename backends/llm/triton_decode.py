@@ -22,10 +22,13 @@ is None where it is missing or the device is not CUDA (callers then take the tor
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+log = logging.getLogger(__name__)
 
 # Tokens a program handles per iteration of its loop over the context.
 TILE = 16
@@ -37,10 +40,37 @@ def available() -> bool:
 
 
 def kernel_for(device: torch.device) -> Callable[..., None] | None:
-    """`paged_decode` where it can run on `device` (CUDA with Triton), else None."""
+    """`paged_decode` where it runs on `device` (CUDA with Triton, and a first small call
+    there matched the torch path), else None."""
     if device.type != "cuda" or not available():
         return None
-    return paged_decode
+    return paged_decode if _works_on(str(device)) else None
+
+
+@functools.cache
+def _works_on(device: str) -> bool:
+    """One small decode through the kernel and through torch: a Triton that cannot compile
+    for this device (or computes something else) is not used, and says so once."""
+    from backends.llm.attention import PagedAttentionMetadata, _decode_batched
+
+    try:
+        gen = torch.Generator().manual_seed(0)
+        kv = torch.randn(2, 4, 4, 2, 16, generator=gen).to(device)
+        query = torch.randn(1, 4, 2, 16, generator=gen).to(device)
+        tables = torch.tensor([[2, 0], [1, 3]], device=device)
+        lens = torch.tensor([7, 3], device=device)
+        expected = torch.zeros(2, 4, 16, device=device)
+        meta = PagedAttentionMetadata([kv], torch.zeros(0), decode_batch=(tables, lens))
+        _decode_batched(meta, query, kv.view(2, 4, -1), expected, 0.25, None, None)
+        out = torch.zeros_like(expected)
+        paged_decode(query, kv, tables, lens, out, 0.25, None, None)
+        ok = torch.allclose(out, expected, atol=1e-4, rtol=1e-4)
+        reason = "it disagrees with the torch path"
+    except Exception as e:
+        ok, reason = False, f"{type(e).__name__}: {e}"
+    if not ok:
+        log.warning("Triton decode kernel not used on %s: %s", device, reason)
+    return ok
 
 
 def paged_decode(
@@ -105,7 +135,7 @@ def _build() -> Any:
     try:
         import triton
         import triton.language as tl
-    except ImportError:
+    except Exception:  # not installed, or an install that cannot load here
         return None
 
     @triton.jit  # type: ignore[misc,unused-ignore]
