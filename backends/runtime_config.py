@@ -185,6 +185,12 @@ class RerankerConfig(EncoderConfig):
     max_documents: Count = 1000
 
 
+def _graphs_setting(value: object) -> object:
+    if value is True or value is False or value == "auto":
+        return value
+    raise ValueError(f"use true, false or 'auto' (got {value!r})")
+
+
 class LLMConfig(RuntimeConfig):
     """The LLM engine's runtime config (see `backends.llm.config` for each key's effect)."""
 
@@ -229,6 +235,11 @@ class LLMConfig(RuntimeConfig):
     # A float32 Llama-family model on the CPU runs its steps through one native call
     # (backends/llm/fused.py); false: always through the transformers modules.
     fused_step: Flag = True
+    # Decode steps on a CUDA device replay a graph captured per batch-size bucket
+    # (backends/llm/decode_graphs.py); "auto": on for CUDA. `cuda_graph_mode` "compile" lets
+    # torch.compile(mode="reduce-overhead") make them instead of capturing them by hand.
+    cuda_graphs: Annotated[bool | Literal["auto"], BeforeValidator(_graphs_setting)] = "auto"
+    cuda_graph_mode: Literal["capture", "compile"] = "capture"
 
     def quantization_method(self) -> str | None:
         """The quantization to apply at load ("int8", "int4"), or None."""

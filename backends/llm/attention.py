@@ -20,7 +20,10 @@ blocks). Then each single-token sequence (a decode) attends over exactly its own
   batch per step by about 2x. Those calls are too small for torch's intra-op threads, so
   they run on one thread each, and with more than one core two Python threads share them.
 - On an accelerator, where one big kernel beats many small ones: one padded, masked SDPA
-  call for all decodes (which then picks its fused kernels).
+  call for all decodes (which then picks its fused kernels), or, on CUDA with Triton, one
+  kernel that reads each decode's own blocks up to its length (`backends.llm.triton_decode`).
+  The same call, over static buffers, is what a captured decode step replays
+  (`backends.llm.decode_graphs`).
 
 A sliding window is a slice of the context, not a mask. Each longer chunk (a prompt, or a
 recomputation) attends with SDPA over its own context (`enable_gqa`, a causal kernel when it
@@ -30,6 +33,7 @@ since SDPA cannot.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -96,6 +100,9 @@ class PagedAttentionMetadata:
     # Set on accelerators, where one big call beats many small ones: the decode tables
     # padded into one (B, max_blocks) tensor with block 0, and the lengths as a tensor.
     decode_batch: tuple[torch.Tensor, torch.Tensor] | None = None
+    # With `decode_batch`: a kernel that reads each decode's blocks in place up to its length
+    # instead of the padded gather and mask (`triton_decode.paged_decode`'s signature).
+    decode_kernel: Callable[..., None] | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
     # Set to a dict to record each layer's `AttentionParams` by layer index during the step
     # (how the fused CPU step learns what transformers passes each layer).
@@ -171,7 +178,10 @@ def paged_attention(
     blocks = kv_cache.view(2, num_blocks, -1)  # a block's keys (values) as one row
 
     out = query.new_empty(query.shape[2], num_heads, head_dim)  # (T, H, D)
-    if meta.decode_batch is not None:
+    if meta.decode_batch is not None and meta.decode_kernel is not None:
+        tables, lens = meta.decode_batch
+        meta.decode_kernel(query, kv_cache, tables, lens, out, scaling, sliding_window, softcap)
+    elif meta.decode_batch is not None:
         _decode_batched(meta, query, blocks, out, scaling, sliding_window, softcap)
     elif meta.native_decode is not None:
         _decode_native(meta.native_decode, kv_cache, query, out, scaling, sliding_window, softcap)

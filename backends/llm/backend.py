@@ -342,7 +342,8 @@ class LLMBackend(Backend):
         if self._runner is None or self._parked is not None:
             return 0
         runner = self._runner
-        return module_bytes(runner.model) + runner.kv_cache_bytes() + runner.fused.scratch_bytes
+        fused = runner.fused.scratch_bytes
+        return module_bytes(runner.model) + runner.kv_cache_bytes() + fused + runner.graph_bytes()
 
     def offload_bytes(self) -> int:
         """Host bytes an offload keeps: the weights only (the KV cache is dropped)."""

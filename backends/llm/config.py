@@ -24,13 +24,15 @@ read by the loader; `keep_alive`, `pin`, `device`, read by the hub) are left to 
 | `max_loras` | 8 | LoRA adapters on the device at once (slots; more take turns, LRU) |
 | `max_lora_rank` | 64 | largest LoRA rank an adapter may have |
 | `fused_step` | true | float32 Llama-family models (Phi-3 too) on a CPU: steps in one native call |
+| `cuda_graphs` | auto | decode steps on CUDA replay captured graphs (`decode_graphs`); auto: on |
+| `cuda_graph_mode` | capture | "compile": torch.compile(mode="reduce-overhead") makes them |
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from backends.errors import LoadError
 from backends.runtime_config import LLMConfig, RuntimeConfig, RuntimeConfigError
@@ -83,6 +85,8 @@ class EngineConfig:
     max_loras: int = _CONFIG.max_loras
     max_lora_rank: int = _CONFIG.max_lora_rank
     fused_step: bool = _CONFIG.fused_step
+    cuda_graphs: bool | Literal["auto"] = _CONFIG.cuda_graphs
+    cuda_graph_mode: Literal["capture", "compile"] = _CONFIG.cuda_graph_mode
 
     @classmethod
     def from_runtime_config(
@@ -110,4 +114,6 @@ class EngineConfig:
             max_loras=config.max_loras,
             max_lora_rank=config.max_lora_rank,
             fused_step=config.fused_step,
+            cuda_graphs=config.cuda_graphs,
+            cuda_graph_mode=config.cuda_graph_mode,
         )

@@ -8,6 +8,11 @@ only the ones verified against transformers' own `generate` are accepted. The ru
 KV-cache tensors (per layer, keys and values: `(2, blocks, block_size, kv_heads, head_dim)`)
 and knows nothing about requests, text or HTTP. Its `lora` manager holds the LoRA adapters
 loaded on the model; a step's tokens run with their sequence's adapter (`seq.adapter`).
+
+A step of single-token decodes only, without adapters, runs over static buffers padded to a
+batch-size bucket (`backends.llm.decode_graphs`): replayed as a captured CUDA graph on a GPU
+(`cuda_graphs`), eagerly on a CPU where asked (`static_decode=True`). Its padding rows write
+into a scratch block, one block of the cache past the `num_blocks` the block pool hands out.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from typing import Any
 import torch
 
 from backends.errors import LoadError
-from backends.llm import attention, cpu_kernels, cpu_linear
+from backends.llm import attention, cpu_kernels, cpu_linear, triton_decode
 from backends.llm.architectures import unsupported_reason
 from backends.llm.attention import (
     AttentionParams,
@@ -39,6 +44,7 @@ from backends.llm.quantization import WeightQuantizer, float32_reference
 from backends.llm.sampler import Sampler, SamplerOutput
 from backends.llm.scheduler import ScheduledSequence, SchedulerOutput
 from backends.llm.sequence import Sequence
+from backends.llm.static_path import StaticPath
 from backends.load_cancel import check_cancelled
 
 log = logging.getLogger(__name__)
@@ -68,6 +74,7 @@ class ModelRunner:
         batched_decode: bool | None = None,
         native_decode: bool | None = None,
         kernels: cpu_kernels.KernelSettings | None = None,
+        static_decode: bool | None = None,
     ) -> None:
         self.model = model
         self.config = model.config
@@ -102,6 +109,8 @@ class ModelRunner:
         if native_decode is not False and self.device.type == "cpu" and self.dtype == torch.float32:
             self.native_linear = cpu_linear.install(model, self.kernels)
         self.kv_caches: list[torch.Tensor] = []
+        # Decode-only steps over static buffers, CUDA graphs where on (`static_path`).
+        self.graphs = StaticPath(self, engine_config, static_decode)
         # The fused CPU step (backends.llm.fused): started below, forgotten whenever the
         # tensors it points at are about to be replaced.
         self.fused = FusedPath(
@@ -121,6 +130,7 @@ class ModelRunner:
         )
         if engine_config.fused_step and native_decode is not False:
             self.fused.start(self.kv_caches)
+        self.graphs.capture_all()  # at load: counted in its time
 
     @classmethod
     def load(
@@ -135,6 +145,7 @@ class ModelRunner:
         batched_decode: bool | None = None,
         native_decode: bool | None = None,
         kernels: cpu_kernels.KernelSettings | None = None,
+        static_decode: bool | None = None,
         quantization: str | None = None,
         group_size: int = 128,
     ) -> ModelRunner:
@@ -190,14 +201,19 @@ class ModelRunner:
             batched_decode=batched_decode,
             native_decode=native_decode,
             kernels=kernels,
+            static_decode=static_decode,
         )
 
     # ---- memory -----------------------------------------------------------------------
     def allocate_kv_cache(self) -> None:
+        """An empty cache of `num_blocks` blocks, plus the scratch block where static decode
+        steps can run; graphs over the old cache are dropped (captured again when needed)."""
         layers, kv_heads, head_dim = kv_shape(self.config)
-        shape = (2, self.num_blocks, self.block_size, kv_heads, head_dim)
+        scratch = self.graphs.scratch_blocks()
+        shape = (2, self.num_blocks + scratch, self.block_size, kv_heads, head_dim)
         self.kv_caches = []
         self.fused.forget()  # it points at the old tensors; rebuilt at the next step
+        self.graphs.forget()
         for _ in range(layers):
             check_cancelled()  # a load that ran out of time stops allocating here too
             self.kv_caches.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
@@ -205,6 +221,7 @@ class ModelRunner:
     def release_kv_cache(self) -> None:
         self.kv_caches = []
         self.fused.forget()
+        self.graphs.forget()
 
     def kv_cache_bytes(self) -> int:
         return sum(kv.nbytes for kv in self.kv_caches)
@@ -213,10 +230,15 @@ class ModelRunner:
         """Move the weights (and any KV cache, reallocated empty) to `device`."""
         self.device = torch.device(device)
         self.fused.forget()
+        self.graphs.forget()
         self.model.to(self.device)
         self.lora.move_to(self.device)
         if self.kv_caches:
             self.allocate_kv_cache()
+
+    def graph_bytes(self) -> int:
+        """Device bytes of the static decode step: its buffers and its graphs' memory pool."""
+        return self.graphs.bytes()
 
     # ---- one step -----------------------------------------------------------------------
     @torch.inference_mode()
@@ -231,6 +253,15 @@ class ModelRunner:
             sampling = [item.seq for item in output.scheduled if item.sample]
             self.sampler.prepare(sampling)  # grammar masks fill during the forward
             logits = fused(step, checked=True, before=self.before_forward)
+            return self.sampler(logits, sampling)
+        static = self.graphs.for_step(output)
+        if static is not None:
+            sampling = [item.seq for item in output.scheduled if item.sample]
+            self.sampler.prepare(sampling)
+            logits = static.run(output.scheduled, self.before_forward)
+            if len(sampling) < len(output.scheduled):
+                rows = [i for i, item in enumerate(output.scheduled) if item.sample]
+                logits = logits[torch.tensor(rows, device=logits.device)]
             return self.sampler(logits, sampling)
         inputs = self._prepare(output)
         self.sampler.prepare(inputs.sampling_seqs)  # grammar masks fill during the forward
@@ -330,7 +361,7 @@ class ModelRunner:
             blocks = torch.tensor(table[: -(-end // bs)], dtype=torch.long, device=device)
             prefills.append(PrefillChunk(t0, len(token_ids), start, blocks))
 
-        decode_batch = native = None
+        decode_batch = native = decode_kernel = None
         decode_tables: list[torch.Tensor] = []
         batched = self.batched_decode
         if batched is None:
@@ -350,6 +381,7 @@ class ModelRunner:
                 torch.tensor(rows, dtype=torch.long, device=device),
                 torch.tensor(decode_lens, dtype=torch.long, device=device),
             )
+            decode_kernel = triton_decode.kernel_for(device)
         elif decode_lens:  # the torch path reads each decode's own table
             decode_tables = list(all_tables.split(decode_widths))
 
@@ -361,6 +393,7 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
             decode_tables=decode_tables,
             decode_batch=decode_batch,
+            decode_kernel=decode_kernel,
             native_decode=native,
             decode_lens=decode_lens,
             prefills=prefills,

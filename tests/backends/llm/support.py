@@ -43,11 +43,13 @@ def make_engine(
     *,
     batched_decode: bool | None = None,
     quantization: str | None = None,
+    static_decode: bool | None = None,
     **config: Any,
 ) -> LLMEngine:
     """An engine over `folder` on CPU in float32; `batched_decode` forces the accelerators'
     one-call decode attention (None: the device's default); `quantization` "int8" stores the
-    linear layers as int8."""
+    linear layers as int8; `static_decode` runs decode-only steps over the static buffers of
+    `backends.llm.decode_graphs`, eagerly."""
     engine_config = EngineConfig(**config)
     runner = ModelRunner.load(
         folder,
@@ -56,6 +58,7 @@ def make_engine(
         engine_config,
         batched_decode=batched_decode,
         quantization=quantization,
+        static_decode=static_decode,
     )
     return LLMEngine(engine_config, runner, tokenizer)
 
