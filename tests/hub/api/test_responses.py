@@ -155,5 +155,5 @@ def test_stored_state_is_refused_and_unknown_fields_too(client: Any) -> None:
     assert "stateless" in info.value.message
     with pytest.raises(openai.APIStatusError) as refused:
         client.responses.create(model="tiny", input="hi", extra_body={"no_such_field": 1})
-    # 422 until validation errors answer 400 (issue 14's surface work).
+    # 422 until validation errors answer 400.
     assert refused.value.status_code in (400, 422) and "no_such_field" in refused.value.message

@@ -1,4 +1,4 @@
-"""PostgreSQL stopped under a running hub, then started again (issue 16, "Dependencies").
+"""PostgreSQL stopped under a running hub, then started again.
 
 While the database is away: resident models keep serving, a load that needs the database is
 answered 503 with Retry-After (the model is not blamed: no failure backoff), registry and

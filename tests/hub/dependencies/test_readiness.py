@@ -1,4 +1,4 @@
-"""`/health/ready` means "this replica can serve" (issue 13): not before the configured
+"""`/health/ready` means "this replica can serve": not before the configured
 preloads have finished (the first requests used to wait 18 s for a load), and it never calls
 a dependency itself; and MLflow's bounded calls never pile up threads."""
 

@@ -1,5 +1,5 @@
 """An MLflow that accepts connections and never answers (a hung server, a black-holed
-route): the nastier outage, since nothing fails until a timeout does (issues 13 and 16).
+route): the nastier outage, since nothing fails until a timeout does.
 
 The hub still starts and is ready, probes answer at once without starting a thread, and a
 call that needs MLflow is refused with 503 within its bounds: MLflow's client timeout

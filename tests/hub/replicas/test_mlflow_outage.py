@@ -1,4 +1,4 @@
-"""MLflow killed under three replicas, then started again (issue 13, "Dependencies down").
+"""MLflow killed under three replicas, then started again.
 
 While MLflow is down every replica stays ready (the readiness body reports MLflow down) and
 serves its resident models; a split change, a SQL-only write, reaches every replica within a
