@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Gauge
 
 from hub.dependencies.calls import BoundedCalls
+from hub.dependencies.devices import DeviceMonitor
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +88,8 @@ class DependencyMonitor:
     `start()` repeats them every `interval` seconds until `stop()`. A check still running
     when the next is due is not started again (no thread piles up), and one outliving
     `timeout` counts as down. `state(name)` never blocks. Listeners hear (name, up) on every
-    change of `up`, on the event loop.
+    change of `up`, on the event loop. `devices`, when given, probes the accelerators on
+    the same schedule (`hub.dependencies.devices`); it is started and stopped with these.
     """
 
     def __init__(
@@ -97,8 +99,10 @@ class DependencyMonitor:
         interval: float,
         timeout: float,
         metrics_registry: CollectorRegistry | None = None,
+        devices: DeviceMonitor | None = None,
     ) -> None:
         self.interval = interval
+        self.devices = devices
         self._checks = dict(checks)
         self._calls = {
             name: BoundedCalls(f"{name} check", workers=1, deadline=timeout) for name in checks
@@ -125,9 +129,12 @@ class DependencyMonitor:
         self._listeners.append(listener)
 
     async def check_now(self) -> None:
-        await asyncio.gather(*(self._check(name) for name in self._checks))
+        device_checks = [self.devices.check_now()] if self.devices is not None else []
+        await asyncio.gather(*(self._check(name) for name in self._checks), *device_checks)
 
     def start(self) -> None:
+        if self.devices is not None:
+            self.devices.start()
         if self._task is None:
             self._task = asyncio.create_task(self._loop(), name="dependency checks")
 
@@ -142,6 +149,8 @@ class DependencyMonitor:
         await asyncio.gather(*self._running, return_exceptions=True)
         for calls in self._calls.values():
             calls.close()
+        if self.devices is not None:
+            await self.devices.stop()
 
     async def _loop(self) -> None:
         while True:
