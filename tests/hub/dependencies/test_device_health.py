@@ -160,3 +160,18 @@ async def test_a_lost_device_makes_the_replica_unready_and_its_models_failed(
         assert r.status_code == 503
         assert "device cpu is lost" in r.json()["error"]["message"]
         await monitor.stop()
+
+
+@pytest.mark.cuda
+async def test_a_healthy_gpu_answers_its_probe_and_nvml_reads_it() -> None:
+    probe_device("cuda:0")
+    registry = CollectorRegistry()
+    monitor = DeviceMonitor(["cuda:0"], interval=1, timeout=10, metrics_registry=registry)
+    await monitor.check_now()
+    assert monitor.lost() == {}
+    reading = monitor.readings().get("cuda:0")
+    if reading is not None:  # NVML present: the same GPU torch sees
+        assert 0 < reading.memory_used_bytes <= reading.memory_total_bytes
+        total = registry.get_sample_value("hub_gpu_memory_total_bytes", {"device": "cuda:0"})
+        assert total == reading.memory_total_bytes
+    await monitor.stop()
