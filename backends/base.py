@@ -80,7 +80,10 @@ class Backend(abc.ABC):
 
         A backend whose footprint depends on the device (an LLM's KV cache given as a share
         of the budget) may take a keyword `device_budget_bytes: int | None = None`; the
-        manager then asks once per candidate device and passes that device's budget."""
+        manager then asks once per candidate device and passes that device's budget. One
+        whose footprint differs on a GPU may take a keyword `device: str | None = None`: on
+        `cuda:N` it answers what loading allocates there (each tensor as the caching
+        allocator rounds it; the CUDA context is charged to the device, not to models)."""
 
     @abc.abstractmethod
     def load(self, artifact_dir: Path, device: str, dtype: torch.dtype | None = None) -> None:

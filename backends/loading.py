@@ -116,15 +116,35 @@ def header_tensors(files: Iterable[Path]) -> list[HeaderTensor]:
     return tensors
 
 
+# The CUDA caching allocator hands out blocks in multiples of 512 bytes; a request past
+# 1 MiB comes from the large pool, whose segments are cut from the driver in 2 MiB steps,
+# and the tail of a segment too small to split off stays with the tensor.
+CUDA_BLOCK_BYTES = 512
+CUDA_SMALL_BYTES = 2**20
+CUDA_SEGMENT_BYTES = 2 * 2**20
+
+
+def cuda_allocation_bytes(nbytes: int) -> int:
+    """Bytes the CUDA caching allocator holds for one tensor of `nbytes`: rounded up to a
+    512-byte block, and past 1 MiB to a whole 2 MiB segment step (an upper bound: a large
+    segment's tail of more than 1 MiB can serve another tensor)."""
+    if nbytes <= 0:
+        return 0
+    if nbytes <= CUDA_SMALL_BYTES:
+        return -(-nbytes // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES
+    return -(-nbytes // CUDA_SEGMENT_BYTES) * CUDA_SEGMENT_BYTES
+
+
 def tensor_bytes_from_headers(
     files: Iterable[Path],
     dtype: torch.dtype | None = None,
     *,
     size_of: Callable[[str, list[int], int], int] | None = None,
+    device: str | None = None,
 ) -> int:
     """Bytes the tensors of these safetensors files take once loaded, read from the headers
     only (`tensor_bytes`)."""
-    return tensor_bytes(header_tensors(files), dtype, size_of=size_of)
+    return tensor_bytes(header_tensors(files), dtype, size_of=size_of, device=device)
 
 
 def tensor_bytes(
@@ -132,23 +152,28 @@ def tensor_bytes(
     dtype: torch.dtype | None = None,
     *,
     size_of: Callable[[str, list[int], int], int] | None = None,
+    device: str | None = None,
 ) -> int:
     """Bytes these tensors take once loaded; with `dtype`, floating-point tensors are counted
     as cast to it. `size_of(name, shape, element_size)`, when given, says what a
-    floating-point tensor takes instead (a quantized weight)."""
+    floating-point tensor takes instead (a quantized weight). On a CUDA `device` each tensor
+    is counted as the caching allocator holds it (`cuda_allocation_bytes`); elsewhere, its
+    bytes."""
     total = 0
     target = torch.empty((), dtype=dtype).element_size() if dtype is not None else None
+    on_cuda = device is not None and device.startswith("cuda")
     for t in tensors:
         size = SAFETENSORS_DTYPE_BYTES.get(t.dtype, 4)
         if target is not None and t.floating:
             size = target
         if size_of is not None and t.floating:
-            total += size_of(t.name, t.shape, size)
-            continue
-        numel = 1
-        for dim in t.shape:
-            numel *= dim
-        total += numel * size
+            nbytes = size_of(t.name, t.shape, size)
+        else:
+            numel = 1
+            for dim in t.shape:
+                numel *= dim
+            nbytes = numel * size
+        total += cuda_allocation_bytes(nbytes) if on_cuda else nbytes
     return total
 
 

@@ -143,7 +143,8 @@ class ManagerSettings(_Section):
     eviction_policy: Literal["gdsf", "lru", "largest"] = "gdsf"
     # A model is not evicted for room until it has been resident this long (churn protection).
     min_residency: Annotated[float, BeforeValidator(parse_duration), Field(ge=0)] = 1.0
-    # Added to every predicted footprint (allocator rounding, workspaces, CUDA context share).
+    # Extra headroom added to every predicted footprint; the CUDA allocator's rounding is
+    # predicted per tensor and the CUDA context charged once per device without it.
     load_overhead_bytes: ByteSize = 0
     # The longest the keep-alive timer sleeps between checks (it also wakes on every change).
     idle_check_interval: Annotated[float, BeforeValidator(parse_duration), Field(gt=0)] = 5.0

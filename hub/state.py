@@ -12,7 +12,7 @@ from hub.auth import Authenticator
 from hub.catalog import Catalog
 from hub.control import Control, build_registry
 from hub.demo import is_builtin, materialise_builtin
-from hub.dependencies import BoundedCalls, DependencyMonitor
+from hub.dependencies import BoundedCalls, DependencyMonitor, DeviceMonitor
 from hub.manager import Device, ModelManager, VersionLoader
 from hub.metrics import HubMetrics
 from hub.placement.service import Placement
@@ -36,6 +36,9 @@ log = logging.getLogger(__name__)
 # Seconds each step of `Hub.stop` may take (the deployment's grace period is 90 s; the
 # manager's step unloads every model, an LLM engine's shutdown included).
 SHUTDOWN_STEP_TIMEOUT = 20.0
+# Seconds a device's probe kernel may take before the device counts as lost (the kernel
+# runs on a stream of its own, so a long batch does not hold it up).
+DEVICE_PROBE_TIMEOUT = 10.0
 
 
 @dataclass
@@ -46,7 +49,8 @@ class Hub:
     they declare the parts they use (hub.api.deps).
 
     Readiness (`readiness()`) means "this replica can serve": started, every configured
-    preload attempted, and the database answered within `registry.database_grace` seconds.
+    preload attempted, the database answered within `registry.database_grace` seconds, and
+    no configured device was lost (a crashed CUDA context: hub.dependencies.devices).
     MLflow down is reported, not fatal: the hub starts and serves from SQL and its local cache.
     """
 
@@ -91,6 +95,13 @@ class Hub:
             "mlflow", workers=reg.mlflow_workers, deadline=reg.mlflow_deadline
         )
         control = Control(registry, catalog, mlflow_calls, leftover_grace=reg.leftover_grace)
+        # Each CUDA device runs a probe kernel on the same schedule (hub.dependencies.devices).
+        probes = DeviceMonitor(
+            [d.name for d in devices if d.is_cuda],
+            interval=reg.health_interval,
+            timeout=DEVICE_PROBE_TIMEOUT,
+            metrics_registry=metrics.registry,
+        )
         dependencies = DependencyMonitor(
             {"database": registry.db.ping, "mlflow": registry.mlflow.ping},
             interval=reg.health_interval,
@@ -98,6 +109,7 @@ class Hub:
             # Embedded MLflow: its first check creates (migrates) the SQLite store.
             created_on_first_use={"mlflow"} if sqlite_path(settings.mlflow_tracking_uri) else (),
             metrics_registry=metrics.registry,
+            devices=probes,
         )
         loader = VersionLoader(
             registry,
@@ -125,6 +137,7 @@ class Hub:
             # Before the first check (None) MLflow counts as up.
             mlflow_up=lambda: dependencies.state("mlflow").up is not False,
         )
+        probes.on_lost(manager.device_lost)
         # MLflow back: catch up at once rather than at the next poll.
         dependencies.on_change(lambda name, up: reconciler.kick() if up else None)
         gate = ValidationGate(manager, reg.gate_timeout)
@@ -194,11 +207,14 @@ class Hub:
         """Whether this replica can serve, and the body `/health/ready` answers; reads only
         state the background checks keep (never blocks on a dependency)."""
         states = self.dependencies.states()
+        probes = self.dependencies.devices
         body: dict[str, object] = {
             "dependencies": {n: s.report() for n, s in states.items()},
             # The reconciler's check of MLflow against SQL waits while MLflow is down.
             "drift_check": "paused" if self.reconciler.drift_paused else "running",
         }
+        if probes is not None and probes.devices:
+            body["devices"] = {n: h.report() for n, h in probes.health().items()}
         if self.preload_failed:
             body["preload_failed"] = dict(self.preload_failed)
         if not self.ready:
@@ -208,6 +224,10 @@ class Hub:
         database = states["database"]
         if not (database.up or database.fresh(self.settings.registry.database_grace)):
             return False, {"status": "registry database unavailable", **body}
+        lost = probes.lost() if probes is not None else {}
+        if lost:
+            why = "; ".join(f"{d}: {reason}" for d, reason in sorted(lost.items()))
+            return False, {"status": f"device unusable ({why})", **body}
         models = len(self.catalog.snapshot.models)
         return True, {"status": "ready", "models": models, **body}
 

@@ -40,7 +40,8 @@ from backends.threads import compute_threads, intraop_threads
 
 log = logging.getLogger(__name__)
 
-# Activations and the tokenizer on top of the weights: a small fixed allowance.
+# Activations and the tokenizer on top of the weights on a CPU: a small fixed allowance (on
+# a GPU the tokenizer stays in host memory and a batch's activations are transient).
 _RUNTIME_OVERHEAD_BYTES = 32 * 1024 * 1024
 # Forward workers on a CPU unless the runtime config says `forward_workers`.
 DEFAULT_CPU_WORKERS = 2
@@ -89,9 +90,17 @@ class BatchedEncoderBackend(Backend, Generic[P, R, C]):
 
     @classmethod
     def predict_memory(
-        cls, artifact_dir: Path, runtime_config: RuntimeConfig | Mapping[str, Any]
+        cls,
+        artifact_dir: Path,
+        runtime_config: RuntimeConfig | Mapping[str, Any],
+        *,
+        device: str | None = None,
     ) -> int:
+        """The weights plus a fixed allowance; on a CUDA `device`, what loading allocates
+        there: each weight as the caching allocator rounds it."""
         files = require_safe_weights(artifact_dir)
+        if device is not None and device.startswith("cuda"):
+            return tensor_bytes_from_headers(files, device=device)
         return tensor_bytes_from_headers(files) + _RUNTIME_OVERHEAD_BYTES
 
     @property

@@ -138,7 +138,10 @@ class LLMBackend(Backend):
         runtime_config: RuntimeConfig | Mapping[str, Any],
         *,
         device_budget_bytes: int | None = None,
+        device: str | None = None,
     ) -> int:
+        """Weights, KV cache and one step's activations; on a CUDA `device` each weight is
+        counted as the caching allocator rounds it and the CPU's fused scratch is left out."""
         config = llm_config(runtime_config)
         files = require_safe_weights(artifact_dir)
         dtype = parse_dtype(config.dtype)
@@ -146,15 +149,16 @@ class LLMBackend(Backend):
         quantizer = WeightQuantizer(method, config.quantization_group_size) if method else None
         tensors = header_tensors(files)
         weights = tensor_bytes(
-            tensors, dtype, size_of=quantizer.tensor_bytes if quantizer else None
+            tensors, dtype, size_of=quantizer.tensor_bytes if quantizer else None, device=device
         )
         kv_cache = kv_cache_reservation(config, device_budget_bytes)
-        return (
-            weights
-            + kv_cache
-            + _RUNTIME_OVERHEAD_BYTES
-            + _fused_scratch(artifact_dir, tensors, config, dtype, quantizer, kv_cache)
+        on_cuda = device is not None and device.startswith("cuda")
+        scratch = (
+            0
+            if on_cuda
+            else _fused_scratch(artifact_dir, tensors, config, dtype, quantizer, kv_cache)
         )
+        return weights + kv_cache + _RUNTIME_OVERHEAD_BYTES + scratch
 
     def load(self, artifact_dir: Path, device: str, dtype: torch.dtype | None = None) -> None:
         from transformers import AutoTokenizer

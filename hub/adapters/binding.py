@@ -68,6 +68,7 @@ class AdapterBackend(LLMBackend):
         runtime_config: RuntimeConfig | Mapping[str, Any],
         *,
         device_budget_bytes: int | None = None,
+        device: str | None = None,
     ) -> int:
         """What the adapter costs on its base's device (its slot), read from its files."""
         from backends.llm.lora import adapter_bytes, read_adapter

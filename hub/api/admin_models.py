@@ -7,7 +7,8 @@ from fastapi import APIRouter, Depends
 from pydantic import BaseModel, Field
 
 from backends.llm.native_build import KernelReport, kernel_reports
-from hub.api.deps import ManagerDep, RouterDep, require_admin
+from hub.api.deps import HubDep, ManagerDep, RouterDep, require_admin
+from hub.dependencies import GpuReading
 from hub.manager import DeviceStatus, HostTierStatus, ModelStatus
 
 router = APIRouter(prefix="/admin", tags=["admin"], dependencies=[Depends(require_admin)])
@@ -54,6 +55,14 @@ class ModelStatusPublic(BaseModel):
                       "worker_pids": list(s.worker_pids)})  # fmt: skip
 
 
+class GpuPublic(BaseModel):
+    utilization: float = Field(description="share of time a kernel ran (0-1)")
+    memory_used_bytes: int = Field(description="used by every process on the GPU")
+    memory_total_bytes: int
+    temperature_c: float
+    power_w: float
+
+
 class DevicePublic(BaseModel):
     name: str
     budget_bytes: int
@@ -61,10 +70,17 @@ class DevicePublic(BaseModel):
     free_bytes: int
     pinned_bytes: int = 0
     models: int = 0
+    context_bytes: int = Field(
+        0, description="bytes of the budget the device itself holds (a CUDA context)"
+    )
+    usable: bool = Field(True, description="false once a probe found the device not computing")
+    error: str | None = Field(None, description="why the device is not usable")
+    gpu: GpuPublic | None = Field(None, description="NVML's figures (null without NVML)")
 
     @classmethod
-    def of(cls, s: DeviceStatus) -> DevicePublic:
-        return cls(**s.__dict__)
+    def of(cls, s: DeviceStatus, reading: GpuReading | None = None) -> DevicePublic:
+        gpu = GpuPublic(**reading.report()) if reading is not None else None
+        return cls(**s.__dict__, gpu=gpu)
 
 
 class HostTierPublic(BaseModel):
@@ -106,9 +122,11 @@ async def admin_models(manager: ManagerDep) -> list[ModelStatusPublic]:
 
 
 @router.get("/devices", response_model=DeviceList)
-async def admin_devices(manager: ManagerDep) -> DeviceList:
+async def admin_devices(manager: ManagerDep, hub: HubDep) -> DeviceList:
+    monitor = hub.dependencies.devices
+    readings = monitor.readings() if monitor is not None else {}
     return DeviceList(
-        devices=[DevicePublic.of(d) for d in manager.device_status()],
+        devices=[DevicePublic.of(d, readings.get(d.name)) for d in manager.device_status()],
         host_tier=HostTierPublic.of(manager.host_tier_status()),
         kernels=[KernelPublic.of(r) for r in kernel_reports()],
     )

@@ -31,7 +31,8 @@ async def health(hub: HubDep) -> dict[str, str | bool]:
 @router.get("/health/ready")
 async def ready(hub: HubDep) -> JSONResponse:
     """200 when this replica can serve: started, configured preloads attempted, and the
-    registry database answered recently (`registry.database_grace`); else 503 with the
+    registry database answered recently (`registry.database_grace`) and no device was lost
+    (a probe kernel failed or hung: `devices` names it and why); else 503 with the
     reason in `status`. `dependencies` reports the database and MLflow either way: MLflow
     down does not make a replica unready (it serves from SQL and its local cache)."""
     ok, body = hub.readiness()

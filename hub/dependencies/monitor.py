@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Gauge
 
 from hub.dependencies.calls import BoundedCalls
+from hub.dependencies.devices import DeviceMonitor
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +93,8 @@ class DependencyMonitor:
     unreachable, so that check is awaited whole and `up` stays None meanwhile.
     `state(name)` never blocks. Listeners hear (name, up) on every change of `up`, on the
     event loop.
+    `devices`, when given, probes the accelerators on the same schedule
+    (`hub.dependencies.devices`); it is started and stopped with these.
     """
 
     def __init__(
@@ -102,8 +105,10 @@ class DependencyMonitor:
         timeout: float,
         created_on_first_use: Collection[str] = (),
         metrics_registry: CollectorRegistry | None = None,
+        devices: DeviceMonitor | None = None,
     ) -> None:
         self.interval = interval
+        self.devices = devices
         self._checks = dict(checks)
         self._created_on_first_use = frozenset(created_on_first_use)
         self._calls = {
@@ -131,9 +136,12 @@ class DependencyMonitor:
         self._listeners.append(listener)
 
     async def check_now(self) -> None:
-        await asyncio.gather(*(self._check(name) for name in self._checks))
+        device_checks = [self.devices.check_now()] if self.devices is not None else []
+        await asyncio.gather(*(self._check(name) for name in self._checks), *device_checks)
 
     def start(self) -> None:
+        if self.devices is not None:
+            self.devices.start()
         if self._task is None:
             self._task = asyncio.create_task(self._loop(), name="dependency checks")
 
@@ -148,6 +156,8 @@ class DependencyMonitor:
         await asyncio.gather(*self._running, return_exceptions=True)
         for calls in self._calls.values():
             calls.close()
+        if self.devices is not None:
+            await self.devices.stop()
 
     async def _loop(self) -> None:
         while True:

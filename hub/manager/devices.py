@@ -24,20 +24,33 @@ def total_memory(device: str) -> int:
     return int(torch.cuda.get_device_properties(index).total_memory)
 
 
+# What the CUDA context of this process holds on each device it touches (the driver's
+# state, the kernels of torch and its libraries loaded lazily, cuBLAS workspaces): outside
+# the caching allocator, so no load's measured growth shows it. Charged once per device.
+CUDA_CONTEXT_BYTES = 512 * 2**20
+
+
 @dataclass(frozen=True)
 class Device:
-    """A device and the bytes the manager may charge to it."""
+    """A device and the bytes the manager may charge to it. `context_bytes` of the budget
+    go to the device itself (a CUDA context), the rest to models (`model_budget_bytes`)."""
 
     name: str
     budget_bytes: int
+    context_bytes: int = 0
 
     @property
     def is_cuda(self) -> bool:
         return self.name.startswith("cuda")
+
+    @property
+    def model_budget_bytes(self) -> int:
+        return max(0, self.budget_bytes - self.context_bytes)
 
     @classmethod
     def from_settings(cls, settings: DeviceSettings) -> Device:
         budget = settings.memory_budget
         if isinstance(budget, float):
             budget = int(total_memory(settings.name) * budget)
-        return cls(settings.name, int(budget))
+        context = CUDA_CONTEXT_BYTES if settings.name.startswith("cuda") else 0
+        return cls(settings.name, int(budget), context)

@@ -6,8 +6,10 @@ backend's parameters, buffers and cache tensors (`Backend.memory_bytes`), since 
 moves with every other thread. Loads and restores on one CUDA device run one at a time so
 each delta belongs to one model; other models' activations can still inflate it, which errs
 on the safe side. The predicted footprint (safetensors headers, KV-cache reservation, plus
-the configured overhead) is compared with the measurement, and a prediction off by more than
-10% is logged (`lifecycle.check_prediction`), since the ledger then had to guess.
+the configured overhead; on CUDA each tensor as the caching allocator rounds it, with no
+flat allowance, the context being charged once to the device) is compared with the
+measurement, and a prediction off by more than 10% is logged (`lifecycle.check_prediction`),
+since the ledger then had to guess.
 
 Unload frees memory for real: the backend empties its tensors and drops its references, and
 on CUDA the allocator's cache is returned to the driver; an unload that did not bring the
@@ -43,15 +45,27 @@ class Footprint:
         self._cuda_locks = {d.name: threading.Lock() for d in devices if d.is_cuda}
 
     def predict(self, prepared: PreparedVersion, budgets: Mapping[str, int]) -> dict[str, int]:
-        """Predicted bytes on each device of `budgets` (device -> budget), overhead included;
-        one prediction serves every device unless the backend sizes itself by the budget.
-        An adapter's slot is exact: no load overhead."""
+        """Predicted bytes on each device of `budgets` (device -> budget), overhead included.
+        A CUDA device gets the backend's GPU prediction (what loading allocates there; the
+        CUDA context is the device's, `Device.context_bytes`), a CPU the host one; one
+        prediction serves every device of a kind unless the backend sizes itself by the
+        budget. An adapter's slot is exact: no load overhead."""
         if prepared.base is not None:
             return dict.fromkeys(budgets, prepared.predict_memory())
-        if not takes_device_budget(prepared.backend_cls):
-            one = prepared.predict_memory() + self.overhead_bytes
-            return dict.fromkeys(budgets, one)
-        return {d: prepared.predict_memory(b) + self.overhead_bytes for d, b in budgets.items()}
+        by_budget = takes_device_budget(prepared.backend_cls)
+        out: dict[str, int] = {}
+        per_kind: dict[bool, int] = {}
+        for d, budget in budgets.items():
+            cuda = d.startswith("cuda")
+            if not by_budget and cuda in per_kind:
+                out[d] = per_kind[cuda]
+                continue
+            given = budget if by_budget else None
+            one = (
+                prepared.predict_memory(given, device=d) if cuda else prepared.predict_memory(given)
+            )
+            out[d] = per_kind[cuda] = one + self.overhead_bytes
+        return out
 
     def load(
         self, loader: VersionLoader, prepared: PreparedVersion, device: str, budget: int

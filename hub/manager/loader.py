@@ -6,6 +6,7 @@ import functools
 import inspect
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 
@@ -32,16 +33,20 @@ class PreparedVersion:
     # A LoRA adapter's base version: it is attached to that model's backend, not loaded.
     base: ModelKey | None = None
 
-    def predict_memory(self, device_budget_bytes: int | None = None) -> int:
+    def predict_memory(
+        self, device_budget_bytes: int | None = None, device: str | None = None
+    ) -> int:
         """The backend's prediction; `device_budget_bytes` reaches backends whose footprint
-        depends on the device (an LLM's KV cache as a share of the budget) when their
-        `predict_memory` takes it, and is left out for those that do not."""
+        depends on the device (an LLM's KV cache as a share of the budget) and `device`
+        those that predict a GPU apart, when their `predict_memory` takes them; each is
+        left out for those that do not."""
         predict = self.backend_cls.predict_memory
+        kwargs: dict[str, Any] = {}
         if device_budget_bytes is not None and takes_device_budget(self.backend_cls):
-            return predict(  # type: ignore[call-arg]
-                self.artifact_dir, self.config, device_budget_bytes=device_budget_bytes
-            )
-        return predict(self.artifact_dir, self.config)
+            kwargs["device_budget_bytes"] = device_budget_bytes
+        if device is not None and takes_device(self.backend_cls):
+            kwargs["device"] = device
+        return predict(self.artifact_dir, self.config, **kwargs)
 
 
 @functools.cache
@@ -49,6 +54,12 @@ def takes_device_budget(backend_cls: type[Backend]) -> bool:
     """Whether `backend_cls.predict_memory` accepts `device_budget_bytes` (optional in the
     Backend contract)."""
     return "device_budget_bytes" in inspect.signature(backend_cls.predict_memory).parameters
+
+
+@functools.cache
+def takes_device(backend_cls: type[Backend]) -> bool:
+    """Whether `backend_cls.predict_memory` accepts `device` (optional in the contract)."""
+    return "device" in inspect.signature(backend_cls.predict_memory).parameters
 
 
 class VersionLoader:

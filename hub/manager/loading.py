@@ -313,8 +313,8 @@ class Loads:
         """The devices `entry` may go to: the one its deployment names, else all."""
         assert entry.deployment is not None
         if entry.deployment.device:
-            return [entry.deployment.device]
-        return list(self._planner.budgets)
+            return self._planner.usable([entry.deployment.device])
+        return self._planner.usable(list(self._planner.budgets))
 
     async def _settle(self, entry: Entry, charge: int) -> None:
         """Make `entry`'s ledger charge exactly `charge`, waiting for room if it grew (it

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import TYPE_CHECKING
@@ -49,6 +51,8 @@ from hub.settings import ManagerSettings, ModelSpec
 if TYPE_CHECKING:
     from backends.base import Backend
     from hub.manager.loader import VersionLoader
+
+log = logging.getLogger(__name__)
 
 
 class ModelManager:
@@ -82,7 +86,7 @@ class ModelManager:
         self.lifecycle = lifecycle
         self._entries: dict[ModelKey, Entry] = {}
         self.planner = Planner(
-            {d.name: d.budget_bytes for d in self.devices},
+            {d.name: d.model_budget_bytes for d in self.devices},
             self._entries,
             host_budget=host_cache_budget,
             policy=settings.eviction_policy,
@@ -332,6 +336,32 @@ class ModelManager:
                 entry.move(ModelState.UNLOADED)
             entry.device = None
 
+    def device_lost(self, device: str, reason: str) -> None:
+        """`device` stopped computing (a probe failed: hub.dependencies.devices): nothing is
+        placed on it again, and each model loaded there moves to `failed` with the reason,
+        its ledger charge released; its backend is closed on a daemon thread, since a call
+        into a dead CUDA context may never return. A later request loads it elsewhere, or
+        is refused (503) naming the device. Loads and evictions under way there finish or
+        time out on their own."""
+        if device in self.planner.lost:
+            return
+        self.planner.lose_device(device, reason)
+        message = f"device {device} is lost ({reason})"
+        for entry in self._entries.values():
+            if entry.device != device or entry.state is not ModelState.LOADED:
+                continue
+            backend, entry.backend = entry.backend, None
+            self.planner.ledger.release(entry.key)
+            entry.last_device = device
+            entry.device = None
+            entry.expires_at = None
+            entry.move(ModelState.FAILED)
+            entry.error = message
+            if backend is not None:
+                _close_in_background(backend, f"{entry.key} on lost {device}")
+        self._evictions.pump()
+        self._reports.update_gauges()
+
     # ---- reports --------------------------------------------------------------------------
     def entry(self, key: ModelKey) -> Entry | None:
         """The bookkeeping of `key`, if the manager has touched it (read it, do not change)."""
@@ -354,3 +384,16 @@ class ModelManager:
             entry = self._entries[key] = Entry(key=key, kind=kind)
             entry.idle.set()
         return entry
+
+
+def _close_in_background(backend: Backend, what: str) -> None:
+    """Unload `backend` on a daemon thread nobody waits for (its worker threads stop; its
+    device memory went with the context)."""
+
+    def close() -> None:
+        try:
+            backend.unload()
+        except Exception as e:
+            log.warning("closing %s: %s", what, e)
+
+    threading.Thread(target=close, name=f"close {what}", daemon=True).start()

@@ -66,9 +66,11 @@ class StatusReports:
         for d in self._devices:
             charges = ledger.charges(d.name)
             pinned = sum(n for k, n in charges.items() if self._pinned(k))
-            used = sum(charges.values())
+            used = sum(charges.values()) + d.context_bytes
+            lost = self._planner.lost.get(d.name)
             out.append(DeviceStatus(d.name, d.budget_bytes, used, d.budget_bytes - used,
-                                    pinned, len(charges)))  # fmt: skip
+                                    pinned, len(charges), context_bytes=d.context_bytes,
+                                    usable=lost is None, error=lost))  # fmt: skip
         return out
 
     def host_tier(self) -> HostTierStatus:

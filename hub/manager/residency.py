@@ -7,6 +7,7 @@ no code path expects. Pure Python: the planner and its tests import it without t
     unloaded --> loading --> loaded --> evicting --> warm --> loading (restore)
        ^  ^        |  |                   |           |
        |  |        |  +--> failed --------|-----------|---> loading (after a backoff)
+       |  |        |           ^-- loaded (its device was lost)
        |  +--------+ (no room: back where it was)     |
        +-------------------------------------- <------+ (dropped from the host tier)
 
@@ -39,8 +40,9 @@ TRANSITIONS: Mapping[ModelState, frozenset[ModelState]] = {
     # Loaded; no room (back where it started: a warm copy stays parked); the load failed;
     # shutdown cancelled it.
     _S.LOADING: frozenset({_S.LOADED, _S.WARM, _S.UNLOADED, _S.FAILED}),
-    # Pressure, keep-alive or an admin moves it off; shutdown unloads it directly.
-    _S.LOADED: frozenset({_S.EVICTING, _S.UNLOADED}),
+    # Pressure, keep-alive or an admin moves it off; shutdown unloads it directly; its
+    # device stopped computing (failed, the backend gone with the device's context).
+    _S.LOADED: frozenset({_S.EVICTING, _S.UNLOADED, _S.FAILED}),
     # Parked in the host tier, or dropped for good.
     _S.EVICTING: frozenset({_S.WARM, _S.UNLOADED}),
     # Restored by a request; dropped from the host tier (for room, by an admin, at shutdown).

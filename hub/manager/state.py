@@ -132,6 +132,11 @@ class DeviceStatus:
     free_bytes: int
     pinned_bytes: int
     models: int
+    # Bytes of the budget the device itself holds (a CUDA context), within `used_bytes`.
+    context_bytes: int = 0
+    # False once a probe found the device not computing; `error` says how.
+    usable: bool = True
+    error: str | None = None
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from hub.manager.planning.host_tier import HostTier
 from hub.manager.planning.keys import ModelKey
 from hub.manager.planning.ledger import MemoryLedger
 from hub.manager.planning.occupants import Occupant, evictable, idle_loaded
-from hub.manager.planning.pressure import check_feasible, describe_room
+from hub.manager.planning.pressure import NoRoom, check_feasible, describe_room
 from hub.manager.planning.room import RoomBroker, RoomRequest
 from hub.manager.residency import ModelState
 
@@ -42,6 +42,8 @@ class Planner:
         self.host_tier = HostTier(host_budget)
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
         self.broker = RoomBroker(self.ledger, self.policy)
+        # Devices that stopped computing, and why: nothing is placed on them again.
+        self.lost: dict[str, str] = self.broker.lost
         self.min_residency = min_residency
         self._occupants = occupants
         self._clock = clock
@@ -90,6 +92,20 @@ class Planner:
     def record_use(self, key: ModelKey) -> None:
         """A request used `key` (or it was just loaded): tell the policy."""
         self.policy.on_access(self.candidate(self._occupants[key]))
+
+    def lose_device(self, device: str, reason: str) -> None:
+        """Place nothing on `device` from now on; loads waiting for room only there are
+        refused (NoRoom `device_lost`) at the next pump."""
+        self.lost[device] = reason
+
+    def usable(self, devices: list[str]) -> list[str]:
+        """`devices` less the lost ones; NoRoom (`device_lost`) naming them when none is left."""
+        left = [d for d in devices if d not in self.lost]
+        if devices and not left:
+            why = "; ".join(f"device {d} is lost ({self.lost[d]})" for d in devices)
+            raise NoRoom(f"{why}: nothing can be placed there until the hub restarts",
+                         code="device_lost")  # fmt: skip
+        return left
 
     # ---- room -----------------------------------------------------------------------------
     def request_room(

@@ -12,13 +12,16 @@ of the models; `NoRoom` carries the code the manager's 503 (or 409 for a pin) an
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from hub.manager.planning.dependents import held_by_adapters
 from hub.manager.planning.keys import ModelKey
 from hub.manager.planning.ledger import MemoryLedger
 from hub.manager.planning.occupants import Occupant, why_held
-from hub.manager.planning.room import RoomRequest
 from hub.units import format_bytes
+
+if TYPE_CHECKING:
+    from hub.manager.planning.room import RoomRequest
 
 
 class NoRoom(Exception):

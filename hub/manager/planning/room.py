@@ -25,6 +25,7 @@ from hub.manager.planning.eviction import Candidate, EvictionPolicy
 from hub.manager.planning.keys import ModelKey
 from hub.manager.planning.ledger import MemoryLedger
 from hub.manager.planning.placement import place
+from hub.manager.planning.pressure import NoRoom
 
 
 @dataclass(eq=False)
@@ -53,6 +54,8 @@ class RoomBroker:
         self.ledger = ledger
         self.policy = policy
         self._pending: list[RoomRequest] = []
+        # Devices that stopped computing (device -> why): never granted again.
+        self.lost: dict[str, str] = {}
 
     @property
     def pending(self) -> list[RoomRequest]:
@@ -112,7 +115,17 @@ class RoomBroker:
             # Victims still leaving bring their bytes to this request when they are gone.
             req.victims = {k for k in req.victims if leaving(k)}
             incoming = sum(self.ledger.charge_of(k) for k in req.victims)
-            devices = (req.device,) if req.device is not None else req.devices
+            devices = tuple(
+                d
+                for d in ((req.device,) if req.device is not None else req.devices)
+                if d not in self.lost
+            )
+            if not devices:
+                self._pending.remove(req)
+                why = "; ".join(f"device {d} is lost ({self.lost[d]})" for d in req.devices
+                                if d in self.lost)  # fmt: skip
+                req.granted.set_exception(NoRoom(why, code="device_lost"))
+                continue
             view = dict(free)
             if req.device is not None:
                 view[req.device] += incoming

@@ -23,7 +23,7 @@ def test_the_table_is_the_lifecycle() -> None:
     assert {s: sorted(TRANSITIONS[s]) for s in ModelState} == {
         S.UNLOADED: [S.LOADING],
         S.LOADING: [S.FAILED, S.LOADED, S.UNLOADED, S.WARM],
-        S.LOADED: [S.EVICTING, S.UNLOADED],
+        S.LOADED: [S.EVICTING, S.FAILED, S.UNLOADED],  # failed: its device was lost
         S.EVICTING: [S.UNLOADED, S.WARM],
         S.WARM: [S.LOADING, S.UNLOADED],
         S.FAILED: [S.LOADING, S.UNLOADED],

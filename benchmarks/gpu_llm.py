@@ -1,0 +1,329 @@
+"""The LLM and encoder sections of `benchmarks/gpu_check.py`: the hub's engine against
+transformers (static batch, continuous batching with and without CUDA graphs) on one
+workload, its latencies and GPU busy share, a warm restore through the manager, and the
+embedder against sentence-transformers.
+
+Workload (the issue's): N requests of random prompts, lengths drawn uniformly in a range,
+a fixed number of new tokens each with EOS ignored, greedy; every side gets the same prompts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+import time
+from typing import Any
+
+from benchmarks.gpu_models import (
+    build_embedder,
+    embedder_backend,
+    hf_llm,
+    llm_dir,
+    llm_dtype,
+)
+from benchmarks.gpu_sections import Context, median, ms
+
+MiB = 2**20
+
+
+def workload(
+    ctx: Context, n: int | None = None, lengths: tuple[int, int] | None = None
+) -> list[list[int]]:
+    """`n` prompts (64; 8 small) of 64-512 tokens (16-64 small), ids above the specials."""
+    n = n if n is not None else (8 if ctx.small else 64)
+    low, high = lengths or ((16, 64) if ctx.small else (64, 512))
+    vocab = 4096 if ctx.small else 32000
+    rng = random.Random(0)
+    return [[rng.randrange(7, vocab) for _ in range(rng.randint(low, high))] for _ in range(n)]
+
+
+def new_tokens(ctx: Context) -> int:
+    return 16 if ctx.small else 128
+
+
+def make_engine(ctx: Context, **overrides: Any) -> Any:
+    """The hub's engine (runner and scheduler, no HTTP) over the LLM, with --engine-config."""
+    from backends.llm.config import EngineConfig
+    from backends.llm.engine import LLMEngine
+    from backends.llm.model_runner import ModelRunner
+
+    keys = {"kv_cache_bytes": (64 if ctx.small else 4096) * MiB, "max_num_seqs": 64,
+            "max_num_batched_tokens": 512, **ctx.engine_config, **overrides}  # fmt: skip
+    config = EngineConfig(**keys)
+    runner = ModelRunner.load(llm_dir(ctx), ctx.device, llm_dtype(ctx), config)
+    return LLMEngine(config, runner)
+
+
+def greedy(n: int) -> Any:
+    from backends.llm.sampling_params import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+def drain(engine: Any, prompts: list[list[int]], new: int, tag: str) -> dict[str, Any]:
+    """Submit every prompt at once and step until done: output tokens per second."""
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", p, greedy(new))
+    produced, steps = 0, []
+    start = time.perf_counter()
+    while engine.has_work():
+        t = time.perf_counter()
+        produced += sum(len(o.token_ids) for o in engine.step())
+        steps.append(time.perf_counter() - t)
+    seconds = time.perf_counter() - start
+    return {"output_tokens": produced, "seconds": round(seconds, 3),
+            "tokens_per_s": round(produced / seconds, 1), "steps": len(steps),
+            "step_ms_median": ms(median(steps))}  # fmt: skip
+
+
+def throughput(ctx: Context) -> None:
+    """The hub's engine on the workload (after a short warm-up run)."""
+    prompts, new = workload(ctx), new_tokens(ctx)
+    ctx.set("workload", {"requests": len(prompts), "prompt_tokens": [min(map(len, prompts)),
+            max(map(len, prompts))], "new_tokens": new, "ignore_eos": True})  # fmt: skip
+    engine = None
+    with ctx.part("load"):
+        start = time.perf_counter()
+        engine = make_engine(ctx)
+        ctx.set("load_s", round(time.perf_counter() - start, 2))
+    if engine is None:
+        return
+    with ctx.part("warmup"):
+        drain(engine, prompts[:4], 4, "warm")
+    with ctx.part("engine", min_left=10):
+        ctx.set("engine", drain(engine, prompts, new, "run"))
+
+
+def one_stream(ctx: Context, engine: Any, prompt: list[int], new: int) -> dict[str, Any]:
+    engine.add_request(f"one-{time.monotonic_ns()}", prompt, greedy(new))
+    start = time.perf_counter()
+    times = []
+    while engine.has_work():
+        if any(o.token_ids for o in engine.step()):
+            times.append(time.perf_counter())
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    return {"prompt_tokens": len(prompt), "ttft_ms": ms(times[0] - start),
+            "ms_per_token": ms(median(gaps))}  # fmt: skip
+
+
+def busy_share(ctx: Context, engine: Any, rows: int) -> dict[str, Any]:
+    """Device time of a decode step's kernels over its wall time, at `rows` sequences
+    (torch.profiler over a few steady decode steps)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for i, p in enumerate(workload(ctx, rows, (32, 32))):
+        engine.add_request(f"prof{rows}-{i}", p, greedy(12))
+    started: set[str] = set()
+    while len(started) < rows and engine.has_work():  # through the prefill
+        started.update(o.request_id for o in engine.step() if o.token_ids)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.cuda else [])
+    steps = 4
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        ctx.sync()
+        wall = (time.perf_counter() - start) / steps
+    while engine.has_work():
+        engine.step()
+    events = prof.key_averages()
+    if ctx.cuda:
+        device_us = sum(e.self_device_time_total for e in events) / steps
+        kernels = sum(e.count for e in events if e.self_device_time_total > 0) / steps
+    else:  # a CPU is busy for the whole step: only the wall time means something
+        return {"step_ms": ms(wall), "device_ms": None, "busy": None, "kernels_per_step": None}
+    return {"step_ms": ms(wall), "device_ms": round(device_us / 1000, 3),
+            "busy": round(device_us / 1e6 / wall, 3), "kernels_per_step": kernels}  # fmt: skip
+
+
+def latency(ctx: Context) -> None:
+    """One stream (ms per token, TTFT of a 496-token prompt), a 512-token prefill step, and
+    the GPU's busy share of a decode step at 1 and 64 rows."""
+    engine = make_engine(ctx)
+    long = 48 if ctx.small else 496
+    with ctx.part("warmup"):
+        drain(engine, workload(ctx, 2, (8, 8)), 4, "warm")
+    with ctx.part("one_stream"):
+        [prompt] = workload(ctx, 1, (long, long))
+        ctx.set("one_stream", one_stream(ctx, engine, prompt, 32 if ctx.small else 128))
+    with ctx.part("prefill_step"):
+        size = 64 if ctx.small else 512
+        times = []
+        for i in range(3):
+            [prompt] = workload(ctx, 1, (size, size))
+            engine.add_request(f"pf-{i}", [7 + i, *prompt[1:]], greedy(1))
+            ctx.sync()
+            t = time.perf_counter()
+            engine.step()
+            ctx.sync()
+            times.append(time.perf_counter() - t)
+            while engine.has_work():
+                engine.step()
+        ctx.set("prefill_tokens", size)
+        ctx.set("prefill_step_ms", ms(median(times[1:])))
+    profile: dict[str, Any] = ctx.set("profile", {})
+    for rows in (1, 8 if ctx.small else 64):
+        with ctx.part(f"profile_{rows}", min_left=8):
+            profile[f"rows_{rows}"] = busy_share(ctx, engine, rows)
+            ctx.flush()
+
+
+def _hf_timed(ctx: Context, run: Any, produced_of: Any) -> dict[str, Any]:
+    ctx.sync()
+    start = time.perf_counter()
+    result = run()
+    ctx.sync()
+    seconds = time.perf_counter() - start
+    produced = produced_of(result)
+    return {"output_tokens": produced, "seconds": round(seconds, 3),
+            "tokens_per_s": round(produced / seconds, 1)}  # fmt: skip
+
+
+def hf_static(ctx: Context) -> None:
+    """transformers `generate` over one left-padded batch of the whole workload (sdpa)."""
+    import torch
+
+    model = hf_llm(ctx)
+    prompts, new = workload(ctx), new_tokens(ctx)
+    longest = max(map(len, prompts))
+    ids = torch.full((len(prompts), longest), 2, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, longest - len(p) :] = torch.tensor(p)
+        mask[i, longest - len(p) :] = 1
+    ids, mask = ids.to(ctx.device), mask.to(ctx.device)
+
+    def run(n: int) -> Any:
+        with torch.inference_mode():
+            return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n,
+                                  min_new_tokens=n, do_sample=False)  # fmt: skip
+
+    with ctx.part("warmup"):
+        run(2)
+    with ctx.part("generate", min_left=10):
+        out = _hf_timed(ctx, lambda: run(new), lambda r: (r.shape[1] - longest) * r.shape[0])
+        ctx.set("result", out)
+
+
+def _hf_continuous(ctx: Context, graphs: bool) -> None:
+    """transformers' continuous batching (`generate_batch`) over the workload; with `graphs`,
+    its CUDA graphs (a GPU only). The first call warms up (and captures)."""
+    import logging
+
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    if graphs and not ctx.cuda:
+        ctx.set("skipped_reason", "CUDA graphs need a GPU")
+        return
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
+    model = hf_llm(ctx)
+    prompts, new = workload(ctx), new_tokens(ctx)
+    gen = GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=2, max_new_tokens=new)
+    # On a GPU the cache takes a share of free memory, as in transformers' own benchmarks; a
+    # CPU dry run sizes it to the toy workload (a share of host memory takes minutes).
+    size: dict[str, Any] = (
+        {"num_blocks": 64, "max_batch_tokens": 256} if ctx.small else {"max_memory_percent": 0.3}
+    )
+    cb = ContinuousBatchingConfig(use_cuda_graph=graphs, **size)
+
+    def run(batch: list[list[int]]) -> Any:
+        return model.generate_batch(inputs=batch, generation_config=gen,
+                                    continuous_batching_config=cb)  # fmt: skip
+
+    with ctx.part("warmup"):
+        start = time.perf_counter()
+        run(prompts[:4])
+        ctx.set("warmup_s", round(time.perf_counter() - start, 2))
+    with ctx.part("generate_batch", min_left=10):
+        count = lambda r: sum(len(o.generated_tokens) for o in r.values())  # noqa: E731
+        ctx.set("result", _hf_timed(ctx, lambda: run(prompts), count))
+
+
+def hf_cb(ctx: Context) -> None:
+    _hf_continuous(ctx, graphs=False)
+
+
+def hf_cb_graphs(ctx: Context) -> None:
+    _hf_continuous(ctx, graphs=True)
+
+
+def restore(ctx: Context) -> None:
+    """A warm restore of the LLM through the manager (parked in the host tier, brought back
+    by a request) against a plain pinned host-to-device copy of as many bytes."""
+    import torch
+
+    from benchmarks.gpu_manager import folder_manager
+
+    async def measure() -> None:
+        manager = folder_manager(ctx, llm_dir(ctx))
+        try:
+            async with manager.acquire("llm", 1):
+                pass
+            for _ in range(2):
+                assert manager.release_copy("llm", 1, reason="gpu_check")
+                while (row := manager.status()[0]).state != "warm":  # noqa: ASYNC110
+                    await asyncio.sleep(0.01)  # the manager has no event for "parked"
+                start = time.perf_counter()
+                async with manager.acquire("llm", 1):
+                    pass
+                seconds = time.perf_counter() - start
+            ctx.set("host_bytes", row.host_bytes)
+            ctx.set("restore_ms", ms(seconds))
+        finally:
+            await manager.close()
+
+    with ctx.part("manager"):
+        asyncio.run(measure())
+    with ctx.part("pinned_copy"):
+        nbytes = int(ctx.data.get("host_bytes") or 64 * MiB)
+        host = torch.ones(nbytes, dtype=torch.uint8, pin_memory=ctx.cuda)
+        target = torch.empty(nbytes, dtype=torch.uint8, device=ctx.device)
+        copies = []
+        for _ in range(3):
+            ctx.sync()
+            t = time.perf_counter()
+            target.copy_(host, non_blocking=True)
+            ctx.sync()
+            copies.append(time.perf_counter() - t)
+        ctx.set("pinned_copy_ms", ms(min(copies)))
+    if ctx.data.get("restore_ms") and ctx.data.get("pinned_copy_ms"):
+        ctx.set("ratio", round(ctx.data["restore_ms"] / ctx.data["pinned_copy_ms"], 2))
+
+
+def embeddings(ctx: Context) -> None:
+    """The hub's embedder against sentence-transformers' `encode`, batches of 32 texts."""
+    from sentence_transformers import SentenceTransformer
+
+    folder = build_embedder(ctx)
+    rng = random.Random(3)
+    words = ["model", "hub", "serving", "memory", "device", "token", "batch", "query"]
+    texts = [" ".join(rng.choice(words) for _ in range(rng.randint(8, 60))) for _ in range(256)]
+    batches = [texts[i : i + 32] for i in range(0, len(texts), 32)]
+    rounds = 1 if ctx.small else 3
+    with ctx.part("hub"):
+        backend = embedder_backend(ctx, folder)
+
+        async def run() -> float:
+            for b in batches[:2]:
+                await backend.embed(b)
+            start = time.perf_counter()
+            for _ in range(rounds):
+                for b in batches:
+                    await backend.embed(b)
+            return time.perf_counter() - start
+
+        seconds = asyncio.run(run())
+        backend.unload()
+        ctx.set("hub_texts_per_s", round(rounds * len(texts) / seconds, 1))
+    with ctx.part("sentence_transformers"):
+        model = SentenceTransformer(str(folder), device=ctx.device)
+        model.encode(batches[0], batch_size=32)
+        start = time.perf_counter()
+        for _ in range(rounds):
+            for b in batches:
+                model.encode(b, batch_size=32)
+        ctx.sync()
+        ctx.set("st_texts_per_s", round(rounds * len(texts) / (time.perf_counter() - start), 1))
+    if ctx.data.get("hub_texts_per_s") and ctx.data.get("st_texts_per_s"):
+        ctx.set("ratio", round(ctx.data["hub_texts_per_s"] / ctx.data["st_texts_per_s"], 2))
