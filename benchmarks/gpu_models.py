@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from backends.embedder import EmbedderBackend
+    from backends.encoders.embedder import EmbedderBackend
     from backends.llm.backend import LLMBackend
     from benchmarks.gpu_sections import Context
 
@@ -94,7 +94,7 @@ def embedder_backend(
     ctx: Context, folder: Path, config: dict[str, Any] | None = None
 ) -> EmbedderBackend:
     from backends.base import BackendContext
-    from backends.embedder import EmbedderBackend
+    from backends.encoders.embedder import EmbedderBackend
 
     backend = EmbedderBackend(BackendContext("emb", "1", config or {}))
     backend.load(folder, ctx.device)

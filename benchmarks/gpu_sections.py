@@ -256,7 +256,7 @@ def correctness(ctx: Context) -> None:
 def footprint(ctx: Context) -> None:
     """Predicted bytes (the manager's prediction on this device) against the measured growth
     of a real load (the allocator's on CUDA, the backend's own count on a CPU)."""
-    from backends.embedder import EmbedderBackend
+    from backends.encoders.embedder import EmbedderBackend
     from backends.llm.backend import LLMBackend
     from benchmarks.gpu_models import build_embedder, embedder_backend, llm_backend, llm_dir
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from backends.embedder import EmbedderBackend
+from backends.encoders.embedder import EmbedderBackend
 from backends.kinds import ModelKind
 from backends.llm.backend import LLMBackend
 from backends.loading import HeaderTensor, cuda_allocation_bytes, tensor_bytes
