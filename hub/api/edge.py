@@ -41,6 +41,8 @@ from starlette.types import Send
 
 from backends.batch_metrics import ShedMetrics
 from hub.api.errors import error_body
+from hub.api.serving import VERSION_HEADER
+from hub.errors import HubError, Unavailable
 from hub.saturation import Saturated
 
 if TYPE_CHECKING:
@@ -169,16 +171,19 @@ class Edge:
 
 
 async def _refuse(send: Send, message: str, retry_after: float, *, version: str = "") -> None:
-    wait = max(1, round(retry_after))
-    body = json.dumps(error_body(message, "service_unavailable", None, "overloaded")).encode()
-    headers = [
-        (b"content-type", b"application/json"),
-        (b"content-length", str(len(body)).encode()),
-        (b"retry-after", str(wait).encode()),
-    ]
+    error = Unavailable(message, retry_after=retry_after, code="overloaded")
     if version:
-        headers.append((b"x-hub-model-version", version.encode()))
+        error.headers[VERSION_HEADER] = version
     # The unread body (at most max_request_body_bytes) is discarded by the server, so the
     # connection stays usable: closing it would make a retrying client pay a new handshake.
-    await send({"type": "http.response.start", "status": 503, "headers": headers})
+    await answer_error(send, error)
+
+
+async def answer_error(send: Send, error: HubError) -> None:
+    """Answer `error` in OpenAI's error shape, with its status and headers, from the ingress
+    (before any route and FastAPI's own error handlers)."""
+    body = json.dumps(error_body(error.message, error.error_type, error.param, error.code)).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(k.lower().encode(), v.encode()) for k, v in error.headers.items()]
+    await send({"type": "http.response.start", "status": error.status_code, "headers": headers})
     await send({"type": "http.response.body", "body": body})

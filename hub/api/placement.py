@@ -22,14 +22,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from starlette.types import Message, Receive, Scope, Send
 
-from hub.api.errors import error_body
+from hub.api.edge import answer_error
 from hub.errors import HubError, NotFound, Unavailable
 from hub.placement.forwarding import (
     REPLICA_HEADER,
@@ -74,7 +73,7 @@ async def place(hub: Any, head: Head, scope: Scope, receive: Receive, send: Send
         # every peer be unreachable.
         return await _unless_client_leaves(forwarding, receive)
     except HubError as e:
-        await _answer_error(send, e)
+        await answer_error(send, e)
         return True
 
 
@@ -126,7 +125,7 @@ async def to_replica(
         except PeerUnreachable as e:
             raise Unavailable(f"replica {target!r} did not answer ({e}); retry shortly") from e
     except HubError as e:
-        await _answer_error(send, e)
+        await answer_error(send, e)
 
 
 def tagged(send: Send, replica_id: str) -> Send:
@@ -168,11 +167,3 @@ async def _unless_client_leaves(forwarding: Awaitable[bool], receive: Receive) -
 async def _disconnected(receive: Receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
-
-
-async def _answer_error(send: Send, error: HubError) -> None:
-    body = json.dumps(error_body(error.message, error.error_type, error.param, error.code)).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    headers += [(k.lower().encode(), v.encode()) for k, v in error.headers.items()]
-    await send({"type": "http.response.start", "status": error.status_code, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
