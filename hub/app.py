@@ -29,27 +29,32 @@ from hub.api import (
 )
 from hub.api import responses as responses_api
 from hub.api import traffic as traffic_api
-from hub.api.edge import EdgeLimitMiddleware
 from hub.api.errors import error_responses, install_error_handlers
-from hub.api.limits import BodyLimitMiddleware
-from hub.api.placement import PlacementMiddleware
+from hub.api.ingress import Ingress
 from hub.settings import HubSettings
 from hub.state import Hub
-from hub.traffic.in_flight import InFlightMiddleware
 
 log = logging.getLogger(__name__)
 
 
 class HubApp(FastAPI):
-    """FastAPI with the hub's HTTP edge (hub.api.edge) outside all of FastAPI's own layers
-    (its error, telemetry and body-limit wrappers): a refusal under a burst costs none of
-    them. `edge` holds the edge's bounds (requests in progress, event-loop lag)."""
+    """FastAPI with the hub's one ingress (hub.api.ingress: edge refusal, body limit,
+    requests in flight, saturation refusal, placement) outside all of FastAPI's own layers
+    (its error and telemetry wrappers): a refusal under a burst costs none of them.
+    `settings` gives the ingress its bounds; the other arguments are FastAPI's."""
 
-    edge: tuple[int, float] = (0, 0.0)
+    def __init__(self, settings: HubSettings, **fastapi: Any) -> None:
+        self.hub_settings = settings
+        super().__init__(**fastapi)
 
     def build_middleware_stack(self) -> ASGIApp:
-        max_in_progress, max_lag = self.edge
-        return EdgeLimitMiddleware(super().build_middleware_stack(), max_in_progress, max_lag)
+        settings = self.hub_settings
+        return Ingress(
+            super().build_middleware_stack(),
+            max_in_progress=settings.max_requests_in_progress,
+            max_lag=settings.max_event_loop_lag,
+            max_body_bytes=settings.max_request_body_bytes,
+        )
 
 
 def _announce(hub: Hub) -> None:
@@ -94,20 +99,15 @@ def create_app(
         finally:
             await hub.stop()
 
+    # The ingress (HubApp) is outermost: an overloaded process refuses before anything else.
     app = HubApp(
+        settings,
         title="Model Hub",
         version=__version__,
         summary="Many models, one pool of accelerator memory",
         lifespan=lifespan,
     )
     install_error_handlers(app)
-    # Innermost: reads bodies only after the limit below, and forwarded requests count as
-    # in flight here too (passing a stream on takes this replica's CPU).
-    app.add_middleware(PlacementMiddleware)
-    app.add_middleware(InFlightMiddleware)  # shadow traffic waits for idle moments
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_body_bytes)
-    # Outermost (HubApp): an overloaded process refuses before doing anything else.
-    app.edge = (settings.max_requests_in_progress, settings.max_event_loop_lag)
     # The error statuses each router's routes answer, documented in /openapi.json; every
     # route but the probes may get the edge's 503.
     inference = error_responses(400, 401, 404, 413, 503)

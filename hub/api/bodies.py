@@ -3,14 +3,14 @@
     async def create_embeddings(body: Annotated[EmbeddingCreate, UserBody(EmbeddingCreate)],
                                 route_key: RouteKey, ...)
 
-`UserBody` is a dependency on the bare `Request` alone: it checks the user key, reads the
-body and validates it with `model_validate_json` (pydantic's JSON parser, one pass). FastAPI's
-own body fields and header parameters would parse the JSON into a dict first and validate
-that, and solve a sub-dependency per header; on the hot routes (many small embedding and
-rerank requests) that machinery costs about as much event-loop time as everything else the
-route does, on cores the model needs. A malformed body gets a 400 naming the field, as
-FastAPI's own validation does here; `openapi_body` documents the model as the route's
-request body.
+`UserBody` is a dependency on the bare `Request` alone: it checks the user key, takes the
+body (`request_body`: as the ingress read it, else from the connection now) and validates it
+with `model_validate_json` (pydantic's JSON parser, one pass). FastAPI's own body fields and
+header parameters would parse the JSON into a dict first and validate that, and solve a
+sub-dependency per header; on the hot routes (many small embedding and rerank requests) that
+machinery costs about as much event-loop time as everything else the route does, on cores
+the model needs. A malformed body gets a 400 naming the field, as FastAPI's own validation
+does here; `openapi_body` documents the model as the route's request body.
 """
 
 from __future__ import annotations
@@ -25,20 +25,22 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
 from hub.api.deps import hub_of
+from hub.api.ingress import ROUTE_KEY_HEADER, head_of
 from hub.outcome import ClientGone
-
-ROUTE_KEY_HEADER = "x-hub-route-key"
 
 Body = TypeVar("Body", bound=BaseModel)
 
 
 async def read_user_body(request: Request, model: type[Body]) -> Body:
     """The validated body of an inference request, after the user-key check."""
-    headers = request.headers
-    await hub_of(request).auth.check(
-        headers.get("authorization"), headers.get("x-api-key"), admin=False
-    )
-    raw = await request.body()
+    head = head_of(request.scope)
+    if head is not None:
+        authorization, api_key = head.authorization, head.api_key
+    else:
+        authorization = request.headers.get("authorization")
+        api_key = request.headers.get("x-api-key")
+    await hub_of(request).auth.check(authorization, api_key, admin=False)
+    raw = await request_body(request)
     try:
         return model.model_validate_json(raw)
     except ValidationError as e:
@@ -47,6 +49,18 @@ async def read_user_body(request: Request, model: type[Body]) -> Body:
             [{**err, "loc": ("body", *err["loc"])} for err in e.errors(include_url=False)],
             body=raw,
         ) from None
+
+
+async def request_body(request: Request) -> bytes:
+    """The body of `request`: the bytes the ingress read (raising what stopped it reading
+    them: `RequestTooLarge`, a client gone), else read from the connection now."""
+    head = head_of(request.scope)
+    if head is not None:
+        if head.error is not None:
+            raise head.error
+        if head.body is not None:
+            return head.body
+    return await request.body()
 
 
 def UserBody(model: type[Body]) -> Any:

@@ -12,15 +12,15 @@ from typing import Annotated
 
 from fastapi import Depends, Header, Request
 
+from hub.api.ingress import head_of
 from hub.auth import Authenticator
 from hub.catalog import Catalog
 from hub.control import Control
 from hub.manager import ModelManager
 from hub.metrics import HubMetrics
-from hub.placement.forwarding import DECIDED_ROUTE
 from hub.promotion import Promoter
 from hub.reconciler import Reconciler
-from hub.routing import DecidedRouter, Route, Router
+from hub.routing import DecidedRouter, Router
 from hub.serving import Serving
 from hub.settings import HubSettings
 from hub.state import Hub
@@ -42,11 +42,12 @@ async def get_manager(request: Request) -> ModelManager:
 
 
 async def get_router(request: Request) -> Router:
-    """The hub's router, or one answering the version placement already decided for this
-    request (hub.placement.middleware), so that a request is routed once."""
+    """The hub's router, or one answering the version the ingress already decided for this
+    request (placement, or the replica that forwarded it: hub.api.ingress), so that a
+    request is routed once."""
     router = hub_of(request).router
-    decided: Route | None = request.scope.get(DECIDED_ROUTE)
-    return router if decided is None else DecidedRouter(router, decided)
+    head = head_of(request.scope)
+    return router if head is None or head.route is None else DecidedRouter(router, head.route)
 
 
 async def get_catalog(request: Request) -> Catalog:

@@ -34,6 +34,7 @@ from hub.api.bodies import (
     cancelled_if_client_leaves,
     openapi_body,
     read_user_body,
+    request_body,
 )
 from hub.api.deps import CatalogDep, RouterDep, ServingDep
 from hub.api.rerank import (
@@ -260,7 +261,7 @@ async def rerank_tei_or_jina(
     """TEI's request (it has `texts`) answered in TEI's shape; any other body is Jina's /
     Cohere v1's, answered as `/v1/rerank` answers it."""
     try:
-        peek = json.loads(await request.body())
+        peek = json.loads(await request_body(request))
     except ValueError:
         peek = None
     if isinstance(peek, dict) and "texts" in peek:

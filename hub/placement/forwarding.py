@@ -21,6 +21,7 @@ Failures, by when they happen:
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import httpx
 from starlette.types import Message, Scope, Send
@@ -34,9 +35,6 @@ log = logging.getLogger(__name__)
 FORWARDED_BY = "X-Hub-Forwarded-By"
 ROUTE_HEADER = "X-Hub-Route"
 REPLICA_HEADER = "X-Hub-Replica"
-# The ASGI scope key under which the route decided for a request reaches its route handler
-# (hub.api.deps.get_router).
-DECIDED_ROUTE = "hub.decided_route"
 
 # RFC 9110 7.6.1 hop-by-hop headers, plus what the client library sets for the new request.
 _HOP = frozenset(
@@ -46,7 +44,8 @@ _HOP = frozenset(
     }
 )  # fmt: skip
 _HOP_ANSWER = _HOP - {b"content-length"}
-_OURS = frozenset({FORWARDED_BY.lower().encode(), ROUTE_HEADER.lower().encode()})
+_FORWARDED_BY, _ROUTE = FORWARDED_BY.lower().encode(), ROUTE_HEADER.lower().encode()
+_OURS = frozenset({_FORWARDED_BY, _ROUTE})
 
 # Connections kept open to peers (keep-alive), and the most opened at once.
 POOL_CONNECTIONS = 256
@@ -91,6 +90,28 @@ def parse_route_header(value: str) -> tuple[str, str, bool, str | None, bool]:
         elif key == "via" and arg:
             via = arg
     return name, ref, split, via, pinned
+
+
+@dataclass(frozen=True)
+class Hop:
+    """What a request forwarded by a peer says of itself: `by`, the replica that forwarded
+    it; `route`, the `X-Hub-Route` value it decided (None: not named)."""
+
+    by: str
+    route: str | None
+
+
+def incoming_hop(scope: Scope) -> Hop | None:
+    """The hop headers of a request a peer forwarded here (None: it came from a client).
+    The one place a request's incoming hop headers are read; `Forwarder.forward` is the one
+    place they are written."""
+    by = route = None
+    for name, value in scope["headers"]:
+        if name == _FORWARDED_BY:
+            by = value.decode("latin-1")
+        elif name == _ROUTE:
+            route = value.decode("latin-1")
+    return Hop(by, route) if by else None
 
 
 class Forwarder:

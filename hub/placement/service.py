@@ -1,5 +1,5 @@
 """Placement for one replica: decides where a routed request is served and forwards it (the
-HTTP side is the middleware in hub.api.placement).
+HTTP side is the ingress's placement step in hub.api.placement).
 
 `decide(route)` turns what the manager holds here and what the peers' last heartbeats say
 (`Membership.peers`) into the pure decision's inputs (hub.placement.decision); `forward`

@@ -11,7 +11,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-import uvicorn
 from starlette.types import Message, Receive, Scope, Send
 
 from benchmarks.launch.process import free_port
@@ -26,6 +25,7 @@ from hub.placement.forwarding import (
 )
 from hub.routing import Route
 from hub.settings import ReplicaSettings
+from tests.support.live import serving
 
 BODY = b'{"model": "chat", "prompt": "hi", "stream": true}'
 
@@ -68,14 +68,8 @@ class StreamingPeer:
 @pytest.fixture
 async def peer() -> AsyncIterator[tuple[str, StreamingPeer]]:
     app = StreamingPeer()
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    task = asyncio.create_task(server.serve())
-    while not server.started:  # noqa: ASYNC110  (uvicorn offers a flag, not an event)
-        await asyncio.sleep(0.02)
-    yield f"http://127.0.0.1:{port}", app
-    server.should_exit = True
-    await task
+    async with serving(app) as address:
+        yield address, app
 
 
 def _scope() -> Scope:
