@@ -252,21 +252,24 @@ def test_the_thread_count_does_not_change_the_logits(llama: Path) -> None:
     assert torch.equal(one, two)
 
 
+# Two sequences in block 0: one decoding its first token, one its second (sampled).
+GOOD_STEP: dict[str, list[int]] = {
+    "tokens": [10, 11],
+    "positions": [0, 1],
+    "slots": [0, 1],
+    "tables": [0],
+    "table_starts": [0, 0],
+    "lens": [1, 2],
+    "sample_rows": [1],
+}
+
+
 def test_bad_indices_are_refused_before_the_kernel_runs(llama: Path) -> None:
     decoder = make_engine(llama).runner.fused.decoder
     assert decoder is not None
 
     def step(**change: Any) -> FusedStep:
-        fields = {
-            "tokens": [10, 11],
-            "positions": [0, 1],
-            "slots": [0, 1],
-            "tables": [0],
-            "table_starts": [0, 0],
-            "lens": [1, 2],
-            "sample_rows": [1],
-        }
-        return FusedStep(**(fields | change))
+        return FusedStep(**(GOOD_STEP | change))
 
     decoder.check(step())
     for change, message in [
@@ -306,15 +309,7 @@ def test_the_kernel_itself_refuses_indices_out_of_range(llama: Path) -> None:
     refuses the step: nothing runs, the KV cache is left as it was."""
     decoder = make_engine(llama).runner.fused.decoder
     assert decoder is not None
-    good = {
-        "tokens": [10, 11],
-        "positions": [0, 1],
-        "slots": [0, 1],
-        "tables": [0],
-        "table_starts": [0, 0],
-        "lens": [1, 2],
-        "sample_rows": [1],
-    }
+    good = GOOD_STEP  # the C step takes it; the cases below each break one index
     rows = 4 * decoder.max_rows  # past the scratch however few threads run the step
     too_many = {"tokens": [10] * rows, "positions": [0] * rows, "slots": [0] * rows,
                 "table_starts": [0] * rows, "lens": [1] * rows, "sample_rows": [0]}  # fmt: skip
