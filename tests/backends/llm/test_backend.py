@@ -163,6 +163,46 @@ async def test_a_restore_keeps_the_engine_and_gives_the_same_greedy_tokens(
         backend.unload()
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+async def test_a_restore_on_cuda_copies_the_pinned_weights_back_with_the_same_tokens(
+    llama: Path,
+) -> None:
+    """On a GPU the weights park in pinned host memory and come back in one copy; the
+    engine is kept, the graphs are captured again as steps need them, and greedy tokens
+    (decode steps on the graph path where Triton runs) are the same, with the new cache
+    filled with NaN where it is left uninitialised."""
+    backend = LLMBackend(BackendContext("tiny", "1", {"kv_cache_bytes": KV}))
+    backend.load(llama, "cuda:0", torch.float32)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [backend.encode("The harbour town woke slowly " * 4), backend.encode("Ships")]
+
+    async def tokens() -> list[list[int]]:
+        outs = []
+        for prompt in prompts:
+            outs.append(
+                [t async for out in backend.generate(prompt, params) for t in out.token_ids]
+            )
+        return outs
+
+    try:
+        before = await tokens()
+        engine, runner = backend.engine, backend.engine.runner
+        weights = module_bytes(runner.model)
+        backend.offload()
+        parked = backend._parked
+        assert parked is not None and parked.pinned and parked.nbytes >= weights
+        backend.restore("cuda:0")
+        if not runner._reads_past_lengths():
+            for kv in runner.kv_caches:
+                kv.fill_(float("nan"))
+        assert await tokens() == before
+        assert backend.engine is engine and engine.runner is runner
+    finally:
+        await backend.aclose()
+        backend.unload()
+
+
 def test_a_cache_the_padded_decode_may_read_starts_zeroed(llama: Path) -> None:
     """The padded decode call (accelerators without the Triton kernel; here forced on the
     CPU) reads every slot of a row's table under a mask, where NaN would still spread: its
