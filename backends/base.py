@@ -99,7 +99,7 @@ class Backend(abc.ABC):
 
         The manager keeps offloaded backends in its warm tier, so `restore` must bring back
         exactly the model that was offloaded (same outputs). `backends.parking` packs a module
-        into one host buffer and restores it with one copy."""
+        into one host buffer and restores it with one copy (none onto the CPU)."""
 
     def offload_bytes(self) -> int:
         """Host bytes `offload()` will hold, asked before offloading so the manager can make

@@ -5,7 +5,10 @@ host buffer (page-locked when the weights come from a CUDA device, so the copies
 full PCIe speed), then releases the originals: each tensor keeps its Python identity but holds
 no memory until restored. `ParkedWeights.restore(device)` allocates one block on `device`,
 copies the whole buffer into it in one transfer, and rebinds every tensor to its slice, so a
-restore costs one allocation and one copy of `nbytes` bytes, no more. Tied weights (one
+restore costs one allocation and one copy of `nbytes` bytes, no more. Between the CPU and
+host memory (the same memory) nothing is copied at all: a restore onto the CPU rebinds the
+tensors to the (unpinned) buffer itself, and parking CPU weights that a restore laid out in
+one block takes that block as the buffer. Tied weights (one
 tensor reachable under two names) and outside references to a parameter (an engine holding
 `lm_head.weight`) survive both steps, because the same tensor objects are rebound.
 
@@ -61,22 +64,30 @@ class ParkedWeights:
 
     def restore(self, device: str | torch.device) -> int:
         """Copy the weights onto `device` in one transfer and rebind every tensor to its slice;
-        returns the bytes copied. The host buffer is released right after, off this thread."""
+        returns the bytes copied. The host buffer is released right after, off this thread.
+        Onto the CPU from an unpinned buffer the tensors are rebound to the buffer itself:
+        nothing is copied (returns 0) and the buffer stays, as the weights' memory."""
         if self._buffer is None:
             raise RuntimeError("these parked weights were already restored or discarded")
         target = torch.device(device)
-        block = torch.empty(self.nbytes, dtype=torch.uint8, device=target)
-        # Pinned -> device copies are asynchronous; the synchronize below orders them.
-        block.copy_(self._buffer, non_blocking=self.pinned)
+        if target.type == "cpu" and not self.pinned:
+            # Host memory is where the weights go: the buffer becomes their block, uncopied.
+            block, copied = self._buffer, 0
+        else:
+            block = torch.empty(self.nbytes, dtype=torch.uint8, device=target)
+            # Pinned -> device copies are asynchronous; the synchronize below orders them.
+            block.copy_(self._buffer, non_blocking=self.pinned)
+            copied = self.nbytes
         for slot in self._slots:
             view = _typed_view(block, slot)
             for tensor in slot.tensors:
                 tensor.data = view
         if target.type == "cuda":
             torch.cuda.synchronize(target)
-        _free_later(self._buffer)
+        if copied:
+            _free_later(self._buffer)
         self._buffer = None
-        return self.nbytes
+        return copied
 
     def discard(self) -> None:
         """Drop the parked copy without restoring it (the module stays empty)."""
@@ -93,8 +104,12 @@ def park(module: torch.nn.Module, *, pin_memory: bool | None = None) -> ParkedWe
     slots, total, device = _layout(module)
     if pin_memory is None:
         pin_memory = device.type == "cuda"
-    buffer = torch.empty(total, dtype=torch.uint8, pin_memory=pin_memory)
     block = _restored_block(slots, total)
+    if block is not None and device.type == "cpu" and not pin_memory:
+        # CPU weights restored in one block laid out exactly like the buffer: that block is
+        # the buffer (the tensors are emptied below, so the buffer holds the only reference).
+        return ParkedWeights(_unbind(block, slots, device), slots, device)
+    buffer = torch.empty(total, dtype=torch.uint8, pin_memory=pin_memory)
     if block is not None:
         # Restored weights are views of one block laid out exactly like the buffer: one copy.
         buffer.copy_(block, non_blocking=pin_memory)
@@ -108,11 +123,17 @@ def park(module: torch.nn.Module, *, pin_memory: bool | None = None) -> ParkedWe
             _typed_view(buffer, slot).copy_(slot.tensors[0], non_blocking=pin_memory)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    return ParkedWeights(_unbind(buffer, slots, device), slots, device)
+
+
+def _unbind(buffer: torch.Tensor, slots: list[_Slot], device: torch.device) -> torch.Tensor:
+    """Empty every parked tensor (its memory is released unless `buffer` is it); returns
+    `buffer`."""
     for slot in slots:
         empty = torch.empty(0, dtype=slot.dtype, device=device)
         for tensor in slot.tensors:
             tensor.data = empty
-    return ParkedWeights(buffer, slots, device)
+    return buffer
 
 
 def share(module: torch.nn.Module) -> torch.Tensor:

@@ -250,26 +250,34 @@ def hf_cb_graphs(ctx: Context) -> None:
 
 def restore(ctx: Context) -> None:
     """A warm restore of the LLM through the manager (parked in the host tier, brought back
-    by a request) against a plain pinned host-to-device copy of as many bytes."""
+    by a request) against a plain pinned host-to-device copy of as many bytes: `ratio` is
+    the median acquire that restores over the fastest copy, `warm_load_ratio` the same for
+    the manager's own timing of the restore (`warm_load_s`, without the acquire around it).
+    Nothing else is timed: no other model is evicted and no token generated."""
     import torch
 
     from benchmarks.gpu_manager import folder_manager
 
     async def measure() -> None:
         manager = folder_manager(ctx, llm_dir(ctx))
+        acquires: list[float] = []
+        warm_loads: list[float] = []
         try:
             async with manager.acquire("llm", 1):
                 pass
-            for _ in range(2):
+            for _ in range(3):
                 assert manager.release_copy("llm", 1, reason="gpu_check")
                 while (row := manager.status()[0]).state != "warm":  # noqa: ASYNC110
                     await asyncio.sleep(0.01)  # the manager has no event for "parked"
                 start = time.perf_counter()
                 async with manager.acquire("llm", 1):
                     pass
-                seconds = time.perf_counter() - start
-            ctx.set("host_bytes", row.host_bytes)
-            ctx.set("restore_ms", ms(seconds))
+                acquires.append(time.perf_counter() - start)
+                warm_loads.append(manager.status()[0].warm_load_s or 0.0)
+                ctx.set("host_bytes", row.host_bytes)
+                ctx.set("restore_ms_each", [ms(s) for s in acquires])
+                ctx.set("restore_ms", ms(median(acquires)))
+                ctx.set("warm_load_ms", ms(median(warm_loads)))
         finally:
             await manager.close()
 
@@ -287,8 +295,11 @@ def restore(ctx: Context) -> None:
             ctx.sync()
             copies.append(time.perf_counter() - t)
         ctx.set("pinned_copy_ms", ms(min(copies)))
-    if ctx.data.get("restore_ms") and ctx.data.get("pinned_copy_ms"):
-        ctx.set("ratio", round(ctx.data["restore_ms"] / ctx.data["pinned_copy_ms"], 2))
+    copy_ms = ctx.data.get("pinned_copy_ms")
+    if copy_ms:
+        for key, ratio in (("restore_ms", "ratio"), ("warm_load_ms", "warm_load_ratio")):
+            if ctx.data.get(key):
+                ctx.set(ratio, round(ctx.data[key] / copy_ms, 2))
 
 
 def embeddings(ctx: Context) -> None:

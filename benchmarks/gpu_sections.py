@@ -309,7 +309,8 @@ def summarise(merged: dict[str, Any]) -> str:
         ("prefill step (512 tokens), ms", get("latency", "prefill_step_ms")),
         ("decode step busy share by rows", {k: v.get("busy") for k, v in
                                             (get("latency", "profile") or {}).items()}),
-        ("warm restore / pinned copy", get("restore", "ratio")),
+        ("warm restore / pinned copy (acquire, restore)",
+         f"{get('restore', 'ratio')}, {get('restore', 'warm_load_ratio')}"),
         ("embeddings: hub / sentence-transformers", get("embeddings", "ratio")),
         ("footprint predicted / measured (embedder, llm)",
          f"{get('footprint', 'tiny_embedder', 'ratio')} / {get('footprint', 'llm', 'ratio')}"),

@@ -7,10 +7,11 @@ back as `RequestOutput` deltas; the hub's routes shape them into OpenAI response
 Memory: `predict_memory` is the weights (from safetensors headers, in the configured dtype,
 int8 or int4 where the runtime config asks `quantization`) plus the KV-cache reservation
 (`kv_cache_bytes`, or `kv_cache_fraction` of the device budget) plus a small allowance for
-activations; `memory_bytes` measures parameters, buffers
-and the KV-cache tensors. `offload` parks the weights in one host buffer (backends.parking)
-and drops the KV cache; `restore` copies them back in one transfer and allocates an empty
-cache; `unload` frees the weights in place without waiting for the garbage collector.
+activations; `memory_bytes` measures parameters, buffers and the KV-cache tensors.
+`offload` parks the weights in one host buffer (backends.parking) and drops the KV cache;
+`restore` copies them back in one transfer and allocates a new cache, keeping the engine,
+tokenizer and block pool; `unload` frees the weights in place without waiting for the
+garbage collector.
 
 LoRA adapters (backends.llm.lora): `load_adapter(key, folder)` checks a PEFT adapter against
 the loaded base and keeps its weights in host memory, ready for requests that name `key`
@@ -367,6 +368,10 @@ class LLMBackend(Backend):
         _release_device_memory()
 
     def restore(self, device: str) -> None:
+        """The parked weights back in one copy (none onto the CPU) and a new KV cache; the
+        engine, scheduler, block pool, tokenizer and sampler are the ones from the load.
+        What points at tensor addresses (the fused CPU step, decode graphs) is rebuilt at
+        the first step that needs it."""
         runner = self._require_runner()
         if self._parked is not None:
             self._parked.restore(device)
@@ -374,9 +379,10 @@ class LLMBackend(Backend):
             runner.device = torch.device(device)
             runner.lora.move_to(runner.device)
         else:
-            runner.to(device)
-        runner.allocate_kv_cache()
-        self._loaded_engine().engine.reset_cache()
+            runner.to(device)  # a cache it holds comes along, allocated anew
+        if not runner.kv_caches:
+            runner.allocate_kv_cache()
+        self._loaded_engine().engine.cache_replaced()
         self._device = device
 
     async def aclose(self) -> None:

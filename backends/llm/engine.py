@@ -161,6 +161,15 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(limits, self.kv_cache, self.runner.sampler.eos_token_ids)
 
+    def cache_replaced(self) -> None:
+        """The runner's KV cache was allocated anew (a restore): the block pool and the
+        scheduler stay as they are (their plan does not depend on where the cache lives),
+        but no block holds its KV any more, so the prefix cache forgets every block. No
+        request may be in flight (RuntimeError otherwise)."""
+        if self.has_work():
+            raise RuntimeError("the KV cache was replaced under requests in flight")
+        self.kv_cache.reset_prefix_cache()
+
     # ---- requests (any thread) ----------------------------------------------------------
     def add_request(
         self,

@@ -206,17 +206,34 @@ class ModelRunner:
 
     # ---- memory -----------------------------------------------------------------------
     def allocate_kv_cache(self) -> None:
-        """An empty cache of `num_blocks` blocks, plus the scratch block where static decode
-        steps can run; graphs over the old cache are dropped (captured again when needed)."""
+        """A cache of `num_blocks` blocks, plus the scratch block where static decode steps
+        can run, in one allocation (each layer's tensor a view of it); graphs over the old
+        cache are dropped (captured again when needed). Its contents are left as they come
+        (no fill) where every decode attends each row only up to its length; zeros where the
+        padded torch call may run (`_reads_past_lengths`)."""
         layers, kv_heads, head_dim = kv_shape(self.config)
         scratch = self.graphs.scratch_blocks()
-        shape = (2, self.num_blocks + scratch, self.block_size, kv_heads, head_dim)
+        shape = (layers, 2, self.num_blocks + scratch, self.block_size, kv_heads, head_dim)
         self.kv_caches = []
         self.fused.forget()  # it points at the old tensors; rebuilt at the next step
         self.graphs.forget()
-        for _ in range(layers):
-            check_cancelled()  # a load that ran out of time stops allocating here too
-            self.kv_caches.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
+        check_cancelled()  # a load that ran out of time stops before allocating
+        make = torch.zeros if self._reads_past_lengths() else torch.empty
+        self.kv_caches = list(make(shape, dtype=self.dtype, device=self.device).unbind(0))
+
+    def _reads_past_lengths(self) -> bool:
+        """Whether a decode step may run the padded torch attention (`_decode_batched`): it
+        reads every slot of a row's padded table and masks the scores, and a masked slot
+        holding NaN still poisons the row (0 * NaN), so the cache must start finite. The
+        Triton kernel, the native CPU kernel, the fused step and the per-row torch path
+        read each context only up to its length, and a slot is written before it is read
+        (prefill chunks attend to positions their own step or an earlier one wrote)."""
+        if triton_decode.kernel_for(self.device) is not None:
+            return False
+        batched = self.batched_decode
+        if batched is None:
+            batched = self.device.type != "cpu"
+        return batched or self.graphs.wanted
 
     def release_kv_cache(self) -> None:
         self.kv_caches = []

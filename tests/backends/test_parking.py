@@ -1,5 +1,6 @@
 """Parking weights in one host buffer: a restore brings back the same model (ties, outside
-references and outputs intact) with one copy; release frees tensors without the collector."""
+references and outputs intact) with one copy, none between the CPU and host memory; release
+frees tensors without the collector."""
 
 from __future__ import annotations
 
@@ -44,22 +45,32 @@ def test_park_and_restore_give_back_the_same_model() -> None:
     # Device memory is released: every tensor is empty until restored.
     assert all(t.numel() == 0 for t in (*net.parameters(), *net.buffers()))
     assert parked.nbytes == expected and not parked.pinned  # the tied weight is stored once
-    assert parked.restore("cpu") == expected
+    # Onto the CPU nothing is copied: the host buffer becomes the weights' block.
+    assert parked.restore("cpu") == 0
     assert net.head.weight is net.embed.weight is head  # ties and outside references kept
     assert net.ids.tolist() == list(range(7)) and net.ids.dtype == torch.int64
     with torch.no_grad():
         assert torch.equal(net(x), before)
-    # The restored weights share one block: one allocation, one copy.
+    # The restored weights share one block.
     storages = {t.untyped_storage().data_ptr() for t in net.parameters()}
     assert len(storages) == 1
     with pytest.raises(RuntimeError, match="already restored"):
         parked.restore("cpu")
-    # Parking a restored model again copies its block in one go; the result is the same.
+    # Parking a restored CPU model again takes its block as the buffer: the weights stay
+    # where they are through a whole offload and restore, and give the same outputs.
     again = park(net)
     assert again.nbytes == expected
-    again.restore("cpu")
+    assert all(t.numel() == 0 for t in (*net.parameters(), *net.buffers()))
+    assert again.restore("cpu") == 0
+    assert {t.untyped_storage().data_ptr() for t in net.parameters()} == storages
     with torch.no_grad():
         assert torch.equal(net(x), before)
+    # Pinned (as weights parked from a GPU are) the buffer is copied back into a new block.
+    pinned = park(net, pin_memory=True) if torch.cuda.is_available() else None
+    if pinned is not None:
+        assert pinned.pinned and pinned.restore("cpu") == expected
+        with torch.no_grad():
+            assert torch.equal(net(x), before)
 
 
 def test_park_refuses_a_module_that_was_never_loaded() -> None:

@@ -109,6 +109,116 @@ async def test_offload_restore_and_unload(llama: Path) -> None:
         backend.submit(prompt, params)
 
 
+@pytest.mark.parametrize("fused_step", [True, False])  # the fused step, the torch modules
+async def test_a_restore_keeps_the_engine_and_gives_the_same_greedy_tokens(
+    llama: Path, monkeypatch: pytest.MonkeyPatch, fused_step: bool
+) -> None:
+    """A restore brings the weights back and a new KV cache, nothing else: the engine, its
+    scheduler and block pool, the tokenizer and the sampler are the objects from the load
+    (no tokenizer is read again), and greedy tokens are the same. The new cache is filled
+    with NaN before generating: no step reads a slot it did not write (a cached prefix from
+    before the offload included), so whatever an uninitialised cache holds cannot leak."""
+    import transformers
+
+    backend = loaded(llama, fused_step=fused_step)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    # The second prompt shares the first's opening blocks: a prefix-cache hit before.
+    prompts = [backend.encode("The harbour town woke slowly " * 4), backend.encode("Ships")]
+    prompts.append(prompts[0] + backend.encode(" and the bells rang"))
+
+    async def tokens() -> list[list[int]]:
+        outs = []
+        for prompt in prompts:
+            outs.append(
+                [t async for out in backend.generate(prompt, params) for t in out.token_ids]
+            )
+        return outs
+
+    reads: list[object] = []
+    from_pretrained = transformers.AutoTokenizer.from_pretrained
+
+    def counted(*args: object, **kwargs: object) -> object:
+        reads.append(args)
+        return from_pretrained(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", counted)
+    try:
+        before = await tokens()
+        engine = backend.engine
+        kept = (engine, engine.scheduler, engine.kv_cache, engine.kv_cache.pool,
+                engine.runner, engine.runner.sampler, backend.tokenizer)  # fmt: skip
+        for _ in range(2):
+            backend.offload()
+            backend.restore("cpu")
+            for kv in engine.runner.kv_caches:
+                kv.fill_(float("nan"))
+            assert await tokens() == before
+        engine = backend.engine
+        now = (engine, engine.scheduler, engine.kv_cache, engine.kv_cache.pool,
+               engine.runner, engine.runner.sampler, backend.tokenizer)  # fmt: skip
+        assert all(a is b for a, b in zip(kept, now, strict=True))
+        assert reads == []  # the tokenizer was not loaded again
+    finally:
+        await backend.aclose()
+        backend.unload()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+async def test_a_restore_on_cuda_copies_the_pinned_weights_back_with_the_same_tokens(
+    llama: Path,
+) -> None:
+    """On a GPU the weights park in pinned host memory and come back in one copy; the
+    engine is kept, the graphs are captured again as steps need them, and greedy tokens
+    (decode steps on the graph path where Triton runs) are the same, with the new cache
+    filled with NaN where it is left uninitialised."""
+    backend = LLMBackend(BackendContext("tiny", "1", {"kv_cache_bytes": KV}))
+    backend.load(llama, "cuda:0", torch.float32)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    prompts = [backend.encode("The harbour town woke slowly " * 4), backend.encode("Ships")]
+
+    async def tokens() -> list[list[int]]:
+        outs = []
+        for prompt in prompts:
+            outs.append(
+                [t async for out in backend.generate(prompt, params) for t in out.token_ids]
+            )
+        return outs
+
+    try:
+        before = await tokens()
+        engine, runner = backend.engine, backend.engine.runner
+        weights = module_bytes(runner.model)
+        backend.offload()
+        parked = backend._parked
+        assert parked is not None and parked.pinned and parked.nbytes >= weights
+        backend.restore("cuda:0")
+        if not runner._reads_past_lengths():
+            for kv in runner.kv_caches:
+                kv.fill_(float("nan"))
+        assert await tokens() == before
+        assert backend.engine is engine and engine.runner is runner
+    finally:
+        await backend.aclose()
+        backend.unload()
+
+
+def test_a_cache_the_padded_decode_may_read_starts_zeroed(llama: Path) -> None:
+    """The padded decode call (accelerators without the Triton kernel; here forced on the
+    CPU) reads every slot of a row's table under a mask, where NaN would still spread: its
+    cache starts as zeros. Elsewhere the cache is left uninitialised (the test above)."""
+    from backends.llm.config import EngineConfig
+    from backends.llm.model_runner import ModelRunner
+
+    config = EngineConfig(kv_cache_bytes=KV)
+    runner = ModelRunner.load(llama, "cpu", torch.float32, config, batched_decode=True)
+    for kv in runner.kv_caches:
+        kv.fill_(float("nan"))
+    runner.release_kv_cache()
+    runner.allocate_kv_cache()
+    assert all(bool((kv == 0).all()) for kv in runner.kv_caches)
+
+
 async def test_bad_requests_fail_before_anything_is_queued(llama: Path) -> None:
     backend = loaded(llama, max_model_len=32)
     try:
