@@ -350,7 +350,7 @@ class ModelRunner:
         # The chunks: one varlen batch for the kernel where it runs, else one each.
         prefill_kernel = None
         if any(item.num_tokens != 1 for item in output.scheduled):
-            prefill_kernel = triton_prefill.kernel_for(device)
+            prefill_kernel = triton_prefill.kernel_for(device, self.dtype)
         prefills: list[PrefillChunk] = []
         query_starts, context_starts, chunk_tables = [len(token_ids)], [], []
         for item in output.scheduled:

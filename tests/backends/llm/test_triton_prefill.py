@@ -153,7 +153,7 @@ def test_triton_prefill_equals_the_torch_reference_on_cuda(
     softcap: float | None,
     dtype: torch.dtype,
 ) -> None:
-    assert triton_prefill.kernel_for(torch.device("cuda:0")) is not None, "self-check failed"
+    assert triton_prefill.kernel_for(torch.device("cuda:0"), dtype) is not None, "self-check failed"
     check(triton_prefill.paged_prefill, MIXES[mix], shape, window, softcap, dtype, "cuda:0")
 
 
@@ -182,12 +182,24 @@ def test_triton_prefill_under_the_interpreter_equals_dense_attention(
     check(triton_prefill.paged_prefill, MIXES[mix], shape, window, softcap, dtype, "cpu")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_self_check_passes_under_the_interpreter(
-    interpreted: None, caplog: pytest.LogCaptureFixture
+    interpreted: None, dtype: torch.dtype, caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level(logging.WARNING):
-        assert triton_prefill._works_on.__wrapped__("cpu")
+        assert triton_prefill._works_on.__wrapped__("cpu", dtype)
     assert "not used" not in caplog.text
+
+
+def test_a_kernel_that_disagrees_with_torch_is_not_used(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Where the kernel computes something else (here: it writes nothing), the self-check
+    refuses it and says why, and the caller keeps the torch path."""
+    monkeypatch.setattr(triton_prefill, "paged_prefill", lambda *args: None)
+    with caplog.at_level(logging.WARNING):
+        assert not triton_prefill._works_on.__wrapped__("cpu", torch.float32)
+    assert "disagrees with the torch path" in caplog.text
 
 
 @pytest.fixture(scope="module")
@@ -215,7 +227,7 @@ def test_greedy_output_with_one_varlen_prefill_per_layer_equals_transformers(
         calls.append(batch)
         kernel(query, kv, batch, *rest)
 
-    monkeypatch.setattr(triton_prefill, "kernel_for", lambda device: counted)
+    monkeypatch.setattr(triton_prefill, "kernel_for", lambda device, dtype: counted)
     folder = build_model(models_root, arch)
     requests = workload()
     refs = hf_reference(folder, [p for p, _ in requests])
