@@ -350,7 +350,9 @@ class ModelRunner:
         # The chunks: one varlen batch for the kernel where it runs, else one each.
         prefill_kernel = None
         if any(item.num_tokens != 1 for item in output.scheduled):
-            prefill_kernel = triton_prefill.kernel_for(device, self.dtype)
+            _, kv_heads, head_dim = kv_shape(self.config)
+            shape = (self.config.num_attention_heads, kv_heads, head_dim, bs)
+            prefill_kernel = triton_prefill.kernel_for(device, self.dtype, shape)
         prefills: list[PrefillChunk] = []
         query_starts, context_starts, chunk_tables = [len(token_ids)], [], []
         for item in output.scheduled:

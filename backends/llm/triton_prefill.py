@@ -90,37 +90,57 @@ def available() -> bool:
     return _build() is not None
 
 
+# (query heads, KV heads, head size, block size) of the self-check when the caller names none.
+SMALL = (4, 2, 16, 4)
+
+
 def kernel_for(
-    device: torch.device, dtype: torch.dtype = torch.float32
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+    shape: tuple[int, int, int, int] = SMALL,
 ) -> Callable[..., None] | None:
-    """`paged_prefill` where it runs on `device` for a cache of `dtype` (CUDA with Triton,
-    and a first small call there matched the torch path), else None."""
+    """`paged_prefill` where it runs on `device` for a cache of `dtype` and a model of
+    `shape` (query heads, KV heads, head size, block size): CUDA with Triton, and a first
+    small call there matched the torch path. Else None."""
     if device.type != "cuda" or not available():
         return None
-    return paged_prefill if _works_on(str(device), dtype) else None
+    return paged_prefill if _works_on(str(device), dtype, shape) else None
 
 
 @functools.cache
-def _works_on(device: str, dtype: torch.dtype) -> bool:
+def _works_on(device: str, dtype: torch.dtype, shape: tuple[int, int, int, int]) -> bool:
     """A small step through the kernel and through torch (a fresh prompt, and a chunk after
-    cached context, with grouped heads): a Triton that cannot compile for this device and
-    dtype, or computes something else, is not used, and says so once."""
+    cached context) at the model's head shapes: a Triton that cannot compile that for this
+    device (no room for its tiles, say), or computes something else, is not used, and says
+    so once."""
+    heads, kv_heads, head_dim, block_size = shape
     try:
         gen = torch.Generator().manual_seed(0)
-        kv = torch.randn(2, 6, 4, 2, 16, generator=gen).to(device, dtype)
-        query = torch.randn(1, 4, 9, 16, generator=gen).to(device, dtype)
-        batch = PrefillBatch.build([0, 5, 9], [0, 6], [[3, 1], [0, 5, 2]], device)
-        expected = torch.zeros(9, 4, 16, device=device, dtype=dtype)
-        paged_prefill_reference(query, kv, batch, expected, 0.25, None, None)
+        need = -(-5 // block_size), -(-9 // block_size)  # blocks of the two chunks
+        ids = torch.randperm(sum(need), generator=gen).tolist()
+        kv = torch.randn(2, len(ids), block_size, kv_heads, head_dim, generator=gen)
+        query = torch.randn(1, heads, 8, head_dim, generator=gen).to(device, dtype)
+        kv = kv.to(device, dtype)
+        tables = [ids[: need[0]], ids[need[0] :]]
+        batch = PrefillBatch.build([0, 5, 8], [0, 6], tables, device)
+        expected = torch.zeros(8, heads, head_dim, device=device, dtype=dtype)
+        scale = head_dim**-0.5
+        paged_prefill_reference(query, kv, batch, expected, scale, None, None)
         out = torch.zeros_like(expected)
-        paged_prefill(query, kv, batch, out, 0.25, None, None)
+        paged_prefill(query, kv, batch, out, scale, None, None)
         tol = 1e-4 if dtype == torch.float32 else 3e-2
         ok = torch.allclose(out.float(), expected.float(), atol=tol, rtol=tol)
         reason = "it disagrees with the torch path"
     except Exception as e:
         ok, reason = False, f"{type(e).__name__}: {e}"
     if not ok:
-        log.warning("Triton prefill kernel not used on %s for %s: %s", device, dtype, reason)
+        log.warning(
+            "Triton prefill kernel not used on %s for %s, heads %s: %s",
+            device,
+            dtype,
+            shape,
+            reason,
+        )
     return ok
 
 

@@ -153,7 +153,11 @@ def test_triton_prefill_equals_the_torch_reference_on_cuda(
     softcap: float | None,
     dtype: torch.dtype,
 ) -> None:
-    assert triton_prefill.kernel_for(torch.device("cuda:0"), dtype) is not None, "self-check failed"
+    heads, kv_heads, head_dim, block = shape
+    found = triton_prefill.kernel_for(
+        torch.device("cuda:0"), dtype, (heads, kv_heads, head_dim, block)
+    )
+    assert found is not None, "the self-check failed"
     check(triton_prefill.paged_prefill, MIXES[mix], shape, window, softcap, dtype, "cuda:0")
 
 
@@ -187,7 +191,8 @@ def test_the_self_check_passes_under_the_interpreter(
     interpreted: None, dtype: torch.dtype, caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level(logging.WARNING):
-        assert triton_prefill._works_on.__wrapped__("cpu", dtype)
+        for shape in SHAPES:
+            assert triton_prefill._works_on.__wrapped__("cpu", dtype, shape)
     assert "not used" not in caplog.text
 
 
@@ -198,7 +203,7 @@ def test_a_kernel_that_disagrees_with_torch_is_not_used(
     refuses it and says why, and the caller keeps the torch path."""
     monkeypatch.setattr(triton_prefill, "paged_prefill", lambda *args: None)
     with caplog.at_level(logging.WARNING):
-        assert not triton_prefill._works_on.__wrapped__("cpu", torch.float32)
+        assert not triton_prefill._works_on.__wrapped__("cpu", torch.float32, SHAPES[0])
     assert "disagrees with the torch path" in caplog.text
 
 
@@ -227,7 +232,7 @@ def test_greedy_output_with_one_varlen_prefill_per_layer_equals_transformers(
         calls.append(batch)
         kernel(query, kv, batch, *rest)
 
-    monkeypatch.setattr(triton_prefill, "kernel_for", lambda device, dtype: counted)
+    monkeypatch.setattr(triton_prefill, "kernel_for", lambda *args: counted)
     folder = build_model(models_root, arch)
     requests = workload()
     refs = hf_reference(folder, [p for p, _ in requests])
