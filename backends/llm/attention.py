@@ -25,8 +25,10 @@ blocks). Then each single-token sequence (a decode) attends over exactly its own
   The same call, over static buffers, is what a captured decode step replays
   (`backends.llm.decode_graphs`).
 
-A sliding window is a slice of the context, not a mask. Each longer chunk (a prompt, or a
-recomputation) attends with SDPA over its own context (`enable_gqa`, a causal kernel when it
+A sliding window is a slice of the context, not a mask. The longer chunks (prompts, chunked
+prefills, recomputations): on CUDA with Triton, all of a step's chunks in one varlen causal
+kernel that reads each chunk's context from its blocks (`backends.llm.triton_prefill`);
+elsewhere each attends with SDPA over its own context (`enable_gqa`, a causal kernel when it
 has no earlier context). Soft-capped layers (Gemma 2) cap the logits on the explicit path,
 since SDPA cannot.
 """
@@ -42,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from backends.llm.cpu_kernels import PagedDecodeKernel
+from backends.llm.triton_prefill import PrefillBatch
 from backends.threads import set_this_thread, single_threaded
 
 ATTENTION_NAME = "hub_paged"
@@ -104,6 +107,10 @@ class PagedAttentionMetadata:
     # instead of the padded gather and mask (`triton_decode.paged_decode`'s signature).
     decode_kernel: Callable[..., None] | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # Instead of `prefills`, where the varlen kernel runs: the chunks as one batch, and the
+    # kernel (`triton_prefill.paged_prefill`'s signature).
+    prefill_batch: PrefillBatch | None = None
+    prefill_kernel: Callable[..., None] | None = None
     # Set to a dict to record each layer's `AttentionParams` by layer index during the step
     # (how the fused CPU step learns what transformers passes each layer).
     recorded: dict[int, AttentionParams] | None = None
@@ -188,20 +195,42 @@ def paged_attention(
     elif meta.decode_lens:
         _decode_each(meta, query, blocks, out, scaling, sliding_window, softcap)
 
+    if meta.prefill_batch is not None and meta.prefill_kernel is not None:
+        batch = meta.prefill_batch
+        meta.prefill_kernel(query, kv_cache, batch, out, scaling, sliding_window, softcap)
+    elif meta.prefills:
+        prefill_chunks(meta, kv_cache, query, key, value, out, scaling, sliding_window, softcap)
+    return out.unsqueeze(0), None
+
+
+def prefill_chunks(
+    meta: PagedAttentionMetadata,
+    kv_cache: torch.Tensor,  # (2, num_blocks, block_size, KV, D), the step's K/V written
+    query: torch.Tensor,  # (1, H, T, D)
+    key: torch.Tensor | None,  # (1, KV, T, D); None: a chunk's own K/V are read from the cache
+    value: torch.Tensor | None,
+    out: torch.Tensor,  # (T, H, D): the chunks' rows are written
+    scaling: float,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> None:
+    """Each of `meta.prefills` in one SDPA call over its context (the torch path, and the
+    reference `triton_prefill.paged_prefill` is tested against)."""
+    _, num_blocks, _, num_kv_heads, head_dim = kv_cache.shape
+    blocks = kv_cache.view(2, num_blocks, -1)  # a block's keys (values) as one row
     for i, chunk in enumerate(meta.prefills):
         t0, t1 = chunk.token_start, chunk.token_end
         q = query[:, :, t0:t1]  # (1, H, n, D)
         prefill_mask = meta.prefill_mask(i, sliding_window)
-        if prefill_mask is None:
+        if prefill_mask is None and key is not None and value is not None:
             k, v = key[:, :, t0:t1], value[:, :, t0:t1]  # (1, KV, n, D)
         else:
-            context_len = prefill_mask.shape[1]
+            context_len = chunk.context_start + t1 - t0
             context = blocks.index_select(1, chunk.block_table)
             context = context.view(2, -1, num_kv_heads, head_dim)[:, :context_len]
             k, v = context[0].transpose(0, 1)[None], context[1].transpose(0, 1)[None]
         o = _attend(q, k, v, prefill_mask, scaling, softcap)
         out[t0:t1] = o[0].transpose(0, 1)  # (n, H, D)
-    return out.unsqueeze(0), None
 
 
 def _decode_each(

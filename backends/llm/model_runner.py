@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from backends.errors import LoadError
-from backends.llm import attention, cpu_kernels, cpu_linear, triton_decode
+from backends.llm import attention, cpu_kernels, cpu_linear, triton_decode, triton_prefill
 from backends.llm.architectures import unsupported_reason
 from backends.llm.attention import (
     AttentionParams,
@@ -364,7 +364,14 @@ class ModelRunner:
         # One tensor for all tables (views of it cost less than a tensor per sequence).
         all_tables = torch.tensor(decode_blocks, dtype=torch.long, device=device)
 
+        # The chunks: one varlen batch for the kernel where it runs, else one each.
+        prefill_kernel = None
+        if any(item.num_tokens != 1 for item in output.scheduled):
+            _, kv_heads, head_dim = kv_shape(self.config)
+            shape = (self.config.num_attention_heads, kv_heads, head_dim, bs)
+            prefill_kernel = triton_prefill.kernel_for(device, self.dtype, shape)
         prefills: list[PrefillChunk] = []
+        query_starts, context_starts, chunk_tables = [len(token_ids)], [], []
         for item in output.scheduled:
             if item.num_tokens == 1:
                 continue
@@ -375,8 +382,18 @@ class ModelRunner:
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             last_token[seq.seq_id] = len(token_ids) - 1
+            if prefill_kernel is not None:
+                query_starts.append(len(token_ids))
+                context_starts.append(start)
+                chunk_tables.append(table[: -(-end // bs)])
+                continue
             blocks = torch.tensor(table[: -(-end // bs)], dtype=torch.long, device=device)
             prefills.append(PrefillChunk(t0, len(token_ids), start, blocks))
+        prefill_batch = None
+        if prefill_kernel is not None:
+            prefill_batch = triton_prefill.PrefillBatch.build(
+                query_starts, context_starts, chunk_tables, device
+            )
 
         decode_batch = native = decode_kernel = None
         decode_tables: list[torch.Tensor] = []
@@ -414,6 +431,8 @@ class ModelRunner:
             native_decode=native,
             decode_lens=decode_lens,
             prefills=prefills,
+            prefill_batch=prefill_batch,
+            prefill_kernel=prefill_kernel,
         )
         return _StepInputs(
             input_ids=torch.tensor([token_ids], dtype=torch.long, device=device),
