@@ -1,15 +1,5 @@
-"""Logits to tokens, one row per sequence that samples in the step.
-
-Order of work on a row: log-probabilities of the raw model distribution (what `logprobs`
-reports), then the grammar mask of a structured request (disallowed tokens to -inf; the mask
-is filled while the model runs, see `prepare`), then logit bias, the min_tokens ban on stop
-tokens, repetition / presence / frequency penalties; greedy rows take the argmax, the others
-are divided by their temperature, cut by top-k, top-p and min-p, and sampled. Sampling uses
-the exponential race (`argmax(p / E)`, E ~ Exp(1)), which draws exactly `vocab` numbers per
-token: a seeded sequence owns a generator that advances the same way whatever else is in the
-batch, so the same seed gives the same text in any batch (a grammar mask changes which
-tokens can win, never the draws). A batch of plain greedy rows costs one argmax.
-"""
+"""The sampler: a step's logits to its tokens (and log-probabilities), as batched tensor work
+on the logits' device with one copy to the host."""
 
 from __future__ import annotations
 
@@ -18,7 +8,10 @@ from dataclasses import dataclass
 
 import torch
 
-from backends.llm.sampling_params import SamplingParams
+from backends.llm.sampler.noise import SeededNoise
+from backends.llm.sampler.penalties import PenaltyCounts
+from backends.llm.sampler.plan import StepPlan
+from backends.llm.sampler.transfer import download, upload_fields
 from backends.llm.sequence import Logprob, Sequence
 from backends.llm.structured.guide import MaskFiller
 
@@ -31,12 +24,14 @@ class SamplerOutput:
 
 
 class Sampler:
-    """Samples rows of logits; keeps a generator per seeded sequence until `forget`."""
+    """Samples rows of logits; keeps per-sequence state (a seeded sequence's generator, a
+    penalised one's token counts) until `forget`."""
 
     def __init__(self, stop_token_ids: Iterable[int]) -> None:
         self.eos_token_ids = sorted(set(stop_token_ids))
-        self._generators: dict[int, torch.Generator] = {}
         self.masks = MaskFiller()
+        self.noise = SeededNoise()
+        self.penalties = PenaltyCounts()
 
     def prepare(self, seqs: list[Sequence]) -> None:
         """Called before the forward pass of the step that will sample `seqs`: starts
@@ -45,154 +40,127 @@ class Sampler:
 
     def forget(self, seq_ids: Iterable[int]) -> None:
         for seq_id in seq_ids:
-            self._generators.pop(seq_id, None)
+            self.noise.forget(seq_id)
+            self.penalties.forget(seq_id)
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
-        """`logits` (S, V), row i for `seqs[i]`."""
+    def __call__(
+        self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int] | None = None
+    ) -> SamplerOutput:
+        """Row i of `logits` (N, V) for `seqs[i]`, or row `rows[i]` where given. Waits for the
+        device once, on the copy of the result."""
+        if not seqs:
+            return SamplerOutput([], [])
+        device, vocab = logits.device, logits.shape[1]
+        plan = StepPlan.build(seqs, self.eos_token_ids, vocab)
+        ints, floats = plan.fields()
+        ints["rows"] = rows or []  # left out when empty
+        if plan.penalised:
+            penalised = [seqs[i] for i in plan.penalised]
+            ints["slots"] = self.penalties.slots_for(penalised, vocab, device)
+        t = upload_fields(ints, floats, device)
+        if rows:
+            logits = logits.index_select(0, t["rows"])
         logits = logits.float()
-        want_logprobs = [s.params.logprobs is not None for s in seqs]
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
+        raw_logprobs = None  # (W, V) of the model's own distribution, before any processing
+        if plan.logprob_rows:
+            wanted = logits if len(plan.logprob_rows) == len(seqs) else logits[t["logprob_rows"]]
+            raw_logprobs = torch.log_softmax(wanted, dim=-1)
         self.masks.apply(logits, seqs)
-        if all(self._is_plain_greedy(s) for s in seqs):
-            tokens = logits.argmax(dim=-1)
-        else:
-            tokens = self._sample(logits, seqs)
-        token_list: list[int] = tokens.tolist()
-        logprobs: list[Logprob | None] = [None] * len(seqs)
-        if raw_logprobs is not None:
-            logprobs = _gather_logprobs(raw_logprobs, tokens, seqs, want_logprobs)
-        return SamplerOutput(token_list, logprobs)
+        greedy = plan.plain_greedy
+        tokens = logits.argmax(dim=-1) if greedy else self._sample(logits, seqs, plan, t)
+        host = download(_pack(tokens, raw_logprobs, t.get("logprob_rows"), plan.top_logprobs))
+        token_ids, logprobs = _unpack(host, seqs, plan)
+        if plan.penalised:
+            self.penalties.count(
+                [seqs[i] for i in plan.penalised],
+                t["slots"],
+                tokens[t["penalised"]],
+                [token_ids[i] for i in plan.penalised],
+            )
+        return SamplerOutput(token_ids, logprobs)
 
-    # ---- processing -------------------------------------------------------------------
-    @staticmethod
-    def _is_plain_greedy(seq: Sequence) -> bool:
-        p = seq.params
-        return (
-            p.greedy
-            and not p.logit_bias
-            and seq.guide is None
-            and not p.needs_penalties
-            and seq.num_output_tokens >= p.min_tokens
-        )
-
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        device = logits.device
-        self._apply_bias_and_bans(logits, seqs)
-        penalised = [i for i, s in enumerate(seqs) if s.params.needs_penalties]
-        if penalised:
-            _apply_penalties(logits, [seqs[i] for i in penalised], penalised)
+    def _sample(
+        self, logits: torch.Tensor, seqs: list[Sequence], plan: StepPlan, t: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        """Bias and bans, penalties, then greedy rows by argmax and the others by the race."""
+        vocab = logits.shape[1]
+        if plan.bias_rows:
+            logits.index_put_((t["bias_rows"], t["bias_ids"]), t["bias_values"], accumulate=True)
+        if plan.penalised:
+            index = t["penalised"]
+            sub = logits[index]  # (P, V)
+            sub = self.penalties.apply(
+                sub, t["slots"], t["repetition"], t["frequency"], t["presence"]
+            )
+            logits.index_copy_(0, index, sub)
         tokens = logits.argmax(dim=-1)
-        rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
-        if not rows:
+        if not plan.sampled:
             return tokens
-        index = torch.tensor(rows, device=device)
-        sub = logits[index]  # (R, V)
-        params = [seqs[i].params for i in rows]
-        temperature = torch.tensor([p.temperature for p in params], device=device)
-        sub = sub / temperature[:, None]
-        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-            sub = _top_k_top_p(sub, params)
+        index = t["sampled"]
+        sub = logits[index] / t["temperature"][:, None]  # (R, V)
+        if plan.cut:
+            cut = t["cut"]
+            sub.index_copy_(0, cut, _top_k_top_p(sub[cut], t["top_k"], t["top_p"]))
         probs = torch.softmax(sub, dim=-1)
-        if any(p.min_p > 0.0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], device=device)
-            cut = probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-            probs = probs.masked_fill(cut, 0.0)
-        noise = torch.empty_like(probs)
-        unseeded = []
-        for r, i in enumerate(rows):
-            seq = seqs[i]
-            if seq.params.seed is None:
-                unseeded.append(r)
-                continue
-            generator = self._generators.get(seq.seq_id)
-            if generator is None:
-                generator = torch.Generator(device=device)
-                generator.manual_seed(seq.params.seed + seq.index)
-                self._generators[seq.seq_id] = generator
-            noise[r].exponential_(generator=generator)
-        if unseeded:
-            free = torch.tensor(unseeded, device=device)
-            noise[free] = torch.empty(len(unseeded), probs.shape[1], device=device).exponential_()
-        tokens[index] = (probs / noise).argmax(dim=-1)
+        if plan.any_min_p:
+            floor = t["min_p"][:, None] * probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < floor, 0.0)
+        sampled = [seqs[i] for i in plan.sampled]
+        noise = self.noise.draw(sampled, plan.seeded, plan.unseeded, vocab, logits.device, t)
+        tokens.index_copy_(0, index, (probs / noise).argmax(dim=-1))
         return tokens
 
-    def _apply_bias_and_bans(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
-        for i, seq in enumerate(seqs):
-            p = seq.params
-            if p.logit_bias:
-                ids = torch.tensor(list(p.logit_bias), device=logits.device)
-                bias = torch.tensor(list(p.logit_bias.values()), device=logits.device)
-                logits[i, ids] += bias
-            if seq.num_output_tokens < p.min_tokens:
-                banned = list(p.stop_token_ids)
-                if not p.ignore_eos:
-                    banned += self.eos_token_ids
-                if banned:
-                    logits[i, banned] = float("-inf")
 
-
-def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> None:
-    """vLLM's semantics: repetition over prompt and output, presence and frequency over the
-    output only."""
-    device, vocab = logits.device, logits.shape[1]
-    index = torch.tensor(rows, device=device)
-    sub = logits[index]  # (P, V)
-    counts = _token_counts([s.output_token_ids for s in seqs], vocab, device)  # (P, V)
-    seen = _token_counts([s.token_ids for s in seqs], vocab, device) > 0
-    repetition = torch.tensor([s.params.repetition_penalty for s in seqs], device=device)[:, None]
-    penalised = torch.where(sub > 0, sub / repetition, sub * repetition)
-    sub = torch.where(seen, penalised, sub)
-    frequency = torch.tensor([s.params.frequency_penalty for s in seqs], device=device)[:, None]
-    presence = torch.tensor([s.params.presence_penalty for s in seqs], device=device)[:, None]
-    sub = sub - frequency * counts - presence * (counts > 0).to(sub.dtype)
-    logits[index] = sub
-
-
-def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """(len(token_lists), vocab) float counts of each token id per list."""
-    width = max((len(t) for t in token_lists), default=0)
-    # Pad with an extra id `vocab` that lands in a column dropped afterwards.
-    padded = torch.full((len(token_lists), width), vocab, dtype=torch.long)
-    for r, tokens in enumerate(token_lists):
-        padded[r, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-    counts = torch.zeros(len(token_lists), vocab + 1, device=device)
-    counts.scatter_add_(1, padded.to(device), torch.ones(padded.shape, device=device))
-    return counts[:, :vocab]
-
-
-def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Keep each row's `top_k` best tokens and the smallest set reaching `top_p`."""
     device, vocab = logits.device, logits.shape[1]
     values, order = logits.sort(dim=-1, descending=True)  # (R, V)
     ranks = torch.arange(vocab, device=device)[None, :]
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
-    drop = ranks >= top_k[:, None]
-    values = values.masked_fill(drop, float("-inf"))
-    top_p = torch.tensor([p.top_p for p in params], device=device)[:, None]
+    values = values.masked_fill(ranks >= top_k[:, None], float("-inf"))
     probs = torch.softmax(values, dim=-1)
     # Drop a token once the tokens ranked above it already reach top_p; the best stays.
     before = probs.cumsum(dim=-1) - probs
-    values = values.masked_fill(before > top_p, float("-inf"))
+    values = values.masked_fill(before > top_p[:, None], float("-inf"))
     return torch.empty_like(logits).scatter_(1, order, values)
 
 
-def _gather_logprobs(
-    logprobs: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence], wanted: list[bool]
-) -> list[Logprob | None]:
-    rows = [i for i, w in enumerate(wanted) if w]
-    index = torch.tensor(rows, device=logprobs.device)
-    sub = logprobs[index]  # (W, V)
-    chosen = sub.gather(1, tokens[index][:, None])[:, 0].tolist()
-    k = max(seqs[i].params.logprobs or 0 for i in rows)
-    top_values: list[list[float]] = [[] for _ in rows]
-    top_ids: list[list[int]] = [[] for _ in rows]
+def _pack(
+    tokens: torch.Tensor, logprobs: torch.Tensor | None, rows: torch.Tensor | None, k: int
+) -> torch.Tensor:
+    """One int64 tensor of all the host needs: the tokens (S), then for the W rows of
+    `logprobs` (W, V) the sampled token's log-probability (W) and the top k ids (W k) and
+    log-probabilities (W k); float32 values travel as their bits."""
+    if logprobs is None or rows is None:
+        return tokens
+    parts = [tokens, _bits(logprobs.gather(1, tokens[rows][:, None]))]
     if k:
-        top = sub.topk(k, dim=-1)
-        top_values, top_ids = top.values.tolist(), top.indices.tolist()
-    out: list[Logprob | None] = [None] * len(seqs)
-    token_list = tokens.tolist()
-    for r, i in enumerate(rows):
+        top = logprobs.topk(k, dim=-1)
+        parts += [top.indices.flatten(), _bits(top.values)]
+    return torch.cat(parts)
+
+
+def _bits(values: torch.Tensor) -> torch.Tensor:
+    return values.contiguous().flatten().view(torch.int32).to(torch.int64)
+
+
+def _unpack(
+    host: torch.Tensor, seqs: list[Sequence], plan: StepPlan
+) -> tuple[list[int], list[Logprob | None]]:
+    rows, k, s = len(plan.logprob_rows), plan.top_logprobs, len(seqs)
+    token_ids: list[int] = host[:s].tolist()
+    logprobs: list[Logprob | None] = [None] * s
+    if not rows:
+        return token_ids, logprobs
+    parts = host[s:].split([rows, rows * k, rows * k])
+    chosen = _floats(parts[0]).tolist()
+    top_ids = parts[1].view(rows, k).tolist()
+    top_values = _floats(parts[2]).view(rows, k).tolist()
+    for r, i in enumerate(plan.logprob_rows):
         n = seqs[i].params.logprobs or 0
         pairs = tuple(zip(top_ids[r][:n], top_values[r][:n], strict=True))
-        out[i] = Logprob(token_list[i], chosen[r], pairs)
-    return out
+        logprobs[i] = Logprob(token_ids[i], chosen[r], pairs)
+    return token_ids, logprobs
+
+
+def _floats(bits: torch.Tensor) -> torch.Tensor:
+    return bits.to(torch.int32).view(torch.float32)
