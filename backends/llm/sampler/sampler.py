@@ -35,8 +35,10 @@ class Sampler:
 
     def prepare(self, seqs: list[Sequence]) -> None:
         """Called before the forward pass of the step that will sample `seqs`: starts
-        filling the grammar masks of constrained rows so they are ready with the logits."""
+        filling the grammar masks of constrained rows, and off the CPU drawing the noise of
+        seeded rows, so both are ready with the logits."""
         self.masks.start(seqs)
+        self.noise.start(seqs)
 
     def forget(self, seq_ids: Iterable[int]) -> None:
         for seq_id in seq_ids:

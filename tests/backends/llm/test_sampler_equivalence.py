@@ -222,11 +222,15 @@ def assert_same(new: SamplerOutput, old: SamplerOutput) -> None:
             assert [v for _, v in a.top] == pytest.approx([v for _, v in b.top], abs=1e-6)
 
 
+@pytest.mark.parametrize("ahead", [False, True], ids=["drawn-in-step", "drawn-ahead"])
 @pytest.mark.parametrize("trial", range(4))
-def test_batched_sampler_matches_the_reference_over_changing_batches(trial: int) -> None:
+def test_batched_sampler_matches_the_reference_over_changing_batches(
+    trial: int, ahead: bool
+) -> None:
     rng = random.Random(trial)
     logits_gen = torch.Generator().manual_seed(trial)
     new, old = Sampler([EOS]), ReferenceSampler([EOS])
+    new.noise.ahead = ahead
     # Each sampler keeps its own copies of the sequences, as each engine would.
     live: dict[int, tuple[Sequence, Sequence]] = {}
     next_id = 0
@@ -237,6 +241,9 @@ def test_batched_sampler_matches_the_reference_over_changing_batches(trial: int)
             live[next_id] = (a, b)
             next_id += 1
         ids = rng.sample(sorted(live), len(live))  # rows in a new order every step
+        new.prepare([live[i][0] for i in ids])
+        if rng.random() < 0.3:  # prepared, then only some rows sample (noise drawn ahead waits)
+            ids = ids[: (len(ids) + 1) // 2]
         logits = torch.randn(len(ids), VOCAB, generator=logits_gen) * 4
         state = torch.get_rng_state()
         got = new(logits.clone(), [live[i][0] for i in ids])
