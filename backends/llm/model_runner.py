@@ -276,10 +276,10 @@ class ModelRunner:
             sampling = [item.seq for item in output.scheduled if item.sample]
             self.sampler.prepare(sampling)
             logits = static.run(output.scheduled, self.before_forward)
+            rows: list[int] | None = None
             if len(sampling) < len(output.scheduled):
                 rows = [i for i, item in enumerate(output.scheduled) if item.sample]
-                logits = logits[torch.tensor(rows, device=logits.device)]
-            return self.sampler(logits, sampling)
+            return self.sampler(logits, sampling, rows)
         inputs = self._prepare(output)
         self.sampler.prepare(inputs.sampling_seqs)  # grammar masks fill during the forward
         self.lora.begin_step(inputs.adapter_segments)

@@ -83,14 +83,19 @@ class MaskFiller:
         if logits.device.type == "cpu" and logits.is_contiguous():
             _apply_cpu(logits, bitmask, rows, vocab)
             return
-        index = torch.tensor(rows, device=logits.device)
-        bits = bitmask[index].to(logits.device)  # (R, W) int32
-        shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+        # Pinned, non-blocking copies: a pageable one would wait for the forward pass.
+        device, pin = logits.device, logits.device.type == "cuda"
+        index = torch.tensor(rows, pin_memory=pin).to(device, non_blocking=pin)
+        bits = bitmask[rows]  # (R, W) int32
+        bits = (bits.pin_memory() if pin else bits).to(device, non_blocking=pin)
+        shifts = torch.arange(32, dtype=torch.int32, device=device)
         allowed = ((bits[:, :, None] >> shifts) & 1).reshape(len(rows), -1)  # (R, 32 W)
         allowed = allowed[:, :vocab]
         if allowed.shape[1] < vocab:  # a head wider than the grammar's vocabulary
-            pad = torch.zeros(len(rows), vocab - allowed.shape[1], dtype=allowed.dtype)
-            allowed = torch.cat([allowed, pad.to(allowed.device)], dim=1)
+            pad = torch.zeros(
+                len(rows), vocab - allowed.shape[1], dtype=allowed.dtype, device=device
+            )
+            allowed = torch.cat([allowed, pad], dim=1)
         logits[index] = logits[index].masked_fill(allowed == 0, float("-inf"))
 
     def _fill(self, seqs: list[Any]) -> torch.Tensor:

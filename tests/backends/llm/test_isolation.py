@@ -19,7 +19,7 @@ from backends.llm.backend import LLMBackend
 from backends.llm.engine import EngineStepError, LLMEngine
 from backends.llm.fused.decoder import FusedDecoder
 from backends.llm.isolation import RequestFailedError
-from backends.llm.sampler import Sampler
+from backends.llm.sampler.plan import StepPlan
 from backends.llm.sampling_params import SamplingParams
 from backends.llm.sequence import Sequence
 from tests.backends.llm.support import build_model, kv_bytes, make_engine, random_prompts
@@ -36,14 +36,14 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def poisoned_sampler(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Sampling a sequence seeded POISON_SEED raises, as a sampling value the validation
     missed would (the overflow `top_k: 2**63` used to cause)."""
-    original = Sampler._apply_bias_and_bans
+    original = StepPlan.build
 
-    def apply(self: Sampler, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    def build(seqs: list[Sequence], eos_token_ids: list[int], vocab: int) -> StepPlan:
         if any(s.params.seed == POISON_SEED for s in seqs):
             raise OverflowError("Overflow when unpacking long long")
-        original(self, logits, seqs)
+        return original(seqs, eos_token_ids, vocab)
 
-    monkeypatch.setattr(Sampler, "_apply_bias_and_bans", apply)
+    monkeypatch.setattr(StepPlan, "build", staticmethod(build))
     yield
 
 

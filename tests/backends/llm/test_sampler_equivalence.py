@@ -1,47 +1,30 @@
-"""Logits to tokens, one row per sequence that samples in the step.
-
-Order of work on a row: log-probabilities of the raw model distribution (what `logprobs`
-reports), then the grammar mask of a structured request (disallowed tokens to -inf; the mask
-is filled while the model runs, see `prepare`), then logit bias, the min_tokens ban on stop
-tokens, repetition / presence / frequency penalties; greedy rows take the argmax, the others
-are divided by their temperature, cut by top-k, top-p and min-p, and sampled. Sampling uses
-the exponential race (`argmax(p / E)`, E ~ Exp(1)), which draws exactly `vocab` numbers per
-token: a seeded sequence owns a generator that advances the same way whatever else is in the
-batch, so the same seed gives the same text in any batch (a grammar mask changes which
-tokens can win, never the draws). A batch of plain greedy rows costs one argmax.
+"""The batched sampler gives the tokens and log-probabilities the sampler gave before its
+step became batched device work: `ReferenceSampler` below is that sampler, kept as it was
+(one Python pass and one device round trip per knob; grammar masks left out, both apply them
+through the same `MaskFiller`). Over many steps of mixed batches whose composition changes,
+greedy and seeded rows get the same tokens, and so do unseeded rows given the same global
+generator state; log-probabilities agree to float tolerance.
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterable
-from dataclasses import dataclass
 
+import pytest
 import torch
 
+from backends.llm.sampler import Sampler, SamplerOutput
 from backends.llm.sampling_params import SamplingParams
 from backends.llm.sequence import Logprob, Sequence
-from backends.llm.structured.guide import MaskFiller
 
 
-@dataclass(frozen=True)
-class SamplerOutput:
-    token_ids: list[int]
-    # Per row: None unless the sequence asked for log-probabilities.
-    logprobs: list[Logprob | None]
-
-
-class Sampler:
+class ReferenceSampler:
     """Samples rows of logits; keeps a generator per seeded sequence until `forget`."""
 
     def __init__(self, stop_token_ids: Iterable[int]) -> None:
         self.eos_token_ids = sorted(set(stop_token_ids))
         self._generators: dict[int, torch.Generator] = {}
-        self.masks = MaskFiller()
-
-    def prepare(self, seqs: list[Sequence]) -> None:
-        """Called before the forward pass of the step that will sample `seqs`: starts
-        filling the grammar masks of constrained rows so they are ready with the logits."""
-        self.masks.start(seqs)
 
     def forget(self, seq_ids: Iterable[int]) -> None:
         for seq_id in seq_ids:
@@ -52,7 +35,6 @@ class Sampler:
         logits = logits.float()
         want_logprobs = [s.params.logprobs is not None for s in seqs]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
-        self.masks.apply(logits, seqs)
         if all(self._is_plain_greedy(s) for s in seqs):
             tokens = logits.argmax(dim=-1)
         else:
@@ -196,3 +178,110 @@ def _gather_logprobs(
         pairs = tuple(zip(top_ids[r][:n], top_values[r][:n], strict=True))
         out[i] = Logprob(token_list[i], chosen[r], pairs)
     return out
+
+
+EOS = 1
+VOCAB = 1000
+
+
+def random_params(rng: random.Random) -> SamplingParams:
+    """A request mixing every knob the sampler has (grammar masks aside)."""
+    temperature = rng.choice([0.0, 0.0, 0.7, 1.0, 1.3])
+    return SamplingParams(
+        temperature=temperature,
+        top_k=rng.choice([0, 0, 5, 50]),
+        top_p=rng.choice([1.0, 1.0, 0.9, 0.5]),
+        min_p=rng.choice([0.0, 0.0, 0.05]),
+        repetition_penalty=rng.choice([1.0, 1.0, 1.3, 0.8]),
+        presence_penalty=rng.choice([0.0, 0.0, 0.5]),
+        frequency_penalty=rng.choice([0.0, 0.0, 0.3, -0.2]),
+        logit_bias={rng.randrange(VOCAB): rng.uniform(-5, 5) for _ in range(rng.choice([0, 3]))},
+        seed=rng.choice([None, rng.randrange(2**40)]),
+        min_tokens=rng.choice([0, 0, 4]),
+        stop_token_ids=tuple(rng.sample(range(VOCAB), rng.choice([0, 2]))),
+        ignore_eos=rng.random() < 0.3,
+        logprobs=rng.choice([None, None, 0, 3]),
+    )
+
+
+def new_seq(seq_id: int, rng: random.Random) -> Sequence:
+    prompt = [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 40))]
+    params = random_params(rng)
+    return Sequence(seq_id, f"r{seq_id}", prompt, params, max_tokens=10**6, block_size=4,
+                    index=rng.randrange(3))  # fmt: skip
+
+
+def assert_same(new: SamplerOutput, old: SamplerOutput) -> None:
+    assert new.token_ids == old.token_ids
+    for a, b in zip(new.logprobs, old.logprobs, strict=True):
+        assert (a is None) == (b is None)
+        if a is not None and b is not None:
+            assert a.token_id == b.token_id
+            assert a.logprob == pytest.approx(b.logprob, rel=1e-6, abs=1e-6)
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+            assert [v for _, v in a.top] == pytest.approx([v for _, v in b.top], abs=1e-6)
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["drawn-in-step", "drawn-ahead"])
+@pytest.mark.parametrize("trial", range(4))
+def test_batched_sampler_matches_the_reference_over_changing_batches(
+    trial: int, ahead: bool
+) -> None:
+    rng = random.Random(trial)
+    logits_gen = torch.Generator().manual_seed(trial)
+    new, old = Sampler([EOS]), ReferenceSampler([EOS])
+    new.noise.ahead = ahead
+    # Each sampler keeps its own copies of the sequences, as each engine would.
+    live: dict[int, tuple[Sequence, Sequence]] = {}
+    next_id = 0
+    for _step in range(14):
+        while len(live) < rng.randrange(1, 12):
+            a = new_seq(next_id, random.Random(next_id * 7919 + trial))
+            b = new_seq(next_id, random.Random(next_id * 7919 + trial))
+            live[next_id] = (a, b)
+            next_id += 1
+        ids = rng.sample(sorted(live), len(live))  # rows in a new order every step
+        new.prepare([live[i][0] for i in ids])
+        if rng.random() < 0.3:  # prepared, then only some rows sample (noise drawn ahead waits)
+            ids = ids[: (len(ids) + 1) // 2]
+        logits = torch.randn(len(ids), VOCAB, generator=logits_gen) * 4
+        state = torch.get_rng_state()
+        got = new(logits.clone(), [live[i][0] for i in ids])
+        torch.set_rng_state(state)
+        want = old(logits.clone(), [live[i][1] for i in ids])
+        assert_same(got, want)
+        for i, token in zip(ids, got.token_ids, strict=True):
+            live[i][0].append_token(token)
+            live[i][1].append_token(token)
+        gone = [i for i in ids if rng.random() < 0.2]
+        new.forget(gone)
+        old.forget(gone)
+        for i in gone:
+            del live[i]
+
+
+def test_a_token_the_engine_did_not_take_from_the_sampler_is_counted_as_appended() -> None:
+    """Penalty counts follow the sequence's tokens, not the sampler's guess of them."""
+    params = SamplingParams(temperature=0.0, repetition_penalty=2.0, frequency_penalty=1.0)
+    new, old = Sampler([EOS]), ReferenceSampler([EOS])
+    a = Sequence(0, "r", [5, 6], params, max_tokens=99, block_size=4)
+    b = Sequence(0, "r", [5, 6], params, max_tokens=99, block_size=4)
+    gen = torch.Generator().manual_seed(3)
+    for step in range(6):
+        logits = torch.randn(1, VOCAB, generator=gen)
+        got, want = new(logits.clone(), [a]), old(logits.clone(), [b])
+        assert got.token_ids == want.token_ids
+        # Every other step the engine appends a different token (and once, two of them).
+        appended = [got.token_ids[0]] if step % 2 else [7, 8][: 1 + (step == 2)]
+        for token in appended:
+            a.append_token(token)
+            b.append_token(token)
+
+
+def test_rows_picks_the_sampling_rows_out_of_a_larger_batch() -> None:
+    params = SamplingParams(temperature=1.0, seed=11, logprobs=2)
+    logits = torch.randn(5, VOCAB, generator=torch.Generator().manual_seed(4))
+    seqs = [Sequence(i, "r", [2], params, max_tokens=9, block_size=4) for i in range(2)]
+    twins = [Sequence(i, "r", [2], params, max_tokens=9, block_size=4) for i in range(2)]
+    got = Sampler([EOS])(logits.clone(), seqs, rows=[3, 1])
+    assert_same(got, ReferenceSampler([EOS])(logits[[3, 1]], twins))
