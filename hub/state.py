@@ -188,6 +188,7 @@ class Hub:
     async def start(self) -> None:
         """Migrate, reach the database, register configured models, then serve (MLflow may
         be down: what SQL and the local cache hold is served)."""
+        # Start-up steps use the default executor: nothing is served yet, nothing waits.
         await asyncio.to_thread(upgrade, self.settings.database_url)
         await self.dependencies.check_now()
         database, mlflow = self.dependencies.state("database"), self.dependencies.state("mlflow")
@@ -257,6 +258,8 @@ class Hub:
             self.grammar_pool.close()
         await _step("dependency checks", self.dependencies.stop())
         self.control.close()
+        self.catalog.close()
+        self.auth.close()
         self.db.dispose()
 
     def _register_configured_models(self) -> None:

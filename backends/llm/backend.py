@@ -65,6 +65,7 @@ from backends.runtime_config import LLMConfig, RuntimeConfig
 from backends.text_bounds import MIN_CHARS_PER_TOKEN, CharBound
 from backends.text_input import require_encodable
 from backends.threads import compute_threads, cores
+from backends.workers import on_own_thread
 
 log = logging.getLogger(__name__)
 
@@ -398,7 +399,8 @@ class LLMBackend(Backend):
 
     async def aclose(self) -> None:
         if self._engine is not None:
-            await asyncio.to_thread(self._engine.shutdown)
+            # A thread of its own (backends/workers.py): an eviction never waits behind a pool.
+            await on_own_thread(self._engine.shutdown, name="engine-close")
 
     def unload(self) -> None:
         if self._engine is not None:
