@@ -315,6 +315,7 @@ class LLMBackend(Backend):
         priority: int = 0,
         adapter: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
+        await self.compile_grammar(params)  # on the grammar pool, not in `submit`'s thread
         stream = self.submit(prompt_token_ids, params, priority=priority, adapter=adapter)
         async with stream:
             async for out in stream:
