@@ -98,8 +98,9 @@ class CompilePool:
             job.waiters += 1
             self._dispatch()
         try:
-            waiting = asyncio.shield(asyncio.wrap_future(job.future))
-            result: T = await asyncio.wait_for(waiting, limit_s)
+            outcome = asyncio.wrap_future(job.future)
+            outcome.add_done_callback(_retrieve)
+            result: T = await asyncio.wait_for(asyncio.shield(outcome), limit_s)
             return result
         except TimeoutError:
             raise CapacityError(
@@ -171,3 +172,10 @@ class CompilePool:
                     job.future.cancel()
             self._queues.clear()
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    # A compile whose waiter gave up at its time limit may fail later; its outcome is read
+    # here so that it is never reported as "exception never retrieved".
+    if not future.cancelled():
+        future.exception()

@@ -125,6 +125,15 @@ def test_large_choice_lists_are_refused_at_once_while_others_are_served(
     asyncio.run(scenario())
     # No large list was compiled and answered ahead of the small request.
     assert "big" not in finished[: finished.index("small")]
+    # A lark grammar over its limit is refused the same way.
+    rules = "\n".join(f'r{i}: "x{i}"' for i in range(20_000))
+    lark = {
+        "model": "tiny",
+        "prompt": "a",
+        "structured_outputs": {"grammar": f"start: r0\n{rules}"},
+    }
+    r = httpx.post(f"{url}/v1/completions", json=lark, headers=headers["app"], timeout=GUARD_S)
+    assert r.status_code == 400 and "max_grammar_bytes" in r.json()["error"]["message"], r.text
 
 
 def test_one_callers_compiles_leave_the_pool_to_other_callers_and_to_unloads(
