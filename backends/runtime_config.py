@@ -240,6 +240,15 @@ class LLMConfig(RuntimeConfig):
     # torch.compile(mode="reduce-overhead") make them instead of capturing them by hand.
     cuda_graphs: Annotated[bool | Literal["auto"], BeforeValidator(_graphs_setting)] = "auto"
     cuda_graph_mode: Literal["capture", "compile"] = "capture"
+    # Structured outputs (backends/llm/structured/limits.py): the largest JSON schema, regex
+    # or lark grammar, choice list (strings, and their bytes together) a request may send,
+    # and how long a request waits for its grammar to compile (then 503 + Retry-After).
+    max_grammar_bytes: ByteCount = 256 * 2**10
+    max_choices: Count = 4096
+    max_choice_bytes: ByteCount = 128 * 2**10
+    grammar_compile_timeout_ms: Annotated[float, Field(strict=True, gt=0, allow_inf_nan=False)] = (
+        10_000.0
+    )
 
     def quantization_method(self) -> str | None:
         """The quantization to apply at load ("int8", "int4"), or None."""

@@ -4,10 +4,10 @@ path; a revoked key stops working within that time."""
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import time
 
+from backends.workers import WorkerPool
 from hub.errors import Forbidden, Unauthorized
 from hub.settings import AuthSettings
 from registry.keys import ApiKeys, hash_key
@@ -22,6 +22,9 @@ class Authenticator:
         self.settings = settings
         self.keys = keys
         self._cache: dict[str, tuple[tuple[str, str] | None, float]] = {}
+        # Keys that miss the cache are checked in SQL on threads of their own
+        # (backends/workers.py): a flood of unknown keys waits behind itself only.
+        self._threads = WorkerPool("auth", 2)
 
     async def check(self, authorization: str | None, api_key: str | None, *, admin: bool) -> str:
         """The caller's name (the key's name; "anonymous" with auth off) once allowed."""
@@ -73,9 +76,12 @@ class Authenticator:
         now = time.monotonic()
         if cached is not None and now - cached[1] < CACHE_SECONDS:
             return cached[0]
-        identity = await asyncio.to_thread(self.keys.verify, key)
+        identity = await self._threads.run(self.keys.verify, key)
         self._cache[digest] = (identity, now)
         return identity
+
+    def close(self) -> None:
+        self._threads.close()
 
     def _is_bootstrap(self, key: str) -> bool:
         bootstrap = self.settings.bootstrap_admin_key

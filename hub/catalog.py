@@ -11,6 +11,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
+from backends.workers import WorkerPool
 from hub.errors import NotFound
 from registry.service import Registry
 from registry.views import ModelView, RegistrySnapshot
@@ -34,6 +35,9 @@ class Catalog:
         self._snapshot = RegistrySnapshot(models={})
         self._listeners: list[Listener] = []
         self._refresh_lock = asyncio.Lock()
+        # Snapshots are read on a thread of their own (refreshes never overlap), never
+        # behind other blocking work (backends/workers.py).
+        self._threads = WorkerPool("catalog", 1)
 
     @property
     def snapshot(self) -> RegistrySnapshot:
@@ -45,7 +49,7 @@ class Catalog:
 
     async def refresh(self) -> RegistrySnapshot:
         async with self._refresh_lock:
-            new = await asyncio.to_thread(self.registry.snapshot)
+            new = await self._threads.run(self.registry.snapshot)
             old = self._snapshot
             if new == old:
                 return old  # the same object: what was decided from it still holds
@@ -56,6 +60,9 @@ class Catalog:
             except Exception:
                 log.exception("registry change listener failed")
         return new
+
+    def close(self) -> None:
+        self._threads.close()
 
     def model(self, name: str) -> ModelView:
         model = self._snapshot.models.get(name)

@@ -24,10 +24,10 @@ do not: they read the state hub.dependencies keeps):
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from backends.workers import WorkerPool
 from hub.catalog import Catalog
 from hub.dependencies import BoundedCalls
 from registry.canaries import CanarySpec
@@ -109,11 +109,13 @@ class Control:
         self.catalog = catalog
         self.mlflow_calls = mlflow_calls or BoundedCalls("mlflow", workers=4, deadline=30.0)
         self.leftover_grace = leftover_grace
+        # SQL-only registry calls of admin routes, on threads of their own (backends/workers.py).
+        self.sql_threads = WorkerPool("registry-sql", 4)
 
     async def _sql(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """A SQL-only registry call off the event loop (the database's own timeouts bound it)."""
         with outage_named("registry request"):
-            return await asyncio.to_thread(fn, *args, **kwargs)
+            return await self.sql_threads.run(fn, *args, **kwargs)
 
     async def _mlflow(
         self, fn: Callable[..., T], *args: Any, deadline: bool | None = True, **kwargs: Any
@@ -123,6 +125,7 @@ class Control:
 
     def close(self) -> None:
         self.mlflow_calls.close()
+        self.sql_threads.close()
 
     # ---- health and the catalog ---------------------------------------------------------
     async def refresh(self) -> RegistrySnapshot:

@@ -90,6 +90,16 @@ class AuthSettings(_Section):
     bootstrap_admin_key: SecretStr | None = None
 
 
+class StructuredOutputSettings(_Section):
+    """The hub's grammar compiles (backends/llm/structured/pool.py): threads of their own,
+    shared by every LLM, and how many compiles one caller (an API key; the client's address
+    with auth off) may hold, queued or running; one more is a 503 with Retry-After. Each
+    model's size and time limits are in its runtime config (`max_grammar_bytes`, ...)."""
+
+    compile_threads: int = Field(default=2, ge=1, le=64)
+    compiles_per_caller: int = Field(default=4, ge=1, le=1024)
+
+
 class ModelSpec(_Section):
     """A model the hub registers (if not yet registered) and optionally preloads at start."""
 
@@ -340,6 +350,7 @@ class HubSettings(BaseSettings):
     registry: RegistrySettings = RegistrySettings()
     traffic: TrafficSettings = TrafficSettings()
     engine: EngineSettings = Field(default_factory=EngineSettings)
+    structured_outputs: StructuredOutputSettings = StructuredOutputSettings()
     replica: ReplicaSettings = ReplicaSettings()
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)

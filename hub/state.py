@@ -7,6 +7,7 @@ import logging
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 
+from backends.llm.structured.pool import CompilePool
 from hub import gc_freeze
 from hub.auth import Authenticator
 from hub.catalog import Catalog
@@ -81,6 +82,8 @@ class Hub:
     # Freeze the start-up heap out of the garbage collector's way once the preloads were
     # attempted (`hub.gc_freeze`); set by the process that owns the hub (`hub serve`).
     freeze_gc: bool = False
+    # Where every LLM's grammars compile (backends/llm/structured/pool.py).
+    grammar_pool: CompilePool | None = None
 
     @classmethod
     def build(cls, settings: HubSettings) -> Hub:
@@ -111,12 +114,17 @@ class Hub:
             metrics_registry=metrics.registry,
             devices=probes,
         )
+        grammar_pool = CompilePool(
+            settings.structured_outputs.compile_threads,
+            settings.structured_outputs.compiles_per_caller,
+        )
         loader = VersionLoader(
             registry,
             metrics_registry=metrics.registry,
             allow_pickle=settings.allow_pickle,
             trust_remote_code=settings.trust_remote_code,
             kernels=settings.engine.kernel_settings(),
+            grammar_pool=grammar_pool,
         )
         manager = ModelManager(
             settings.manager,
@@ -174,11 +182,13 @@ class Hub:
             replicas=replicas,
             dependencies=dependencies,
             placement=Placement.for_hub(settings, replicas, manager, catalog, metrics.registry),
+            grammar_pool=grammar_pool,
         )
 
     async def start(self) -> None:
         """Migrate, reach the database, register configured models, then serve (MLflow may
         be down: what SQL and the local cache hold is served)."""
+        # Start-up steps use the default executor: nothing is served yet, nothing waits.
         await asyncio.to_thread(upgrade, self.settings.database_url)
         await self.dependencies.check_now()
         database, mlflow = self.dependencies.state("database"), self.dependencies.state("mlflow")
@@ -244,8 +254,12 @@ class Hub:
         await _step("reconciler", self.reconciler.stop())
         await _step("placement", self.placement.close())
         await _step("model manager", self.manager.close())
+        if self.grammar_pool is not None:
+            self.grammar_pool.close()
         await _step("dependency checks", self.dependencies.stop())
         self.control.close()
+        self.catalog.close()
+        self.auth.close()
         self.db.dispose()
 
     def _register_configured_models(self) -> None:

@@ -11,7 +11,6 @@ queued fails with BackendClosedError, the weights are freed at once).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
@@ -37,6 +36,7 @@ from backends.loading import module_bytes, require_safe_weights, tensor_bytes_fr
 from backends.parking import ParkedWeights, park, release
 from backends.runtime_config import EncoderConfig, RuntimeConfig
 from backends.threads import compute_threads, intraop_threads
+from backends.workers import on_own_thread
 
 log = logging.getLogger(__name__)
 
@@ -148,10 +148,11 @@ class BatchedEncoderBackend(Backend, Generic[P, R, C]):
 
     async def aclose(self) -> None:
         """Stop the batcher's threads; requests still queued fail with BackendClosedError."""
+        # A thread of its own (backends/workers.py): an eviction never waits behind a pool.
         if self._batcher is not None:
-            await asyncio.to_thread(self._batcher.close)
+            await on_own_thread(self._batcher.close, name="encoder-close")
         if self._pooled is not None:
-            await asyncio.to_thread(self._pooled.stop)
+            await on_own_thread(self._pooled.stop, name="encoder-close")
 
     def unload(self) -> None:
         if self._batcher is not None:

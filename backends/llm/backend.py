@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -40,7 +41,7 @@ from backends.base import Backend, BackendContext, ModelKind, checked_config
 from backends.errors import BackendClosedError, ContextLengthError, InputError, LoadError
 from backends.llm.async_engine import AsyncLLMEngine, RequestStream
 from backends.llm.config import EngineConfig, kv_cache_reservation, llm_config
-from backends.llm.context import kernel_settings
+from backends.llm.context import grammar_pool, kernel_settings
 from backends.llm.detokenizer import token_bytes
 from backends.llm.engine import LLMEngine, RequestOutput
 from backends.llm.fused.decoder import predicted_scratch_bytes
@@ -49,7 +50,9 @@ from backends.llm.metrics import EngineMetrics
 from backends.llm.model_runner import ModelRunner, kv_bytes_per_block
 from backends.llm.quantization import WeightQuantizer
 from backends.llm.sampling_params import SamplingParams
+from backends.llm.structured.limits import GrammarLimits
 from backends.llm.structured.metrics import GrammarMetrics
+from backends.llm.structured.pool import CompilePool
 from backends.loading import (
     HeaderTensor,
     header_tensors,
@@ -63,6 +66,7 @@ from backends.runtime_config import LLMConfig, RuntimeConfig
 from backends.text_bounds import MIN_CHARS_PER_TOKEN, CharBound
 from backends.text_input import require_encodable
 from backends.threads import compute_threads, cores
+from backends.workers import on_own_thread
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +135,9 @@ class LLMBackend(Backend):
         # One thread tokenizes this model's prompts, in arrival order: a long prompt takes
         # seconds, which the event loop (health probes, every other request) must not wait.
         self._tokenize_pool: ThreadPoolExecutor | None = None
+        # Grammars compile on the hub's pool, else on one this backend makes when first needed.
+        self._grammar_pool = grammar_pool(context)
+        self._grammar_limits = GrammarLimits.of(self.config)
 
     @classmethod
     def predict_memory(
@@ -270,13 +277,24 @@ class LLMBackend(Backend):
         """The token's own bytes, part of a character for a byte token (logprobs `bytes`)."""
         return token_bytes(self.tokenizer, token_id)
 
-    async def compile_grammar(self, params: SamplingParams) -> None:
-        """Compile the request's grammar, if any, in a worker thread (cached per constraint),
-        so the event loop and the engine's step never wait on a compile. InputError (400)
-        names what the grammar library does not support."""
+    async def compile_grammar(self, params: SamplingParams, *, caller: str = "anonymous") -> None:
+        """Compile the request's grammar, if any and not cached, on the grammar pool (never
+        the event loop's default executor), as one of `caller`'s compiles. InputError (400)
+        names a limit the constraint is over or what the grammar library does not support;
+        CapacityError (503) when `caller` has too many compiles or the time limit passed.
+        Cancelling the await drops a compile that has not started."""
         grammars = self._require().engine.grammars
-        if params.structured is not None and grammars is not None:
-            await asyncio.to_thread(grammars.compile, params.structured)
+        spec = params.structured
+        if spec is None or grammars is None:
+            return
+        self._grammar_limits.check(spec)
+        if grammars.cached(spec):
+            return
+        if self._grammar_pool is None:
+            self._grammar_pool = CompilePool()
+        compile_spec = functools.partial(grammars.compile, spec, count_hit=False)
+        limit_s = self._grammar_limits.compile_timeout_s
+        await self._grammar_pool.run((grammars, spec), compile_spec, caller=caller, limit_s=limit_s)
 
     def submit(
         self,
@@ -298,6 +316,7 @@ class LLMBackend(Backend):
         priority: int = 0,
         adapter: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
+        await self.compile_grammar(params)  # on the grammar pool, not in `submit`'s thread
         stream = self.submit(prompt_token_ids, params, priority=priority, adapter=adapter)
         async with stream:
             async for out in stream:
@@ -387,7 +406,8 @@ class LLMBackend(Backend):
 
     async def aclose(self) -> None:
         if self._engine is not None:
-            await asyncio.to_thread(self._engine.shutdown)
+            # A thread of its own (backends/workers.py): an eviction never waits behind a pool.
+            await on_own_thread(self._engine.shutdown, name="engine-close")
 
     def unload(self) -> None:
         if self._engine is not None:
@@ -396,6 +416,9 @@ class LLMBackend(Backend):
             # A prompt still tokenizing finishes on its own; nobody waits for it.
             self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
             self._tokenize_pool = None
+        if self._grammar_pool is not None and grammar_pool(self.context) is None:
+            self._grammar_pool.close()  # this backend's own: queued compiles are dropped
+            self._grammar_pool = None
         if self._parked is not None:
             self._parked.discard()
         elif self._runner is not None:

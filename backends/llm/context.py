@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, fields
 
 from backends.base import BackendContext
 from backends.llm.kernel_settings import KernelSettings
+from backends.llm.structured.pool import CompilePool
 
 
 @dataclass(frozen=True)
@@ -16,14 +17,27 @@ class LLMContext(BackendContext):
     # The engine's native CPU kernels: on or off, their cache and compiler (hub settings
     # `engine:`).
     kernels: KernelSettings = field(default_factory=KernelSettings)
+    # Where grammars compile: the hub's one pool, shared by its LLMs (hub settings
+    # `structured_outputs:`); None: the backend makes a pool of its own at load.
+    grammar_pool: CompilePool | None = None
 
     @classmethod
-    def of(cls, context: BackendContext, kernels: KernelSettings) -> LLMContext:
-        """`context` with these kernel settings."""
+    def of(
+        cls,
+        context: BackendContext,
+        kernels: KernelSettings,
+        grammar_pool: CompilePool | None = None,
+    ) -> LLMContext:
+        """`context` with these kernel settings and grammar pool."""
         common = {f.name: getattr(context, f.name) for f in fields(BackendContext)}
-        return cls(**common, kernels=kernels)
+        return cls(**common, kernels=kernels, grammar_pool=grammar_pool)
 
 
 def kernel_settings(context: BackendContext) -> KernelSettings:
     """The kernel settings `context` carries; the defaults for a plain `BackendContext`."""
     return context.kernels if isinstance(context, LLMContext) else KernelSettings()
+
+
+def grammar_pool(context: BackendContext) -> CompilePool | None:
+    """The grammar pool `context` carries, None for none."""
+    return context.grammar_pool if isinstance(context, LLMContext) else None

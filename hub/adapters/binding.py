@@ -99,6 +99,7 @@ class AdapterBackend(LLMBackend):
         priority: int = 0,
         adapter: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
+        await self.compile_grammar(params)  # on the grammar pool, not in `submit`'s thread
         async with self.submit(prompt_token_ids, params, priority=priority) as stream:
             async for out in stream:
                 yield out

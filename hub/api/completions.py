@@ -88,8 +88,9 @@ async def create_completion(
         return _encode_prompts(body.prompt, backend), params
 
     gen = await start_generation(
-        serving, route, "completions", build, priority=body.priority, keep_alive=body.keep_alive
-    )
+        serving, route, "completions", build, priority=body.priority, keep_alive=body.keep_alive,
+        request=request,
+    )  # fmt: skip
     if body.stream:
         return sse_response(gen, _completion_events(gen, body))
     choices = await gen.answer(request)
@@ -214,7 +215,7 @@ async def create_chat_completion(
 
     gen = await start_generation(
         serving, route, "chat", build, priority=body.priority, keep_alive=body.keep_alive,
-        prompt_param="messages",
+        prompt_param="messages", request=request,
     )  # fmt: skip
     plan, parallel = plans[0], body.parallel_tool_calls
     if body.stream:
@@ -362,7 +363,7 @@ async def _generate(
 
     gen = await start_generation(
         serving, route, "generate", build, priority=body.priority, keep_alive=body.keep_alive,
-        prompt_param=given[0],
+        prompt_param=given[0], request=request,
     )  # fmt: skip
     if body.stream:
         return sse_response(gen, _generate_events(gen))

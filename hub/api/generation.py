@@ -28,6 +28,7 @@ from backends.llm.sampling_params import SamplingParams
 from backends.llm.sequence import Logprob
 from hub.api.bodies import cancelled_if_client_leaves
 from hub.api.serving import LLM, Serving
+from hub.api.structured import caller_of
 from hub.routing import Route
 from hub.traffic.replays import GenerationReplay
 from hub.traffic.request import ServedRequest
@@ -169,10 +170,12 @@ async def start_generation(
     priority: int = 0,
     keep_alive: float | None = None,
     prompt_param: str = "prompt",
+    request: Request | None = None,
 ) -> Generation:
     """Acquire the model and submit the request's prompts; raises before anything streams.
     `prompt_param`: the request field the prompts were made from (`messages` for a chat);
-    an InputError about the prompt names it, as the caller sent it."""
+    an InputError about the prompt names it, as the caller sent it. `request`: whose caller
+    a grammar compile counts against, and which compile is dropped if its client leaves."""
     stack = contextlib.AsyncExitStack()
     req = await stack.enter_async_context(
         serving.serve(route, endpoint, LLM, keep_alive=keep_alive)
@@ -180,10 +183,15 @@ async def start_generation(
     backend = req.backend
     streams: list[RequestStream] = []
     try:
-        # Tokenizing runs on the model's tokenizer thread, off the event loop; so does a
-        # grammar's compile.
+        # Tokenizing runs on the model's tokenizer thread, off the event loop; a grammar
+        # compiles on the grammar pool (its own threads), given up if the client leaves.
         prompts, params = await backend.tokenize(lambda: build(backend))
-        await backend.compile_grammar(params)
+        if params.structured is not None and request is not None:
+            caller = await caller_of(request)
+            async with cancelled_if_client_leaves(request):
+                await backend.compile_grammar(params, caller=caller)
+        else:
+            await backend.compile_grammar(params)
         for prompt in prompts:
             streams.append(backend.submit(prompt, params, priority=priority))
     except BaseException as e:

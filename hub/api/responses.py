@@ -71,7 +71,7 @@ async def create_response(
 
     gen = await start_generation(
         serving, route, "responses", build, priority=body.priority, keep_alive=body.keep_alive,
-        prompt_param="input",
+        prompt_param="input", request=request,
     )  # fmt: skip
     shell = _Shell(body, gen)
     if body.stream:

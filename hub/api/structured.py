@@ -4,7 +4,9 @@ OpenAI's `response_format` (`text`, `json_object`, `json_schema` with `strict`),
 `structured_outputs` (`json`, `regex`, `choice`, `grammar`) and its legacy `guided_json`,
 `guided_regex`, `guided_choice`, `guided_grammar`. At most one constraint per request; a
 second one is a 400 naming it. The grammar itself is compiled (and refused, if the library
-cannot handle it) by the engine's compiler before the request is queued.
+cannot handle it, or if it is over the model's size limits) by the engine's compiler before
+the request is queued, on the hub's grammar pool as one of the caller's compiles
+(`caller_of`: backends/llm/structured/pool.py bounds what one caller holds).
 """
 
 from __future__ import annotations
@@ -13,8 +15,11 @@ import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.requests import Request
 
 from backends.llm.structured import StructuredOutput
+from hub.api.deps import hub_of
+from hub.api.ingress import head_of
 from hub.errors import BadRequest
 
 
@@ -110,3 +115,19 @@ def _named(
     if grammar is not None:
         out.append((field, StructuredOutput.lark(grammar)))
     return out
+
+
+async def caller_of(request: Request) -> str:
+    """Who a request's grammar compiles count against: its API key's name, or with auth
+    off the client's address. The key was checked already (`UserBody`): this is a cache hit."""
+    hub = hub_of(request)
+    if hub.settings.auth.enabled:
+        head = head_of(request.scope)
+        if head is not None:
+            authorization, api_key = head.authorization, head.api_key
+        else:
+            authorization = request.headers.get("authorization")
+            api_key = request.headers.get("x-api-key")
+        return await hub.auth.check(authorization, api_key, admin=False)
+    client = request.client
+    return f"client {client.host}" if client is not None else "anonymous"

@@ -15,6 +15,7 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
+from backends.workers import WorkerPool
 from hub.manager.lifecycle import Lifecycle
 from hub.manager.planning import ModelKey, Planner
 from hub.manager.reports import StatusReports, labels
@@ -44,6 +45,8 @@ class Evictions:
         self._lifecycle = lifecycle
         self._metrics = metrics
         self._reports = reports
+        # Parks and unloads run here (backends/workers.py), never behind loads or other work.
+        self.threads = WorkerPool("model-evictions", 4)
         # Told the base's key whenever an adapter has left its base (its keep-alive may run).
         self.on_adapter_left: Callable[[ModelKey], None] | None = None
 
@@ -129,7 +132,7 @@ class Evictions:
         if not fits:
             return False
         try:
-            await asyncio.to_thread(self._lifecycle.park, backend, device or "cpu")
+            await self.threads.run(self._lifecycle.park, backend, device or "cpu")
         except Exception as e:
             log.error("offloading %s failed, dropping it instead: %r", entry.key, e)
             tier.remove(entry.key)
@@ -174,7 +177,7 @@ class Evictions:
         measured = entry.measured_bytes if entry.base is None else 0
         try:
             await backend.aclose()
-            await asyncio.to_thread(self._lifecycle.unload, backend, device, measured)
+            await self.threads.run(self._lifecycle.unload, backend, device, measured)
         except Exception:
             log.exception("unloading %s failed; its memory may not be freed", entry.key)
         finally:

@@ -14,6 +14,7 @@ from backends.base import Backend, BackendContext, ModelKind, checked_config
 from backends.kinds import backend_class
 from backends.llm.context import LLMContext
 from backends.llm.kernel_settings import KernelSettings
+from backends.llm.structured.pool import CompilePool
 from backends.loading import parse_dtype
 from backends.runtime_config import RuntimeConfig, config_type
 from hub.manager.state import ModelKey
@@ -73,10 +74,13 @@ class VersionLoader:
         allow_pickle: bool = False,
         trust_remote_code: bool = False,
         kernels: KernelSettings | None = None,
+        grammar_pool: CompilePool | None = None,
     ) -> None:
         self.registry = registry
         # The LLM engine's native kernels, as the hub's `engine:` settings say.
         self.kernels = kernels or KernelSettings()
+        # Where the LLMs' grammars compile (one pool for all); None: each LLM its own.
+        self.grammar_pool = grammar_pool
         self.metrics_registry = metrics_registry
         self.allow_pickle = allow_pickle
         self.trust_remote_code = trust_remote_code
@@ -129,7 +133,7 @@ class VersionLoader:
             device_budget_bytes=device_budget,
         )
         if prepared.backend_cls.kind is ModelKind.LLM:  # only the LLM engine builds kernels
-            return LLMContext.of(context, self.kernels)
+            return LLMContext.of(context, self.kernels, self.grammar_pool)
         return context
 
 

@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from backends.load_cancel import LoadCancelled, cancellable
+from backends.workers import WorkerPool
 from hub.errors import Unavailable
 from hub.manager.deployment import Deployment
 from hub.manager.evicting import Evictions
@@ -75,6 +76,9 @@ class Loads:
         self._reports = reports
         self._specs = model_specs
         self._failures: dict[ModelKey, tuple[int, float]] = {}  # key -> (count, retry at)
+        # Every blocking step of a load runs here (backends/workers.py): a load stuck on its
+        # files or a slow download waits for other loads only, never evictions or requests.
+        self.threads = WorkerPool("model-loads", 8)
 
     def start(self, entry: Entry) -> asyncio.Task[Unavailable | None]:
         """The model's load in progress, or a new one; raises Unavailable while a failed
@@ -135,7 +139,7 @@ class Loads:
                 tier.hold(entry.key)
             else:
                 start = time.perf_counter()
-                prepared = await asyncio.to_thread(self._lifecycle.prepare, entry.key)
+                prepared = await self.threads.run(self._lifecycle.prepare, entry.key)
                 entry.kind = prepared.view.kind
                 entry.base = prepared.base
                 entry.deployment = Deployment.resolve(
@@ -199,7 +203,7 @@ class Loads:
             need = dict.fromkeys(self._devices_for(entry), size)
         else:
             budgets = {d: self._planner.budgets[d] for d in self._devices_for(entry)}
-            need = await asyncio.to_thread(self._lifecycle.predict, prepared, budgets)
+            need = await self.threads.run(self._lifecycle.predict, prepared, budgets)
             entry.predicted_bytes = max(need.values())
         self._planner.check_feasible(entry.key, need)  # NoRoom when waiting cannot help
         prefer = entry.last_device if entry.key in self._planner.host_tier else None
@@ -220,19 +224,19 @@ class Loads:
             # parked copy went with the old engine, so it is attached afresh.
             self._planner.host_tier.remove(entry.key)
             entry.host_bytes = 0
-            prepared = await asyncio.to_thread(self._lifecycle.prepare, entry.key)
+            prepared = await self.threads.run(self._lifecycle.prepare, entry.key)
         if prepared is None:
             need = {base.device: self._charge(entry)}
         else:
             budgets = {base.device: self._planner.budgets[base.device]}
-            need = await asyncio.to_thread(self._lifecycle.predict, prepared, budgets)
+            need = await self.threads.run(self._lifecycle.predict, prepared, budgets)
             entry.predicted_bytes = need[base.device]
         self._planner.check_feasible(entry.key, need)
         device = entry.device = await self.wait_for_room(entry, need)
         if prepared is None:
             return await self._restore(entry, device)
         start = time.perf_counter()
-        backend, measured = await asyncio.to_thread(
+        backend, measured = await self.threads.run(
             self._lifecycle.attach, prepared, base.backend, device
         )
         entry.attached_to = base.backend
@@ -242,7 +246,7 @@ class Loads:
         """Bring `entry`'s parked weights back onto `device` (room granted)."""
         assert entry.backend is not None
         start = time.perf_counter()
-        measured = await asyncio.to_thread(self._lifecycle.restore, entry.backend, device)
+        measured = await self.threads.run(self._lifecycle.restore, entry.backend, device)
         seconds = time.perf_counter() - start
         self._planner.host_tier.remove(entry.key)
         entry.host_bytes = 0
@@ -261,7 +265,7 @@ class Loads:
             with cancellable(flag):
                 return self._lifecycle.load(prepared, device, budget)
 
-        work = asyncio.ensure_future(asyncio.to_thread(load))
+        work = asyncio.ensure_future(self.threads.run(load))
         try:
             async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
                 return await asyncio.shield(work)
@@ -281,7 +285,7 @@ class Loads:
         except LoadCancelled as e:
             raise LoadCancelled(f"{entry.key}: {e}") from e
         # Finished before it saw the flag: too late for its waiters; give it back.
-        await asyncio.to_thread(self._lifecycle.unload, backend, device, measured)
+        await self.threads.run(self._lifecycle.unload, backend, device, measured)
         raise LoadCancelled(f"{entry.key}: loaded only after load_timeout; unloaded again")
 
     def _timed_out(self, entry: Entry, e: LoadCancelled) -> Unavailable:

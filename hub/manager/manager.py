@@ -335,6 +335,8 @@ class ModelManager:
             if entry.state is not ModelState.UNLOADED:
                 entry.move(ModelState.UNLOADED)
             entry.device = None
+        self._loads.threads.close()
+        self._evictions.threads.close()
 
     def device_lost(self, device: str, reason: str) -> None:
         """`device` stopped computing (a probe failed: hub.dependencies.devices): nothing is

@@ -3,8 +3,9 @@
 One `GrammarCompiler` belongs to one engine, so one tokenizer: the cache key is the
 `StructuredOutput` and the tokenizer is implied. Compiling (building llguidance's lexer and
 parser for a grammar) takes from well under a millisecond to, for a large schema, a good part
-of a second; the hub calls `compile` in a worker thread before the request reaches the
-engine, and `matcher` then only copies the cached, never-advanced matcher (microseconds).
+of a second; the backend runs `compile` on a `CompilePool` thread (pool.py), within the
+model's `GrammarLimits` (limits.py), before the request reaches the engine; `matcher` then
+only copies the cached, never-advanced matcher (microseconds).
 A grammar llguidance cannot compile raises `InputError` naming what it does not support;
 nothing is cached for it and nothing reaches the engine.
 """
@@ -68,6 +69,17 @@ class GrammarCompiler:
                         param="response_format",
                     ) from e
             return self._ll_tokenizer
+
+    def cached(self, spec: StructuredOutput) -> bool:
+        """Whether `spec` is compiled already (counted as a hit): then `matcher` needs no
+        compile and the request need not wait for a compile thread."""
+        with self._lock:
+            found = spec in self._cache
+            if found:
+                self._cache.move_to_end(spec)
+        if found:
+            self.metrics.observe_hit()
+        return found
 
     def compile(self, spec: StructuredOutput, *, count_hit: bool = True) -> Any:
         """The pristine matcher of `spec`, compiled now or taken from the cache."""
