@@ -22,6 +22,7 @@ from registry.canaries import CanaryBook
 from registry.db import Database
 from registry.errors import ConflictError, InvalidConfigError, InvalidSourceError, NotFoundError
 from registry.fetch import SourceFetcher
+from registry.folder_checks import check_source_text
 from registry.mlflow_store import MlflowStore
 from registry.schema import AliasEvent, ModelVersion, RegisteredModel
 from registry.sources import InspectedSource, inspect_folder
@@ -155,6 +156,7 @@ class Registry:
         version recorded). Nothing is written to MLflow or SQL unless the source passes
         inspection."""
         check_name(name)
+        check_source_text(source)
         aliases = list(aliases)
         for alias in aliases:
             check_alias(alias)

@@ -1,0 +1,100 @@
+"""Input the hub cannot parse as asked is a 4xx naming the problem, never a 500: JSON nested
+too deep in a body, a webhook or a source's config.json (the limit named), and a register
+`source` holding a NUL byte, a name too long, or a symlink loop."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from registry.bounded_json import MAX_JSON_DEPTH
+from tests.hub.api.test_webhook_hardening import _headers
+from tests.hub.api.test_webhooks import slow_poll_client  # noqa: F401
+from tests.support.hubs import make_settings
+from tests.support.live import live_hub
+
+
+def nested(depth: int) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+def _refused(r: httpx.Response, status: int = 400) -> str:
+    assert r.status_code == status, r.text[:500]
+    message = str(r.json()["error"]["message"])
+    assert len(message) < 500  # the body is never echoed back
+    return message
+
+
+def test_a_deeply_nested_rerank_body_is_a_400_and_the_connection_lives_on(
+    tmp_path: Path, mlflow_template: Path
+) -> None:
+    body = b'{"model": "m", "query": "q", "documents": ' + nested(1000) + b"}"
+    settings = make_settings(tmp_path / "hub", mlflow_template)
+    with live_hub(settings) as (url, _), httpx.Client(base_url=url, timeout=30) as client:
+        for path in ("/rerank", "/v1/rerank", "/v1/embeddings", "/v1/chat/completions"):
+            r = client.post(path, content=body, headers={"Content-Type": "application/json"})
+            assert f"{MAX_JSON_DEPTH} levels" in _refused(r), path
+        # The same keep-alive connection still answers.
+        assert client.get("/health/live").status_code == 200
+
+
+def test_a_body_just_within_the_depth_limit_is_parsed(client: TestClient) -> None:
+    # Within the limit the body is read as usual: the answer is about the model, not depth.
+    inner = nested(MAX_JSON_DEPTH - 2)
+    body = b'{"model": "nope", "input": "x", "user": {"a": ' + inner + b"}}"
+    r = client.post("/v1/embeddings", content=body, headers={"Content-Type": "application/json"})
+    assert "levels" not in r.text
+
+
+def test_a_signed_webhook_nested_100k_deep_is_a_400(
+    slow_poll_client: TestClient,  # noqa: F811
+) -> None:
+    raw = b'{"entity": "model_version_alias", "data": ' + nested(100_000) + b"}"
+    r = slow_poll_client.post("/webhooks/mlflow", content=raw, headers=_headers(raw))
+    assert f"{MAX_JSON_DEPTH} levels" in _refused(r)
+
+
+def _register(client: TestClient, source: str, kind: str = "reranker") -> httpx.Response:
+    return client.post("/admin/registry/models", json={"name": "m", "kind": kind, "source": source})
+
+
+def test_a_config_nested_100k_deep_is_refused_at_registration(
+    client: TestClient, tiny_reranker_dir: Path, tmp_path: Path
+) -> None:
+    folder = shutil.copytree(tiny_reranker_dir, tmp_path / "deep")
+    config = json.loads((folder / "config.json").read_text())
+    text = json.dumps({**config, "extra": "HOLE"})
+    (folder / "config.json").write_text(text.replace('"HOLE"', nested(100_000).decode()))
+    message = _refused(_register(client, str(folder)))
+    assert "config.json" in message and f"{MAX_JSON_DEPTH} levels" in message
+
+
+def test_a_symlink_loop_in_or_as_the_source_is_refused_naming_it(
+    client: TestClient, tiny_reranker_dir: Path, tmp_path: Path
+) -> None:
+    folder = shutil.copytree(tiny_reranker_dir, tmp_path / "looped")
+    os.symlink("l", folder / "l")  # ln -s l l
+    message = _refused(_register(client, str(folder)))
+    assert "l in source" in message and "symlink loop" in message
+    os.symlink("self", tmp_path / "self")
+    assert "symlink loop" in _refused(_register(client, str(tmp_path / "self")))
+
+
+@pytest.mark.parametrize(
+    ("source", "words"),
+    [
+        ("/tmp/model\x00/x", "NUL byte"),
+        ("/tmp/" + "a" * 300, "255 bytes"),
+        ("/tmp/" + "a/" * 3000, "4096"),
+    ],
+)
+def test_a_source_no_path_can_be_is_refused_naming_why(
+    client: TestClient, source: str, words: str
+) -> None:
+    assert words in _refused(_register(client, source))
