@@ -98,3 +98,34 @@ def test_a_source_no_path_can_be_is_refused_naming_why(
     client: TestClient, source: str, words: str
 ) -> None:
     assert words in _refused(_register(client, source))
+
+
+@pytest.mark.parametrize("keep_alive", ["99999999999999999999h", "-5m", -2, "-0.5", 1e299])
+def test_a_keep_alive_out_of_range_is_a_400_naming_it(
+    client: TestClient, keep_alive: object
+) -> None:
+    bodies = {
+        "/v1/embeddings": {"model": "nope", "input": "x"},
+        "/v1/rerank": {"model": "nope", "query": "q", "documents": ["d"]},
+        "/v1/chat/completions": {"model": "nope", "messages": [{"role": "user", "content": "x"}]},
+    }
+    for path, body in bodies.items():
+        r = client.post(path, json={**body, "keep_alive": keep_alive})
+        assert "keep_alive" in _refused(r), path
+    r = _register_with(client, {"keep_alive": keep_alive})
+    assert "keep_alive" in _refused(r)
+
+
+@pytest.mark.parametrize("keep_alive", [-1, "-1", "5m", 0, "365d"])
+def test_a_keep_alive_in_range_is_taken(client: TestClient, keep_alive: object) -> None:
+    r = client.post(
+        "/v1/embeddings", json={"model": "nope", "input": "x", "keep_alive": keep_alive}
+    )
+    assert r.status_code == 404, r.text  # past validation: the model is what is missing
+
+
+def _register_with(client: TestClient, config: dict[str, object]) -> httpx.Response:
+    return client.post(
+        "/admin/registry/models",
+        json={"name": "m", "kind": "embedder", "source": "/nonexistent", "config": config},
+    )
