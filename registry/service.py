@@ -25,7 +25,7 @@ from registry.fetch import SourceFetcher
 from registry.folder_checks import check_source_text
 from registry.mlflow_store import MlflowStore
 from registry.schema import AliasEvent, ModelVersion, RegisteredModel
-from registry.sources import InspectedSource, inspect_folder
+from registry.sources import InspectedSource, check_weights_cover_config, inspect_folder
 from registry.traffic import TrafficBook
 from registry.views import BaseRef, EventView, ModelView, RegistrySnapshot, VersionView
 
@@ -228,6 +228,8 @@ class Registry:
             problem = self.folder_check(folder, kind)
         if problem is not None:
             raise InvalidSourceError(f"source {source} cannot be served: {problem}")
+        if base is None:
+            check_weights_cover_config(folder, kind)
         with self.db.session() as s:
             existing = s.scalar(select(RegisteredModel).where(RegisteredModel.name == name))
             if existing is not None and existing.kind != kind:

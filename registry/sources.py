@@ -15,6 +15,7 @@ from typing import Any
 from safetensors import safe_open
 
 from registry.bounded_json import JsonTooDeep, loads_bounded
+from registry.checkpoint_cover import check_checkpoint_covers
 from registry.errors import InvalidSourceError
 from registry.folder_checks import (
     REMOTE_CODE_CONFIGS,
@@ -191,15 +192,26 @@ def inspect_folder(
         raise InvalidSourceError(
             f"source {folder} looks like a {detected}, not a {kind} ({evidence})"
         )
+    dtype = dominant_dtype(weights) if weights else "unknown"  # reads (checks) every header
     manifest = {p.relative_to(folder).as_posix(): sha256_file(p) for p in files}
     return InspectedSource(
         folder=folder,
         kind=kind,
         manifest=manifest,
         total_bytes=sum(p.stat().st_size for p in files),
-        dtype=dominant_dtype(weights) if weights else "unknown",
+        dtype=dtype,
         runtime_defaults=_checked_runtime_defaults(folder, kind),
     )
+
+
+def check_weights_cover_config(folder: Path, kind: str) -> None:
+    """Refuse an inspected `folder` whose safetensors lack weights its config.json's
+    architecture needs (see `registry.checkpoint_cover`); run once the architecture is known
+    to be servable, so an unsupported one is refused as such first."""
+    if not (folder / "config.json").is_file():
+        return
+    weights = [p for p in model_files(folder) if p.suffix == ".safetensors"]
+    check_checkpoint_covers(folder, kind, _read_json_object(folder / "config.json"), weights)
 
 
 def _checked_runtime_defaults(folder: Path, kind: str) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from fastapi.testclient import TestClient
 from registry.bounded_json import MAX_JSON_DEPTH
 from tests.hub.api.test_webhook_hardening import _headers
 from tests.hub.api.test_webhooks import slow_poll_client  # noqa: F401
+from tests.support.checkpoints import drop_tensor
 from tests.support.hubs import make_settings
 from tests.support.live import live_hub
 
@@ -129,3 +130,34 @@ def _register_with(client: TestClient, config: dict[str, object]) -> httpx.Respo
         "/admin/registry/models",
         json={"name": "m", "kind": "embedder", "source": "/nonexistent", "config": config},
     )
+
+
+def _with_config(src: Path, dest: Path, **changes: object) -> Path:
+    folder = shutil.copytree(src, dest)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **changes}))
+    return folder
+
+
+def test_a_config_the_checkpoint_does_not_cover_is_refused_at_registration(
+    client: TestClient, tiny_llm_dir: Path, tiny_reranker_dir: Path, tmp_path: Path
+) -> None:
+    # 1,024 layers declared over a 2-layer checkpoint: 9,198 weights would be random.
+    folder = _with_config(tiny_llm_dir, tmp_path / "llm", num_hidden_layers=1024)
+    message = _refused(_register(client, str(folder), kind="llm"))
+    assert "lacks 9198 of the 9219 weights" in message and "1024 layers" in message
+    assert "model.layers.2." in message
+    # A reranker whose config names a deeper encoder than its checkpoint holds.
+    folder = _with_config(tiny_reranker_dir, tmp_path / "rr", num_hidden_layers=6)
+    assert "lacks" in _refused(_register(client, str(folder)))
+    assert client.get("/admin/registry/models/m/versions").status_code == 404
+
+
+def test_a_tied_head_or_a_matching_config_registers(
+    client: TestClient, tiny_llm_dir: Path, tmp_path: Path
+) -> None:
+    # The checkpoint holds the embedding once; with tie_word_embeddings the head shares it.
+    folder = _with_config(tiny_llm_dir, tmp_path / "tied", tie_word_embeddings=True)
+    drop_tensor(folder / "model.safetensors", "lm_head.weight")
+    r = _register(client, str(folder), kind="llm")
+    assert r.status_code == 201, r.text
