@@ -1,18 +1,21 @@
-"""Input the hub cannot parse as asked is a 4xx naming the problem, never a 500: JSON nested
-too deep in a body, a webhook or a source's config.json (the limit named), and a register
-`source` holding a NUL byte, a name too long, or a symlink loop."""
+"""Input the hub cannot parse as asked is a 4xx naming the problem, never a 500 nor a 200:
+JSON nested too deep in a body, a webhook or a source's config.json (the limit named); a
+register `source` holding a NUL byte, a name too long, or a symlink loop; a checkpoint that
+lacks weights its config needs; a keep_alive out of range; headers too large or too many."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import socket
 from pathlib import Path
 
 import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+from hub.api.header_limits import MAX_HEADER_BYTES, MAX_HEADER_COUNT
 from registry.bounded_json import MAX_JSON_DEPTH
 from tests.hub.api.test_webhook_hardening import _headers
 from tests.hub.api.test_webhooks import slow_poll_client  # noqa: F401
@@ -161,3 +164,37 @@ def test_a_tied_head_or_a_matching_config_registers(
     drop_tensor(folder / "model.safetensors", "lm_head.weight")
     r = _register(client, str(folder), kind="llm")
     assert r.status_code == 201, r.text
+
+
+def _raw_request(url: str, path: str, headers: list[bytes]) -> tuple[int, dict[str, str]]:
+    """POST `{}` to `path` over a plain socket with `headers` (b"name: value" lines), as an
+    attacker's client would send them; the status and JSON body of the answer."""
+    host, port = url.removeprefix("http://").split(":")
+    head = [f"POST {path} HTTP/1.1".encode(), f"Host: {host}".encode(), *headers]
+    head += [b"Content-Type: application/json", b"Content-Length: 2"]
+    with socket.create_connection((host, int(port)), timeout=60) as s:
+        s.sendall(b"\r\n".join(head) + b"\r\n\r\n{}")
+        answer = b""
+        while chunk := s.recv(65536):  # the server closes the connection after a 431
+            answer += chunk
+    status_line, _, rest = answer.partition(b"\r\n")
+    body = rest.partition(b"\r\n\r\n")[2]
+    return int(status_line.split()[1]), json.loads(body) if body.startswith(b"{") else {}
+
+
+def test_oversized_or_countless_headers_are_a_431_from_a_real_server(
+    tmp_path: Path, mlflow_template: Path
+) -> None:
+    big = [b"X-Big: " + b"a" * (5 * 2**20)]
+    many = [b"x-h%d: v" % i for i in range(100_000)]
+    settings = make_settings(tmp_path / "hub", mlflow_template)
+    with live_hub(settings) as (url, _):
+        for path in ("/health/live", "/v1/embeddings", "/admin/models"):
+            status, body = _raw_request(url, path, big)
+            assert status == 431 and f"at most {MAX_HEADER_BYTES}" in body["error"]["message"]
+            status, body = _raw_request(url, path, many)
+            assert status == 431 and f"at most {MAX_HEADER_COUNT}" in body["error"]["message"]
+        # Ordinary requests with a good many headers are served as before.
+        with httpx.Client(base_url=url, timeout=60) as client:
+            r = client.get("/health/live", headers=[(f"x-h{i}", "v" * 100) for i in range(100)])
+            assert r.status_code == 200
