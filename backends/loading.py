@@ -255,9 +255,11 @@ def load_pretrained(
     files straight onto `device` and assigns their tensors (no copy into preallocated
     parameters), so a load costs about `load_file` plus building the module tree.
     Checkpoints it cannot map one to one (renamed keys, quantisation) go through
-    `from_pretrained`, the reference path, with the reason logged. `transform` (quantization)
-    converts each tensor as it is read on the fast path, so the load never holds more than
-    one unconverted tensor; on the reference path it converts the loaded model.
+    `from_pretrained`, the reference path, with the reason logged; a checkpoint that lacks
+    weights the config needs (they would be random) fails with LoadError on either path.
+    `transform` (quantization) converts each tensor as it is read on the fast path, so the
+    load never holds more than one unconverted tensor; on the reference path it converts the
+    loaded model.
     """
     from transformers import AutoConfig
 
@@ -398,13 +400,23 @@ def _load_reference(
     options: dict[str, Any],
 ) -> Any:
     try:
-        model = auto_class.from_pretrained(
+        model, info = auto_class.from_pretrained(
             str(artifact_dir),
             dtype=dtype if dtype is not None else "auto",
             local_files_only=True,
             use_safetensors=True,
+            output_loading_info=True,
             **options,
         )
     except Exception as e:
         raise LoadError(f"cannot load {artifact_dir}: {e}") from e
+    # transformers fills weights the checkpoint lacks with random values (tied ones are not
+    # reported missing); a model answering from those is worse than no model.
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        raise LoadError(
+            f"{artifact_dir} lacks {len(missing)} weights its config needs ({missing[:3]}); "
+            "loading it would initialise them at random. Register a config that matches "
+            "the checkpoint"
+        )
     return model.to(device)

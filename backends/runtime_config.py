@@ -34,7 +34,7 @@ from pydantic import (
     model_validator,
 )
 
-from backends.units import parse_bytes, parse_duration
+from backends.units import parse_bytes, parse_keep_alive
 
 # Strict: `"64"` is not 64 and `"yes"` is not true; a config is data, not a form to coerce.
 Count = Annotated[int, Field(strict=True, ge=1)]
@@ -42,8 +42,9 @@ NonNegative = Annotated[int, Field(strict=True, ge=0)]
 Flag = Annotated[bool, Field(strict=True)]
 Milliseconds = Annotated[float, Field(strict=True, ge=0, allow_inf_nan=False)]
 ByteCount = Annotated[int, BeforeValidator(parse_bytes), Field(gt=0)]
-# Ollama's keep_alive: a duration ("5m", 30); 0 unloads after each request, negative never.
-Duration = Annotated[float, BeforeValidator(parse_duration)]
+# Ollama's keep_alive: a duration ("5m", 30) of at most a year; 0 unloads after each request,
+# -1 never.
+KeepAlive = Annotated[float, BeforeValidator(parse_keep_alive)]
 
 # Names accepted for `dtype` (backends.loading maps them to torch dtypes); "auto" keeps the
 # checkpoint's.
@@ -106,7 +107,7 @@ class RuntimeConfig(BaseModel):
     device: str | None = None
     # Seconds the version stays resident once idle (0: unload after each request, negative:
     # until memory pressure); None: the model entry's or the manager's default.
-    keep_alive: Duration | None = None
+    keep_alive: KeepAlive | None = None
     # Pinned whenever loaded: never evicted.
     pin: Flag = False
     # Weights' dtype on the device; None or "auto": the checkpoint's.

@@ -55,6 +55,30 @@ def parse_duration(value: str | int | float) -> float:
     return seconds
 
 
+# The longest keep-alive taken as a duration: a year. Longer is no different from forever,
+# which is said with -1; a bigger number is a mistake (or a probe), refused as such.
+MAX_KEEP_ALIVE_S = 365 * 86400.0
+
+
+def parse_keep_alive(value: str | int | float) -> float:
+    """Ollama's keep_alive in seconds: a duration (`"5m"`, `30`) up to `MAX_KEEP_ALIVE_S`, 0
+    to unload after the request, or -1 (`"-1"`, `"-1s"`) to keep the model forever. Any other
+    negative value, and anything longer, is refused with ValueError naming the range."""
+    seconds = parse_duration(value)
+    if seconds == -1:
+        return -1.0
+    if seconds < 0:
+        raise ValueError(
+            f"keep_alive {value!r:.40} is negative; only -1 (keep forever) is, or a duration >= 0"
+        )
+    if seconds > MAX_KEEP_ALIVE_S:
+        raise ValueError(
+            f"keep_alive {value!r:.40} is longer than {MAX_KEEP_ALIVE_S / 86400:.0f} days, the "
+            "most taken; use -1 to keep the model loaded forever"
+        )
+    return seconds
+
+
 def format_bytes(n: int | float) -> str:
     """`1536` -> `"1.5 KiB"`: binary units, one decimal."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):

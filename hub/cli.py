@@ -48,6 +48,7 @@ def serve(
 
     from backends.encoders import forward_process
     from backends.threads import only_compute_threads
+    from hub.api.header_limits import MAX_HEADER_BYTES
     from hub.app import create_app
     from hub.logs import configure_logging
 
@@ -66,6 +67,9 @@ def serve(
         log_config=None,
         # SIGTERM: stop accepting, let requests in flight (streams too) finish, then stop.
         timeout_graceful_shutdown=math.ceil(settings.replica.drain_timeout),
+        # h11 buffers at most this much of a request head; httptools has no such bound, and
+        # the ingress refuses more with 431 (hub.api.header_limits) whichever parser runs.
+        h11_max_incomplete_event_size=MAX_HEADER_BYTES,
     )
 
 

@@ -53,4 +53,6 @@ def failure_reason(e: BaseException, timeout_setting: str) -> str:
     the wait, for a timeout)."""
     if isinstance(e, TimeoutError):
         return f"no answer within {timeout_setting}"
-    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".rstrip(": ")
+    from registry.outage import describe  # SQLAlchemy's classes, only once something failed
+
+    return describe(e)  # an outage without its driver's text (hosts, ports)

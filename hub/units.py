@@ -6,6 +6,6 @@ import the hub); this module is the hub's name for them.
 
 from __future__ import annotations
 
-from backends.units import format_bytes, parse_bytes, parse_duration
+from backends.units import format_bytes, parse_bytes, parse_duration, parse_keep_alive
 
-__all__ = ["format_bytes", "parse_bytes", "parse_duration"]
+__all__ = ["format_bytes", "parse_bytes", "parse_duration", "parse_keep_alive"]

@@ -10,10 +10,10 @@ the registry imports no backend.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 
+from registry.bounded_json import JsonTooDeep, loads_bounded
 from registry.errors import InvalidSourceError, NotFoundError
 from registry.folder_checks import check_links
 from registry.refs import version_number
@@ -93,7 +93,9 @@ def inspect_adapter_folder(folder: Path, *, link_root: Path | None = None) -> In
             )
         raise InvalidSourceError(f"adapter {folder} has no {ADAPTER_WEIGHTS}")
     try:
-        config = json.loads((folder / ADAPTER_CONFIG).read_text())
+        config = loads_bounded((folder / ADAPTER_CONFIG).read_bytes(), ADAPTER_CONFIG)
+    except JsonTooDeep as e:
+        raise InvalidSourceError(str(e)) from None
     except (OSError, ValueError) as e:
         raise InvalidSourceError(f"{ADAPTER_CONFIG} is not readable JSON: {e}") from e
     if not isinstance(config, dict):

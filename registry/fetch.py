@@ -39,6 +39,18 @@ def find_model_root(folder: Path) -> Path:
     return candidates[0]
 
 
+def local_folder(source: str) -> Path:
+    """The folder a local source names, resolved; a path the OS cannot even look up (a
+    symlink loop, a name too long) is an InvalidSourceError naming the problem."""
+    path = Path(source.removeprefix("file://"))
+    try:
+        return path.expanduser().resolve()
+    except RuntimeError:  # Python's word for a symlink loop met while resolving
+        raise InvalidSourceError(f"source {source} is a symlink loop") from None
+    except OSError as e:
+        raise InvalidSourceError(f"source {source} cannot be looked up: {e.strerror}") from None
+
+
 class SourceFetcher:
     def __init__(
         self, mlflow: MlflowStore, staging_dir: Path, hf_cache_dir: Path | None = None
@@ -57,7 +69,7 @@ class SourceFetcher:
             with self._staging() as tmp:
                 yield find_model_root(self._from_mlflow(source, tmp))
         else:
-            yield Path(source.removeprefix("file://")).expanduser().resolve()
+            yield local_folder(source)
 
     @staticmethod
     def link_root(source: str, folder: Path) -> Path:

@@ -1,10 +1,13 @@
 """What registration refuses to trust in a source folder, checked before anything is copied.
 
+- Source text: a NUL byte, or a path longer than the OS can look up, is refused before the
+  path is touched (the OS would raise instead of answering).
 - Links out: a symlink whose target lies outside the folder (`weights.safetensors ->
   /etc/hostname`) would have the registry copy a file the folder's owner never meant to
   publish; such links, and anything that is not a regular file or folder (a FIFO blocks the
   reader forever), are refused naming the file. Links within the folder are fine, and so are
-  a Hugging Face snapshot's links into its own cache (`link_root`).
+  a Hugging Face snapshot's links into its own cache (`link_root`); a link that leads back to
+  itself (`ln -s l l`) is refused as a loop.
 - Remote code: `auto_map` in config.json / tokenizer_config.json, or Python files in the
   folder, mean the model only loads by running the folder's code; refused unless the hub's
   `trust_remote_code` setting allows it.
@@ -27,6 +30,9 @@ from typing import Any
 from registry.errors import InvalidSourceError
 
 REMOTE_CODE_CONFIGS = ("config.json", "tokenizer_config.json")
+# Linux's PATH_MAX and NAME_MAX: a longer path or file name cannot exist.
+MAX_SOURCE_CHARS = 4096
+MAX_NAME_BYTES = 255
 # Upper bounds no real model comes near (the largest have ~130 layers, hidden 16k, vocab
 # 256k, contexts of 10M); past them a number is a mistake or an attack, not a model.
 INT_BOUNDS: dict[str, int] = {
@@ -41,6 +47,25 @@ INT_BOUNDS: dict[str, int] = {
 }
 
 
+def check_source_text(source: str) -> None:
+    """Refuse a `source` no path or URI can be: a NUL byte, more than `MAX_SOURCE_CHARS`
+    characters, or a path part longer than `MAX_NAME_BYTES` bytes."""
+    if "\x00" in source:
+        raise InvalidSourceError(
+            "source holds a NUL byte; no path or URI does (check how it was built)"
+        )
+    if len(source) > MAX_SOURCE_CHARS:
+        raise InvalidSourceError(
+            f"source is {len(source)} characters long; at most {MAX_SOURCE_CHARS} are accepted"
+        )
+    for part in source.split("/"):
+        if len(part.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
+            raise InvalidSourceError(
+                f"source has a path part of more than {MAX_NAME_BYTES} bytes "
+                f"({part[:40]}...), longer than any file name can be"
+            )
+
+
 def check_links(folder: Path, link_root: Path | None = None) -> None:
     """Refuse a symlink out of `link_root` (default `folder`) and any special file."""
     root = (link_root or folder).resolve()
@@ -50,7 +75,13 @@ def check_links(folder: Path, link_root: Path | None = None) -> None:
             rel = path.relative_to(folder).as_posix()
             mode = path.lstat().st_mode
             if stat.S_ISLNK(mode):
-                target = path.resolve()
+                try:
+                    target = path.resolve()
+                except RuntimeError:  # Python's word for a symlink loop
+                    raise InvalidSourceError(
+                        f"{rel} in source {folder} is a symlink loop (it leads back to itself); "
+                        "remove it"
+                    ) from None
                 if not target.is_relative_to(root):
                     raise InvalidSourceError(
                         f"{rel} in source {folder} is a link to {target}, outside the folder; "

@@ -56,6 +56,49 @@ def dependency_down(e: BaseException) -> str | None:
     return None
 
 
+# SQLSTATEs of a statement PostgreSQL cancelled while it waited: `statement_timeout`
+# (query_canceled) and `lock_timeout` (lock_not_available). The server answered.
+_WAITED_SQLSTATES = frozenset({"57014", "55P03"})
+
+
+def _waited_for_lock(link: BaseException) -> bool:
+    """Whether `link` says the database answered but a statement waited too long: for a row
+    lock another transaction holds (PostgreSQL's timeouts, SQLite's "database is locked") or
+    for a pooled connection others hold."""
+    if isinstance(link, sql_exc.TimeoutError):
+        return True
+    if isinstance(link, sql_exc.OperationalError):
+        orig = link.orig
+        if getattr(orig, "sqlstate", None) in _WAITED_SQLSTATES:
+            return True
+        return "database is locked" in str(orig)
+    return False
+
+
+def _label(e: BaseException, dependency: str) -> str:
+    """What did not answer, in the words a caller reads (no host, port or driver text)."""
+    if dependency == "mlflow":
+        return "MLflow is unreachable"
+    if dependency == "database" and any(_waited_for_lock(link) for link in _chain(e)):
+        # Another change to the same rows holds their lock (or every pooled connection) while
+        # it waits on something slower, MLflow most often: the database itself is up.
+        return (
+            "the registry database is up, but this waited too long for another registry "
+            "change (still running, often waiting on MLflow) to release the model's lock"
+        )
+    return "the registry database is unreachable"
+
+
+def describe(e: BaseException) -> str:
+    """One line saying what `e` is, safe to show any caller: for an outage its class and the
+    dependency (a driver's text names hosts and ports); else its first line of text."""
+    dependency = dependency_down(e)
+    if dependency is not None and not isinstance(e, DependencyUnavailable):
+        return f"{type(e).__name__}: {_label(e, dependency)}"
+    text = str(e).splitlines()[0] if str(e) else ""
+    return f"{type(e).__name__}: {text}".rstrip(": ")
+
+
 def as_unavailable(e: BaseException, what: str) -> DependencyUnavailable | None:
     """The DependencyUnavailable to raise instead of `e` (None when `e` is no outage);
     `what` says what was being done, for the message. Callers (any user) read the message,
@@ -65,13 +108,12 @@ def as_unavailable(e: BaseException, what: str) -> DependencyUnavailable | None:
     dependency = dependency_down(e)
     if dependency is None:
         return None
-    label = "the registry database" if dependency == "database" else "MLflow"
+    label = _label(e, dependency)
     # Debug only: during an outage this runs for every call and every background check;
     # the hub logs the outage itself when it starts and ends (hub.dependencies).
-    log.debug("%s: %s did not answer: %s", what, label, str(e).splitlines()[0][:500])
+    log.debug("%s: %s: %s", what, label, str(e).splitlines()[0][:500])
     return DependencyUnavailable(
-        f"{what}: {label} is unreachable ({type(e).__name__}); nothing was wrong with the "
-        "request, retry once it is back",
+        f"{what}: {label} ({type(e).__name__}); nothing was wrong with the request, retry shortly",
         dependency=dependency,
     )
 

@@ -22,9 +22,10 @@ from registry.canaries import CanaryBook
 from registry.db import Database
 from registry.errors import ConflictError, InvalidConfigError, InvalidSourceError, NotFoundError
 from registry.fetch import SourceFetcher
+from registry.folder_checks import check_source_text
 from registry.mlflow_store import MlflowStore
 from registry.schema import AliasEvent, ModelVersion, RegisteredModel
-from registry.sources import InspectedSource, inspect_folder
+from registry.sources import InspectedSource, check_weights_cover_config, inspect_folder
 from registry.traffic import TrafficBook
 from registry.views import BaseRef, EventView, ModelView, RegistrySnapshot, VersionView
 
@@ -155,6 +156,7 @@ class Registry:
         version recorded). Nothing is written to MLflow or SQL unless the source passes
         inspection."""
         check_name(name)
+        check_source_text(source)
         aliases = list(aliases)
         for alias in aliases:
             check_alias(alias)
@@ -226,6 +228,8 @@ class Registry:
             problem = self.folder_check(folder, kind)
         if problem is not None:
             raise InvalidSourceError(f"source {source} cannot be served: {problem}")
+        if base is None:
+            check_weights_cover_config(folder, kind)
         with self.db.session() as s:
             existing = s.scalar(select(RegisteredModel).where(RegisteredModel.name == name))
             if existing is not None and existing.kind != kind:

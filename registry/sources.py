@@ -7,7 +7,6 @@ no trace. Only the files are read (JSON configs and safetensors headers), never 
 from __future__ import annotations
 
 import hashlib
-import json
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +14,8 @@ from typing import Any
 
 from safetensors import safe_open
 
+from registry.bounded_json import JsonTooDeep, loads_bounded
+from registry.checkpoint_cover import check_checkpoint_covers
 from registry.errors import InvalidSourceError
 from registry.folder_checks import (
     REMOTE_CODE_CONFIGS,
@@ -63,11 +64,18 @@ def model_files(folder: Path) -> list[Path]:
     )
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def _read_json(path: Path) -> Any:
+    """The JSON in `path`, read with the hub's depth bound (`MAX_JSON_DEPTH`)."""
     try:
-        data = json.loads(path.read_text())
+        return loads_bounded(path.read_bytes(), path.name)
+    except JsonTooDeep as e:
+        raise InvalidSourceError(str(e)) from None
     except (OSError, ValueError) as e:
         raise InvalidSourceError(f"{path.name} is not readable JSON: {e}") from e
+
+
+def _read_json_object(path: Path) -> dict[str, Any]:
+    data = _read_json(path)
     if not isinstance(data, dict):
         raise InvalidSourceError(f"{path.name} must hold a JSON object")
     return data
@@ -99,7 +107,7 @@ def detect_kind(folder: Path) -> tuple[str | None, str]:
     config_path = folder / "config.json"
     if not config_path.is_file():
         return None, "no config.json"
-    archs = _read_json(config_path).get("architectures") or []
+    archs = _read_json_object(config_path).get("architectures") or []
     evidence = f"config.json architectures {archs}"
     if any(a.endswith("ForCausalLM") for a in archs):
         return "llm", evidence
@@ -111,7 +119,7 @@ def detect_kind(folder: Path) -> tuple[str | None, str]:
 
 
 def _runtime_defaults(folder: Path, kind: str) -> dict[str, Any]:
-    config = _read_json(folder / "config.json") if (folder / "config.json").is_file() else {}
+    config = _read_json_object(folder / "config.json") if (folder / "config.json").is_file() else {}
     if kind == "llm":
         text = config.get("text_config", config)
         ctx = text.get("max_position_embeddings")
@@ -120,11 +128,11 @@ def _runtime_defaults(folder: Path, kind: str) -> dict[str, Any]:
         defaults: dict[str, Any] = {}
         modules_path = folder / "modules.json"
         if modules_path.is_file():
-            modules = json.loads(modules_path.read_text())
+            modules = _read_json(modules_path)
             defaults["normalize"] = any("Normalize" in m.get("type", "") for m in modules)
         st_config = folder / "sentence_bert_config.json"
         if st_config.is_file():
-            seq = _read_json(st_config).get("max_seq_length")
+            seq = _read_json_object(st_config).get("max_seq_length")
             if seq:
                 defaults["max_seq_length"] = int(seq)
         return defaults
@@ -145,13 +153,19 @@ def inspect_folder(
     `max_model_bytes`: the largest device budget, which the config's numbers must fit."""
     if kind not in KINDS:
         raise InvalidSourceError(f"unknown kind {kind!r}; expected one of {', '.join(KINDS)}")
-    if not folder.exists():
+    try:
+        exists, is_dir = folder.exists(), folder.is_dir()
+    except OSError as e:  # a name too long, say: the OS cannot look the path up
+        raise InvalidSourceError(f"source {folder} cannot be looked up: {e.strerror}") from None
+    if not exists:
         raise InvalidSourceError(f"source {folder} does not exist")
-    if not folder.is_dir():
+    if not is_dir:
         raise InvalidSourceError(f"source {folder} is not a folder")
     check_links(folder, link_root)
     files = model_files(folder)
-    configs = {n: _read_json(folder / n) for n in REMOTE_CODE_CONFIGS if (folder / n).is_file()}
+    configs = {
+        n: _read_json_object(folder / n) for n in REMOTE_CODE_CONFIGS if (folder / n).is_file()
+    }
     if "config.json" in configs:
         check_config_numbers(configs["config.json"], max_model_bytes=max_model_bytes)
     check_remote_code(folder, configs, files, trust_remote_code=trust_remote_code)
@@ -178,15 +192,26 @@ def inspect_folder(
         raise InvalidSourceError(
             f"source {folder} looks like a {detected}, not a {kind} ({evidence})"
         )
+    dtype = dominant_dtype(weights) if weights else "unknown"  # reads (checks) every header
     manifest = {p.relative_to(folder).as_posix(): sha256_file(p) for p in files}
     return InspectedSource(
         folder=folder,
         kind=kind,
         manifest=manifest,
         total_bytes=sum(p.stat().st_size for p in files),
-        dtype=dominant_dtype(weights) if weights else "unknown",
+        dtype=dtype,
         runtime_defaults=_checked_runtime_defaults(folder, kind),
     )
+
+
+def check_weights_cover_config(folder: Path, kind: str) -> None:
+    """Refuse an inspected `folder` whose safetensors lack weights its config.json's
+    architecture needs (see `registry.checkpoint_cover`); run once the architecture is known
+    to be servable, so an unsupported one is refused as such first."""
+    if not (folder / "config.json").is_file():
+        return
+    weights = [p for p in model_files(folder) if p.suffix == ".safetensors"]
+    check_checkpoint_covers(folder, kind, _read_json_object(folder / "config.json"), weights)
 
 
 def _checked_runtime_defaults(folder: Path, kind: str) -> dict[str, Any]:

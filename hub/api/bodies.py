@@ -5,12 +5,14 @@
 
 `UserBody` is a dependency on the bare `Request` alone: it checks the user key, takes the
 body (`request_body`: as the ingress read it, else from the connection now) and validates it
-with `model_validate_json` (pydantic's JSON parser, one pass). FastAPI's own body fields and
-header parameters would parse the JSON into a dict first and validate that, and solve a
-sub-dependency per header; on the hot routes (many small embedding and rerank requests) that
-machinery costs about as much event-loop time as everything else the route does, on cores
-the model needs. A malformed body gets a 400 naming the field, as FastAPI's own validation
-does here; `openapi_body` documents the model as the route's request body.
+with `model_validate_json` (pydantic's JSON parser, one pass), after refusing a body nested
+deeper than `MAX_JSON_DEPTH` (a 400 naming the limit); `parse_json_body` is the same bounded
+reading for routes that take a body of no fixed model (the webhook, `/rerank`'s dispatch).
+FastAPI's own body fields and header parameters would parse the JSON into a dict first and
+validate that, and solve a sub-dependency per header; on the hot routes (many small embedding
+and rerank requests) that machinery costs about as much event-loop time as everything else the
+route does, on cores the model needs. A malformed body gets a 400 naming the field, as
+FastAPI's own validation does here; `openapi_body` documents the model as the route's request body.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ from pydantic import BaseModel, ValidationError
 
 from hub.api.deps import hub_of
 from hub.api.ingress import ROUTE_KEY_HEADER, head_of
+from hub.errors import BadRequest
 from hub.outcome import ClientGone
+from registry.bounded_json import JsonTooDeep, loads_bounded, too_deep
 
 Body = TypeVar("Body", bound=BaseModel)
 
@@ -41,6 +45,8 @@ async def read_user_body(request: Request, model: type[Body]) -> Body:
         api_key = request.headers.get("x-api-key")
     await hub_of(request).auth.check(authorization, api_key, admin=False)
     raw = await request_body(request)
+    if too_deep(raw):
+        raise BadRequest(str(JsonTooDeep("the request body")), param="body")
     try:
         return model.model_validate_json(raw)
     except ValidationError as e:
@@ -61,6 +67,17 @@ async def request_body(request: Request) -> bytes:
         if head.body is not None:
             return head.body
     return await request.body()
+
+
+def parse_json_body(raw: bytes, what: str = "the request body") -> Any:
+    """The JSON value of `raw`: a 400 (`BadRequest`, param "body") when it is not JSON or is
+    nested deeper than `MAX_JSON_DEPTH`; never a RecursionError."""
+    try:
+        return loads_bounded(raw, what)
+    except JsonTooDeep as e:
+        raise BadRequest(str(e), param="body") from None
+    except ValueError as e:  # UnicodeDecodeError included
+        raise BadRequest(f"{what} is not JSON: {e}", param="body") from None
 
 
 def UserBody(model: type[Body]) -> Any:

@@ -35,7 +35,8 @@ from starlette.datastructures import QueryParams
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from hub.api.edge import EXEMPT_PREFIXES, Edge
+from hub.api.edge import EXEMPT_PREFIXES, Edge, answer_error
+from hub.api.header_limits import header_refusal
 from hub.api.limits import BodyLimitMiddleware
 from hub.api.placement import forwarded_route, place, tagged, to_replica
 from hub.placement.forwarding import Hop, incoming_hop
@@ -189,6 +190,9 @@ class Ingress:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        if (too_large := header_refusal(scope)) is not None:
+            await answer_error(send, too_large)
             return
         hub = _hub(scope)
         if hub is not None:  # every answer of this replica names it

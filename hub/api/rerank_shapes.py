@@ -51,6 +51,7 @@ from hub.catalog import Catalog
 from hub.errors import BadRequest
 from hub.routing import Route, Router
 from hub.traffic.replays import RerankReplay
+from registry.bounded_json import loads_bounded
 
 router = APIRouter(tags=["rerank"])
 
@@ -261,9 +262,9 @@ async def rerank_tei_or_jina(
     """TEI's request (it has `texts`) answered in TEI's shape; any other body is Jina's /
     Cohere v1's, answered as `/v1/rerank` answers it."""
     try:
-        peek = json.loads(await request_body(request))
-    except ValueError:
-        peek = None
+        peek = loads_bounded(await request_body(request))
+    except ValueError:  # not JSON or nested too deep: the user-key check comes first, then
+        peek = None  # the body's own parse answers the 400
     if isinstance(peek, dict) and "texts" in peek:
         return await _tei_rerank(request, route_key, router, catalog, serving)
     body = await read_user_body(request, RerankCreate)

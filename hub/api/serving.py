@@ -16,7 +16,7 @@ from hub.serving import (
     Kind,
     Serving,
 )
-from hub.units import parse_duration
+from hub.units import parse_keep_alive
 
 __all__ = [
     "EMBEDDER",
@@ -31,9 +31,9 @@ __all__ = [
 
 
 def _keep_alive(value: Any) -> float | None:
-    return None if value is None else parse_duration(value)
+    return None if value is None else parse_keep_alive(value)
 
 
-# Ollama's keep_alive on a request: a duration ("5m", 30), -1 to keep forever, 0 to unload
-# right after the request.
+# Ollama's keep_alive on a request: a duration ("5m", 30) of at most a year, -1 to keep
+# forever, 0 to unload right after the request.
 KeepAlive = Annotated[float | None, BeforeValidator(_keep_alive)]

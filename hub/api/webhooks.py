@@ -4,12 +4,12 @@ Authenticated by MLflow's HMAC signature (not an API key: MLflow cannot send one
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Request
 
+from hub.api.bodies import parse_json_body
 from hub.api.deps import ReconcilerDep, WebhooksDep
 from hub.errors import BadRequest, NotFound
 
@@ -30,10 +30,7 @@ async def mlflow_webhook(
         raise NotFound("MLflow webhooks are not enabled (set registry.webhook_secret)")
     body = await request.body()
     webhooks.verify(x_mlflow_signature, x_mlflow_timestamp, x_mlflow_delivery_id, body)
-    try:
-        event = json.loads(body)
-    except ValueError as e:  # UnicodeDecodeError included
-        raise BadRequest(f"the webhook body is not JSON: {e}", param="body") from None
+    event = parse_json_body(body, "the webhook body")
     if not isinstance(event, dict):
         raise BadRequest("the webhook body must be a JSON object (an MLflow event)", param="body")
     what = f"{event.get('entity')}.{event.get('action')}: {event.get('data')}"

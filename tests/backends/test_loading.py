@@ -3,6 +3,7 @@ weights it overwrites, and without touching models built in other threads."""
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 
@@ -10,8 +11,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from backends.errors import LoadError
 from backends.loading import load_causal_lm, skip_parameter_init
 from backends.tiny import build_tiny_llm
+from tests.support.checkpoints import drop_tensor
 
 
 def logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
@@ -74,3 +77,23 @@ def test_skipping_parameter_init_is_local_to_the_thread() -> None:
     drawn = torch.rand(1)
     torch.manual_seed(0)
     assert torch.equal(drawn, torch.rand(1))
+
+
+def test_a_checkpoint_missing_weights_of_its_config_fails_to_load(tmp_path: Path) -> None:
+    # A config declaring 4 layers over a 2-layer checkpoint: the other layers would be random.
+    folder = build_tiny_llm(tmp_path / "llm", "llama")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 4}))
+    with pytest.raises(LoadError, match=r"lacks \d+ weights") as e:
+        load_causal_lm(folder, "cpu")
+    assert "layers.2." in str(e.value)
+
+
+def test_tied_output_weights_are_not_missing(tmp_path: Path) -> None:
+    # tie_word_embeddings: the checkpoint holds the embedding once; the head shares it.
+    folder = build_tiny_llm(tmp_path / "llm", "llama")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    drop_tensor(folder / "model.safetensors", "lm_head.weight")
+    model = load_causal_lm(folder, "cpu")
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
