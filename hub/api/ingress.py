@@ -247,12 +247,15 @@ class Ingress:
         if not target:
             await self.app(scope, receive, send)
             return
-        authorization, api_key = _credentials(scope)
         try:
-            await hub.auth.check(authorization, api_key, admin=True)
-            if target == hub.placement.id:
-                await self.app(scope, receive, send)
-                return
+            await hub.auth.check(*_credentials(scope), admin=True)
+        except HubError as e:
+            await answer_error(send, e)
+            return
+        if target == hub.placement.id:
+            await self.app(scope, receive, send)
+            return
+        try:
             body = await read_body(receive)
         except HubError as e:
             await answer_error(send, e)

@@ -201,7 +201,7 @@ class HopSigner:
         digest = hashlib.sha256(body).hexdigest().encode()
         message = b"\n".join([
             b"hub-hop-v1", method.upper().encode(), target, digest,
-            by.encode("latin-1"), (route or "").encode("latin-1"), at.encode(),
+            _raw(by), _raw(route or ""), at.encode(),
         ])  # fmt: skip
         return hmac.new(key, message, hashlib.sha256).hexdigest()
 
@@ -213,6 +213,16 @@ _REASONS = {
     "every replica?)",
     "stale": f"signed more than {HOP_MAX_SKEW:g}s away from this replica's clock",
 }
+
+
+def _text(header: bytes) -> str:
+    """A header value as text that `_raw` turns back into the same bytes, whatever they are."""
+    return header.decode("utf-8", "surrogateescape")
+
+
+def _raw(text: str) -> bytes:
+    """The bytes of a header value: what `Forwarder.forward` sends, what `_text` read."""
+    return text.encode("utf-8", "surrogateescape")
 
 
 def claims_hop(scope: Scope) -> bool:
@@ -235,11 +245,11 @@ def incoming_hop(scope: Scope, body: bytes, signer: HopSigner) -> Hop | None:
     by = route = signature = None
     for name, value in scope["headers"]:
         if name == _FORWARDED_BY:
-            by = value.decode("latin-1")
+            by = _text(value)
         elif name == _ROUTE:
-            route = value.decode("latin-1")
+            route = _text(value)
         elif name == _SIGNATURE:
-            signature = value.decode("latin-1")
+            signature = _text(value)
     if not by:
         return None
     target = request_target(scope)

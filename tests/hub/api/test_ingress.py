@@ -229,3 +229,17 @@ def test_one_table_classifies_every_path_the_ingress_decides_for() -> None:
     for other in ("/v1/models", "/models/emb/chat", "/admin/models", "/health/live",
                   "/admin/registry/models/emb/versions/1/promote"):  # fmt: skip
         assert seen(other) is None
+
+
+async def test_without_the_hop_secret_every_request_is_served_here(
+    placed: tuple[FastAPI, httpx.AsyncClient, RecordingPeer],
+) -> None:
+    app, client, peer = placed
+    placement = app.state.hub.placement
+    placement.forwarder.signer = HopSigner(None)  # as a replica started without one
+    assert not placement.active
+    for i in range(8):
+        r = await client.post("/v1/embeddings", json={"model": "emb", "input": [f"t {i}"]},
+                              headers={"X-Hub-Route-Key": f"caller-{i}"})  # fmt: skip
+        assert r.status_code == 200 and r.headers["x-hub-replica"] == placement.id
+    assert peer.seen == []
