@@ -273,6 +273,10 @@ class EngineSettings(_Section):
 # ---- scale-out: replica membership ---------------------------------------------------------
 
 
+# The shortest replica.hop_secret accepted: a guessable secret would let anyone re-route.
+MIN_HOP_SECRET = 16
+
+
 class ReplicaSettings(_Section):
     """How this hub process announces itself to the other replicas sharing its database."""
 
@@ -305,6 +309,39 @@ class ReplicaSettings(_Section):
     # A peer whose last heartbeat reported this many queued requests (in flight plus waiting
     # for a load) takes no forwards; the request goes to the next holder or is served here.
     forward_max_queue_depth: int = Field(default=32, ge=1)
+    # The secret every replica of one database shares: a request a replica forwards carries
+    # an HMAC of it (method, path, body, route, time), and a replica obeys the hop headers
+    # of a request only when they are signed with it. Without it placement is off (every
+    # request is served where it lands) and hop headers are ignored. `hop_secret_file`: a
+    # file holding it (a mounted Kubernetes Secret), read once at start; set one of the two.
+    hop_secret: SecretStr | None = None
+    hop_secret_file: Path | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _secret_from_file(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or data.get("hop_secret_file") is None:
+            return data
+        if data.get("hop_secret") is not None:
+            raise ValueError("set one of replica.hop_secret and replica.hop_secret_file")
+        path = Path(data["hop_secret_file"])
+        try:
+            secret = path.read_text().strip()
+        except OSError as e:
+            raise ValueError(f"hop_secret_file {str(path)!r} cannot be read: {e.strerror}") from e
+        except UnicodeDecodeError as e:
+            raise ValueError(f"hop_secret_file {str(path)!r} is not text: {e}") from e
+        return {**data, "hop_secret": secret}
+
+    @validator("hop_secret")
+    @classmethod
+    def _long_enough(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is not None and len(v.get_secret_value()) < MIN_HOP_SECRET:
+            raise ValueError(
+                f"replica.hop_secret has fewer than {MIN_HOP_SECRET} characters; "
+                "make one with `openssl rand -hex 32`"
+            )
+        return v
 
     @model_validator(mode="after")
     def _expiry_after_beats(self) -> ReplicaSettings:

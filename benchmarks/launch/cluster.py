@@ -5,12 +5,18 @@ cache, as a pod's) on its own port.
 Multi-process topologies are expensive to start (tens of seconds on two cores), so tests share
 one `Cluster` (see tests/hub/replicas/conftest.py) and leave it as they found it: a test that
 kills a replica or MLflow starts it again before it ends (`Replica.restart`, `MlflowServer.start`).
+
+The replicas share a `replica.hop_secret` (a fresh one per cluster unless the config names
+one), as a Kubernetes deployment's do: without it they would not place requests.
+`Replica.post_here` sends a request signed as a peer's forward, served where it lands.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -26,6 +32,7 @@ from sqlalchemy import Engine, create_engine
 
 from benchmarks.launch.postgres import throwaway_postgres
 from benchmarks.launch.process import REPO, free_port, read_log
+from hub.placement.forwarding import HopSigner, hop_headers
 
 
 def wait_for(condition: Callable[[], bool], what: str, within: float = 60) -> None:
@@ -103,6 +110,7 @@ class Replica:
     folder: Path
     port: int = field(default_factory=free_port)
     env: Mapping[str, str] = field(default_factory=dict)
+    hop_secret: str | None = None
     proc: subprocess.Popen[str] | None = None
     _log: TextIO | None = None
 
@@ -177,6 +185,16 @@ class Replica:
     def post(self, path: str, **kwargs: Any) -> httpx.Response:
         return httpx.post(f"{self.base}{path}", timeout=kwargs.pop("timeout", 60), **kwargs)
 
+    def post_here(
+        self, path: str, body: Any, headers: Mapping[str, str] | None = None, timeout: float = 60
+    ) -> httpx.Response:
+        """POST `body` as JSON with the hop headers a forwarding peer signs: this replica
+        serves it itself, whatever placement would decide (no version named: it routes it)."""
+        content = json.dumps(body).encode()
+        hop = hop_headers(HopSigner(self.hop_secret), "POST", path, content, "test")
+        headers = {"content-type": "application/json", **(headers or {}), **hop}
+        return self.post(path, content=content, headers=headers, timeout=timeout)
+
     def put(self, path: str, **kwargs: Any) -> httpx.Response:
         return httpx.put(f"{self.base}{path}", timeout=kwargs.pop("timeout", 60), **kwargs)
 
@@ -210,14 +228,18 @@ def running_cluster(
 ) -> Iterator[Cluster]:
     """Start PostgreSQL, MLflow, then `replicas` hubs at the same instant on the empty
     database, with `config` plus `database_url` and `mlflow_tracking_uri` filled in; yield once
-    every replica is ready; stop everything at the end."""
+    every replica is ready; stop everything at the end. The replicas share `replica.hop_secret`:
+    the config's, else a fresh one."""
     with throwaway_postgres(("hub", "mlflow")) as urls:
         mlflow = MlflowServer(urls["mlflow"], root)
         mlflow.start()
+        peers = dict(config.get("replica", {}))
+        peers.setdefault("hop_secret", secrets.token_hex(32))
         full = {
             **config,
             "database_url": urls["hub"],
             "mlflow_tracking_uri": mlflow.url,
+            "replica": peers,
         }
         config_path = root / "hub.yaml"
         config_path.write_text(yaml.safe_dump(full))
@@ -225,7 +247,8 @@ def running_cluster(
         for i in range(replicas):
             folder = root / f"replica-{i}"
             folder.mkdir()
-            members.append(Replica(i, config_path, folder, env=dict(env or {})))
+            members.append(Replica(i, config_path, folder, env=dict(env or {}),
+                                   hop_secret=peers["hop_secret"]))  # fmt: skip
         engine = create_engine(urls["hub"])
         try:
             for replica in members:

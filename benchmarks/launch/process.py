@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -121,12 +122,14 @@ def hub_processes(
 ) -> Iterator[list[tuple[str, subprocess.Popen[str]]]]:
     """Start one `hub serve --config CONFIG` per folder of `cwds` at the same instant, each
     on a free port; yield [(base URL, process)] once every one is ready. Each is stopped with
-    SIGINT (a clean shutdown) at the end, unless it is gone already."""
+    SIGINT (a clean shutdown) at the end, unless it is gone already. They share a fresh
+    `replica.hop_secret` (HUB_REPLICA__HOP_SECRET), as replicas must to place requests."""
     started = []
+    env = {"HUB_REPLICA__HOP_SECRET": secrets.token_hex(32)}
     try:
         for cwd in cwds:
             port = free_port()
-            started.append((f"http://127.0.0.1:{port}", *_spawn(config, cwd, port, None)))
+            started.append((f"http://127.0.0.1:{port}", *_spawn(config, cwd, port, env)))
         deadline = time.monotonic() + timeout
         for base, proc, log in started:
             _wait_ready(base, proc, log, deadline)

@@ -10,16 +10,19 @@ In order, for an HTTP request:
    serves, the label it is counted under, whether the model is in the path or the body),
    the model as the caller named it, the caller's credentials, the route key and, where a
    decision needs them, the body bytes, read here once under the body limit;
-4. the saturation refusal (a model whose queue is over its bound: hub.api.edge), the
-   admin `?replica=` forwarding and the placement decision (hub.api.placement), each from
-   the head;
+4. the hop check (a request whose hop headers a peer signed is served here, with the
+   version they name: hub.placement.forwarding.incoming_hop; unsigned ones are ignored), the
+   saturation refusal (a model whose queue is over its bound: hub.api.edge) and the
+   placement decision (hub.api.placement), each from the head; for an admin call naming a
+   replica (`?replica=<id>`), the admin key check and then the forwarding there;
 5. the route, with the head in the scope (`head_of`): it takes the body from the head
    (hub.api.bodies.request_body) and serves the route decided here, if any
    (hub.api.deps.get_router), so nothing is read or routed twice.
 
 The body is read here only when a decision needs what is in it: the model of a body-named
-route while some model is saturated, and any inference body while placement is active
-(forwarding sends it on). Otherwise the route reads it, through the same limit. A body that
+route while some model is saturated, any inference body while placement is active
+(forwarding sends it on), and the body of a request claiming a hop (its signature covers
+the body). Otherwise the route reads it, through the same limit. A body that
 cannot be read (over the limit, the client gone) or parsed (not JSON) decides nothing here:
 the route gives its own answer (413, 400).
 """
@@ -33,13 +36,14 @@ from typing import Any
 
 from starlette.datastructures import QueryParams
 from starlette.requests import ClientDisconnect
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from hub.api.edge import EXEMPT_PREFIXES, Edge, answer_error
 from hub.api.header_limits import header_refusal
 from hub.api.limits import BodyLimitMiddleware
 from hub.api.placement import forwarded_route, place, tagged, to_replica
-from hub.placement.forwarding import Hop, incoming_hop
+from hub.errors import HubError
+from hub.placement.forwarding import Hop, claims_hop, incoming_hop
 from hub.routing import Route
 from hub.traffic.in_flight import InFlightMiddleware
 
@@ -114,7 +118,8 @@ class Head:
 
     `model` is the model as the caller named it (the path's, else the body's `model` once
     the body is read; None while unknown); `route_key` the `X-Hub-Route-Key` header, else the
-    body's `user`; `body` the bytes read here (None: not read, the route reads them) and
+    body's `user`; `hop` its hop headers when a peer signed them (hub.placement.forwarding);
+    `body` the bytes read here (None: not read, the route reads them) and
     `parsed` whether they are a JSON object; `error` why they could not be read (the route
     raises it); `route` the version decided here (None: the route routes as usual)."""
 
@@ -123,7 +128,7 @@ class Head:
     authorization: str | None
     api_key: str | None
     route_key: str | None
-    hop: Hop | None
+    hop: Hop | None = None
     body: bytes | None = None
     parsed: bool = False
     error: Exception | None = None
@@ -215,40 +220,90 @@ class Ingress:
             await self.app(scope, receive, send)
             return
         endpoint, model = found
-        hop = incoming_hop(scope)
         if endpoint.serves is None:
-            target = QueryParams(scope["query_string"]).get("replica")
-            if target and target != hub.placement.id and hop is None:
-                await to_replica(hub.placement, target, scope, lambda: read_body(receive), send)
-            else:
-                await self.app(scope, receive, send)
+            await self._admin(hub, scope, receive, send)
             return
-        head = _head(scope, endpoint, model, hop)
+        head = _head(scope, endpoint, model)
         scope[HEAD] = head
-        placing = hop is None and hub.placement.active
-        if placing or (not endpoint.in_path and hub.saturation):
+        signer = hub.placement.signer
+        claimed = claims_hop(scope)
+        placing = hub.placement.active
+        # A hop's signature covers the body: a request claiming one is read here to check it.
+        if (claimed and signer.enabled) or placing or (not endpoint.in_path and hub.saturation):
             await head.read(receive)
+        if claimed and head.error is None:
+            head.hop = incoming_hop(scope, head.body or b"", signer)
         saturated = self.edge.saturated(hub, head)
         if saturated is not None:
             await self.edge.refuse_saturated(hub, head, send, saturated)
             return
-        if hop is not None:
-            head.route = await forwarded_route(hop, hub)
+        if head.hop is not None:
+            head.route = await forwarded_route(head.hop, hub)
         elif placing and await place(hub, head, scope, receive, send):
             return
         await self.app(scope, receive, send)
 
+    async def _admin(self, hub: Any, scope: Scope, receive: Receive, send: Send) -> None:
+        """An admin load/unload/pin/unpin. With `?replica=<id>` the caller's admin key is
+        checked first, before that replica is looked up, then the call is sent to it unless
+        it is this one (or a peer signed it over: it was sent here already)."""
+        target = QueryParams(scope["query_string"]).get("replica")
+        if not target:
+            await self.app(scope, receive, send)
+            return
+        try:
+            await hub.auth.check(*_credentials(scope), admin=True)
+        except HubError as e:
+            await answer_error(send, e)
+            return
+        if target == hub.placement.id:
+            await self.app(scope, receive, send)
+            return
+        try:
+            body = await read_body(receive)
+        except HubError as e:
+            await answer_error(send, e)
+            return
+        except ClientDisconnect:  # nobody is left to answer
+            return
+        hop = incoming_hop(scope, body, hub.placement.signer) if claims_hop(scope) else None
+        if hop is None:
+            await to_replica(hub.placement, target, scope, body, send)
+        else:
+            await self.app(scope, _replay(body, receive), send)
 
-def _head(scope: Scope, endpoint: Endpoint, model: str | None, hop: Hop | None) -> Head:
-    authorization = api_key = route_key = None
+
+def _credentials(scope: Scope) -> tuple[str | None, str | None]:
+    """The `Authorization` and `X-API-Key` headers of a request."""
+    authorization = api_key = None
     for name, value in scope["headers"]:
         if name == b"authorization":
             authorization = value.decode("latin-1")
         elif name == b"x-api-key":
             api_key = value.decode("latin-1")
-        elif name == _ROUTE_KEY:
+    return authorization, api_key
+
+
+def _head(scope: Scope, endpoint: Endpoint, model: str | None) -> Head:
+    route_key = None
+    for name, value in scope["headers"]:
+        if name == _ROUTE_KEY:
             route_key = value.decode("latin-1") or None
-    return Head(endpoint, model, authorization, api_key, route_key, hop)
+    return Head(endpoint, model, *_credentials(scope), route_key)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """`receive` that first hands over `body`, already read, then passes on what comes."""
+    given = False
+
+    async def replaying() -> Message:
+        nonlocal given
+        if given:
+            return await receive()
+        given = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replaying
 
 
 def _hub(scope: Scope) -> Any:

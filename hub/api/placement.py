@@ -6,11 +6,12 @@ ingress's head, `Placement` says where that version is served, and the request i
 forwarded or left to the route with the decided version in its head (`Head.route`;
 `hub.api.deps.get_router` serves it, so the route does not route again).
 
-`forwarded_route`: a request that a peer forwarded (`X-Hub-Forwarded-By`, read by
-hub.placement.forwarding.incoming_hop) is always served here, with the version its
-`X-Hub-Route` names. `to_replica`: an admin load, unload, pin or unpin with `?replica=<id>`
-naming another live replica is sent there. `tagged`: every answer of this replica, whatever
-the path, carries `X-Hub-Replica: <id>`; a forwarded answer keeps the one the peer set.
+`forwarded_route`: a request that a peer forwarded (`X-Hub-Forwarded-By`, read and its
+signature checked by hub.placement.forwarding.incoming_hop) is always served here, with the
+version its `X-Hub-Route` names. `to_replica`: an admin load, unload, pin or unpin with
+`?replica=<id>` naming another live replica is sent there (its admin key checked first, by
+the ingress). `tagged`: every answer of this replica, whatever the path, carries
+`X-Hub-Replica: <id>`; a forwarded answer keeps the one the peer set.
 
 With placement off, or no live peer, nothing here is asked (one replica behaves as it always
 did). A request whose model cannot be read (not JSON, no `model`) or routed is left to the
@@ -23,7 +24,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
 from starlette.types import Message, Receive, Scope, Send
@@ -104,14 +105,10 @@ def _named_route(value: str | None, router: Router) -> Route | None:
 
 
 async def to_replica(
-    placement: Placement,
-    target: str,
-    scope: Scope,
-    read: Callable[[], Awaitable[bytes]],
-    send: Send,
+    placement: Placement, target: str, scope: Scope, body: bytes, send: Send
 ) -> None:
-    """An admin load/unload/pin/unpin naming another replica (`?replica=<id>`), sent there
-    with its body (`read` reads it)."""
+    """An admin load/unload/pin/unpin naming another replica (`?replica=<id>`), its caller
+    already authenticated, sent there with its body."""
     peer = placement.peer(target)
     try:
         if peer is None:
@@ -119,7 +116,6 @@ async def to_replica(
                 f"replica {target!r} is not live; GET /admin/replicas lists the live ones",
                 param="replica",
             )
-        body = await read()
         try:
             await placement.forwarder.forward(peer.address, scope, body, None, send)
         except PeerUnreachable as e:

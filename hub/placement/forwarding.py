@@ -8,6 +8,14 @@ The answer comes back status, headers and body chunk by chunk: a server-sent-eve
 reaches the caller as the peer writes it. The peer's answer names the version
 (`X-Hub-Model-Version`) and the replica that served it (`X-Hub-Replica`).
 
+Hop headers are obeyed only when a peer signed them (`HopSigner`): `X-Hub-Hop-Signature`
+carries the time of forwarding and an HMAC-SHA256, keyed with `replica.hop_secret`, of the
+method, the path with its query, the SHA-256 of the body, both hop headers and that time.
+A hop header that is unsigned, signed with another key, or signed more than
+`HOP_MAX_SKEW` seconds away from this replica's clock is ignored: the request is a
+client's like any other (routed, placed and authenticated as such). A replica without the
+secret signs nothing and trusts nothing.
+
 Failures, by when they happen:
 - before the peer answered anything (connection refused, reset, closed: it just died, or a
   pooled connection to it went stale): `PeerUnreachable`, and the caller may send the request
@@ -20,7 +28,11 @@ Failures, by when they happen:
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
@@ -34,7 +46,14 @@ log = logging.getLogger(__name__)
 
 FORWARDED_BY = "X-Hub-Forwarded-By"
 ROUTE_HEADER = "X-Hub-Route"
+SIGNATURE_HEADER = "X-Hub-Hop-Signature"
 REPLICA_HEADER = "X-Hub-Replica"
+# How far a hop's signing time may be from this replica's clock (either way): forwarding
+# takes milliseconds, pods' clocks are kept by NTP, and a captured request cannot be
+# replayed for longer than this.
+HOP_MAX_SKEW = 30.0
+# Ignored hop headers are logged at most this often per reason (the metric counts each).
+LOG_EVERY = 60.0
 
 # RFC 9110 7.6.1 hop-by-hop headers, plus what the client library sets for the new request.
 _HOP = frozenset(
@@ -45,7 +64,8 @@ _HOP = frozenset(
 )  # fmt: skip
 _HOP_ANSWER = _HOP - {b"content-length"}
 _FORWARDED_BY, _ROUTE = FORWARDED_BY.lower().encode(), ROUTE_HEADER.lower().encode()
-_OURS = frozenset({_FORWARDED_BY, _ROUTE})
+_SIGNATURE = SIGNATURE_HEADER.lower().encode()
+_OURS = frozenset({_FORWARDED_BY, _ROUTE, _SIGNATURE})
 
 # Connections kept open to peers (keep-alive), and the most opened at once.
 POOL_CONNECTIONS = 256
@@ -94,24 +114,162 @@ def parse_route_header(value: str) -> tuple[str, str, bool, str | None, bool]:
 
 @dataclass(frozen=True)
 class Hop:
-    """What a request forwarded by a peer says of itself: `by`, the replica that forwarded
-    it; `route`, the `X-Hub-Route` value it decided (None: not named)."""
+    """What a request forwarded by a peer says of itself, its signature checked: `by`, the
+    replica that forwarded it; `route`, the `X-Hub-Route` value it decided (None: not named)."""
 
     by: str
     route: str | None
 
 
-def incoming_hop(scope: Scope) -> Hop | None:
-    """The hop headers of a request a peer forwarded here (None: it came from a client).
+class HopSigner:
+    """Signs the hop headers of requests this replica forwards and checks those of requests
+    it receives, with `secret` (None: signs nothing, trusts nothing; `enabled` is False).
+    `clock` gives wall-clock seconds (the peers' clocks are compared); `refused(reason)` is
+    called for each hop header ignored: `unsigned`, `no_secret`, `bad_signature`, `stale`."""
+
+    def __init__(
+        self,
+        secret: str | None,
+        *,
+        clock: Callable[[], float] = time.time,
+        refused: Callable[[str], None] | None = None,
+    ) -> None:
+        self._key = secret.encode() if secret else None
+        self._clock = clock
+        self.refused = refused
+        self._logged: dict[str, float] = {}  # reason -> when it was last logged (monotonic)
+
+    @classmethod
+    def for_settings(cls, settings: ReplicaSettings) -> HopSigner:
+        secret = settings.hop_secret
+        return cls(secret.get_secret_value() if secret is not None else None)
+
+    @property
+    def enabled(self) -> bool:
+        return self._key is not None
+
+    def sign(
+        self, method: str, target: bytes, body: bytes, by: str, route: str | None
+    ) -> str | None:
+        """The `X-Hub-Hop-Signature` value for a request to `target` (its raw path with
+        `?query`); None without a secret."""
+        if self._key is None:
+            return None
+        at = f"{self._clock():.3f}"
+        return f"t={at},v1={self._mac(self._key, method, target, body, by, route, at)}"
+
+    def verify(
+        self, method: str, target: bytes, body: bytes, by: str, route: str | None, value: str | None
+    ) -> bool:
+        """Whether `value` signs these hop headers, recently, with this replica's secret."""
+        reason = self._problem(method, target, body, by, route, value)
+        if reason is None:
+            return True
+        now = time.monotonic()
+        if now - self._logged.get(reason, -LOG_EVERY) >= LOG_EVERY:  # a flood logs one line
+            self._logged[reason] = now
+            log.warning("hop headers (%s %r) of a request to %s ignored: %s", FORWARDED_BY, by,
+                        target.decode("latin-1"), _REASONS[reason])  # fmt: skip
+        if self.refused is not None:
+            self.refused(reason)
+        return False
+
+    def _problem(
+        self, method: str, target: bytes, body: bytes, by: str, route: str | None, value: str | None
+    ) -> str | None:
+        if self._key is None:
+            return "no_secret"
+        if not value:
+            return "unsigned"
+        fields = dict(part.partition("=")[::2] for part in value.split(","))
+        at, mac = fields.get("t", ""), fields.get("v1", "")
+        try:
+            when = float(at)
+        except ValueError:
+            return "bad_signature"
+        expected = self._mac(self._key, method, target, body, by, route, at)
+        if not hmac.compare_digest(mac.encode(), expected.encode()):
+            return "bad_signature"
+        if not abs(self._clock() - when) <= HOP_MAX_SKEW:
+            return "stale"
+        return None
+
+    @staticmethod
+    def _mac(
+        key: bytes, method: str, target: bytes, body: bytes, by: str, route: str | None, at: str
+    ) -> str:
+        digest = hashlib.sha256(body).hexdigest().encode()
+        message = b"\n".join([
+            b"hub-hop-v1", method.upper().encode(), target, digest,
+            _raw(by), _raw(route or ""), at.encode(),
+        ])  # fmt: skip
+        return hmac.new(key, message, hashlib.sha256).hexdigest()
+
+
+_REASONS = {
+    "no_secret": "replica.hop_secret is not set here, so no hop is trusted",
+    "unsigned": f"no {SIGNATURE_HEADER}",
+    "bad_signature": f"{SIGNATURE_HEADER} does not match (is replica.hop_secret the same on "
+    "every replica?)",
+    "stale": f"signed more than {HOP_MAX_SKEW:g}s away from this replica's clock",
+}
+
+
+def _text(header: bytes) -> str:
+    """A header value as text that `_raw` turns back into the same bytes, whatever they are."""
+    return header.decode("utf-8", "surrogateescape")
+
+
+def _raw(text: str) -> bytes:
+    """The bytes of a header value: what `Forwarder.forward` sends, what `_text` read."""
+    return text.encode("utf-8", "surrogateescape")
+
+
+def claims_hop(scope: Scope) -> bool:
+    """Whether the request carries `X-Hub-Forwarded-By` (signed or not: see `incoming_hop`)."""
+    return any(name == _FORWARDED_BY for name, _ in scope["headers"])
+
+
+def request_target(scope: Scope) -> bytes:
+    """The raw path of the request with `?query`, as a signature covers it."""
+    path: bytes = scope.get("raw_path") or scope["path"].encode()
+    query: bytes = scope.get("query_string", b"")
+    return path + b"?" + query if query else path
+
+
+def incoming_hop(scope: Scope, body: bytes, signer: HopSigner) -> Hop | None:
+    """The hop headers of a request a peer forwarded here, `body` its whole body; None when
+    it came from a client, or its hop headers are not signed by a peer (`HopSigner.verify`).
     The one place a request's incoming hop headers are read; `Forwarder.forward` is the one
     place they are written."""
-    by = route = None
+    by = route = signature = None
     for name, value in scope["headers"]:
         if name == _FORWARDED_BY:
-            by = value.decode("latin-1")
+            by = _text(value)
         elif name == _ROUTE:
-            route = value.decode("latin-1")
-    return Hop(by, route) if by else None
+            route = _text(value)
+        elif name == _SIGNATURE:
+            signature = _text(value)
+    if not by:
+        return None
+    target = request_target(scope)
+    if not signer.verify(scope["method"], target, body, by, route, signature):
+        return None
+    return Hop(by, route)
+
+
+def hop_headers(
+    signer: HopSigner, method: str, target: str, body: bytes, by: str, route: str | None = None
+) -> dict[str, str]:
+    """The hop headers a peer `by` sends with a request to `target` (a path, with its query),
+    signed: what `Forwarder.forward` adds, for a client that acts as a replica (tests)."""
+    headers = {FORWARDED_BY: by}
+    if route is not None:
+        headers[ROUTE_HEADER] = route
+    signature = signer.sign(method, httpx.URL(target).raw_path, body, by, route)
+    if signature is not None:
+        headers[SIGNATURE_HEADER] = signature
+    return headers
 
 
 class Forwarder:
@@ -121,9 +279,12 @@ class Forwarder:
     also when the answer was cut mid-way: the caller's response is then incomplete), or
     raises `PeerUnreachable` having sent nothing, or `PeerTimeout` having sent nothing."""
 
-    def __init__(self, settings: ReplicaSettings, replica_id: str) -> None:
+    def __init__(
+        self, settings: ReplicaSettings, replica_id: str, signer: HopSigner | None = None
+    ) -> None:
         self.replica_id = replica_id
         self.settings = settings
+        self.signer = signer if signer is not None else HopSigner.for_settings(settings)
         connect = settings.forward_connect_timeout
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(settings.forward_timeout, connect=connect, pool=connect),
@@ -143,14 +304,19 @@ class Forwarder:
         """Forward the request of `scope` (its body already read) to the replica at
         `address`, naming `route` (None: not an inference request); returns the peer's
         status."""
-        query = scope.get("query_string", b"")
-        path: bytes = scope.get("raw_path") or scope["path"].encode()
-        url = address + path.decode("latin-1") + (("?" + query.decode("latin-1")) if query else "")
+        url = address + request_target(scope).decode("latin-1")
         headers = [(k, v) for k, v in scope["headers"] if k not in _HOP and k not in _OURS]
+        named = route_header(route) if route is not None else None
         headers.append((FORWARDED_BY.encode(), self.replica_id.encode()))
-        if route is not None:
-            headers.append((ROUTE_HEADER.encode(), route_header(route).encode()))
+        if named is not None:
+            headers.append((ROUTE_HEADER.encode(), named.encode()))
         request = self.client.build_request(scope["method"], url, headers=headers, content=body)
+        # Signed as it goes out: the peer checks the path it receives, as httpx sends it.
+        signature = self.signer.sign(
+            scope["method"], request.url.raw_path, body, self.replica_id, named
+        )
+        if signature is not None:
+            request.headers[SIGNATURE_HEADER] = signature
         try:
             response = await self.client.send(request, stream=True)
         except httpx.TimeoutException as e:

@@ -34,3 +34,11 @@ class PlacementMetrics:
             "have had to load or restore",
             registry=registry,
         )
+        self.hops_refused = Counter(
+            "hub_hops_refused_total",
+            "Requests whose hop headers (X-Hub-Forwarded-By) were ignored, so they were "
+            "served as a client's: unsigned, no_secret (replica.hop_secret not set here), "
+            "bad_signature (another secret: check every replica has the same), stale",
+            ["reason"],
+            registry=registry,
+        )

@@ -1,5 +1,7 @@
 """Placement for one replica: decides where a routed request is served and forwards it (the
-HTTP side is the ingress's placement step in hub.api.placement).
+HTTP side is the ingress's placement step in hub.api.placement). It needs
+`replica.hop_secret`: without it no forward could be signed, and every request is served
+where it lands.
 
 `decide(route)` turns what the manager holds here and what the peers' last heartbeats say
 (`Membership.peers`) into the pure decision's inputs (hub.placement.decision); `forward`
@@ -31,7 +33,13 @@ from hub.placement.decision import (
     decide,
     spare_copies,
 )
-from hub.placement.forwarding import ForwardBroken, Forwarder, PeerTimeout, PeerUnreachable
+from hub.placement.forwarding import (
+    ForwardBroken,
+    Forwarder,
+    HopSigner,
+    PeerTimeout,
+    PeerUnreachable,
+)
 from hub.placement.metrics import PlacementMetrics
 from hub.replicas import Membership
 from hub.routing import Route
@@ -80,6 +88,7 @@ class Placement:
         self._suspects: dict[str, float] = {}
         self._reclaimer: asyncio.Task[None] | None = None
         self._announcing: set[asyncio.Task[None]] = set()
+        self._warned_unsigned = False
 
     @classmethod
     def for_hub(
@@ -91,13 +100,19 @@ class Placement:
         registry: CollectorRegistry,
     ) -> Placement:
         """Wired to the hub's membership (peers), manager (what is here) and metrics."""
+        metrics = PlacementMetrics(registry)
+        secret = settings.replica.hop_secret
+        signer = HopSigner(
+            secret.get_secret_value() if secret is not None else None,
+            refused=lambda reason: metrics.hops_refused.labels(reason).inc(),
+        )
         return cls(
             settings.replica,
             membership,
             manager,
             catalog,
-            Forwarder(settings.replica, membership.id),
-            PlacementMetrics(registry),
+            Forwarder(settings.replica, membership.id, signer),
+            metrics,
             overhead_bytes=settings.manager.load_overhead_bytes,
         )
 
@@ -156,8 +171,22 @@ class Placement:
         return self.membership.id
 
     @property
+    def signer(self) -> HopSigner:
+        return self.forwarder.signer
+
+    @property
     def active(self) -> bool:
-        return self.settings.placement and bool(self._live_peers())
+        """Placement is on, this replica has live peers, and the secret to sign forwards."""
+        if not self.settings.placement or not self._live_peers():
+            return False
+        if not self.signer.enabled:
+            if not self._warned_unsigned:
+                self._warned_unsigned = True
+                log.warning("replica.placement is on and peers are live, but replica.hop_secret "
+                            "is not set: every request is served here; set the same secret on "
+                            "every replica to place them")  # fmt: skip
+            return False
+        return True
 
     # ---- decision ---------------------------------------------------------------------------
     def decide(self, route: Route) -> Decision:

@@ -30,6 +30,7 @@ SAMPLE_ENV = {  # what the downward API and the Secret would provide
     "POD_IP": "10.0.0.7",
 }
 SAMPLE_DB = "postgresql+psycopg://hub:secret@postgres:5432/hub"
+SAMPLE_HOP_SECRET = "0123456789abcdef0123456789abcdef"
 
 
 def docs(path: Path) -> list[Any]:
@@ -105,8 +106,18 @@ def test_probes_and_scraping_point_at_routes_the_hub_serves() -> None:
     assert service["spec"]["ports"][0]["targetPort"] in ports
 
 
+def secret_file(container: dict[str, Any], pod: dict[str, Any], path: str) -> tuple[str, str]:
+    """(Secret name, key) of the file at `path` in `container`: a Secret volume's mount."""
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    for mount in container["volumeMounts"]:
+        folder = mount["mountPath"].rstrip("/") + "/"
+        if path.startswith(folder) and "secret" in volumes[mount["name"]]:
+            return volumes[mount["name"]]["secret"]["secretName"], path[len(folder) :]
+    raise AssertionError(f"{path} is not in a mounted Secret")
+
+
 def test_the_configmap_settings_with_the_pod_environment_are_accepted(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     generated = {g["name"]: g for g in kustomization(BASE)["configMapGenerator"]}
     [config_file] = generated["hub-config"]["files"]
@@ -117,11 +128,18 @@ def test_the_configmap_settings_with_the_pod_environment_are_accepted(
             continue
         value = SAMPLE_DB if name == "HUB_DATABASE_URL" else entry["value"]
         value = re.sub(r"\$\((\w+)\)", lambda m: SAMPLE_ENV[m.group(1)], value)
+        if name == "HUB_REPLICA__HOP_SECRET_FILE":  # what the mounted Secret holds
+            secret_file(container, pod_spec(deployment), value)
+            value = str(tmp_path / "hop-secret")
+            (tmp_path / "hop-secret").write_text(SAMPLE_HOP_SECRET)
         monkeypatch.setenv(name, value)
 
     settings = load_settings(BASE / config_file)
 
     assert settings.database_url == SAMPLE_DB  # the Secret's, not a default
+    # Placement is on, and the replicas sign what they forward with the Secret's key.
+    assert settings.replica.placement and settings.replica.hop_secret is not None
+    assert settings.replica.hop_secret.get_secret_value() == SAMPLE_HOP_SECRET
     assert settings.replica.advertise_url == "http://10.0.0.7:8000"
     assert settings.replica.id == SAMPLE_ENV["POD_NAME"]
     assert (settings.host, settings.port) == ("0.0.0.0", 8000)
@@ -162,12 +180,16 @@ def test_the_migration_job_shares_image_config_and_database_with_the_deployment(
     assert env_of(migrate)["HUB_DATABASE_URL"]["valueFrom"] == db
 
 
-def test_the_overlay_secret_holds_the_key_the_deployment_reads() -> None:
-    ref = env_of(only_container(base_object("Deployment", "hub")))["HUB_DATABASE_URL"]
-    ref = ref["valueFrom"]["secretKeyRef"]
+def test_the_overlay_secrets_hold_the_keys_the_deployment_reads() -> None:
+    deployment = base_object("Deployment", "hub")
+    container = only_container(deployment)
+    ref = env_of(container)["HUB_DATABASE_URL"]["valueFrom"]["secretKeyRef"]
+    hop_file = env_of(container)["HUB_REPLICA__HOP_SECRET_FILE"]["value"]
     secrets = {s["name"]: s for s in kustomization(OVERLAY)["secretGenerator"]}
-    keys = {literal.split("=", 1)[0] for literal in secrets[ref["name"]]["literals"]}
-    assert ref["key"] in keys
+    for name, key in [(ref["name"], ref["key"]),
+                      secret_file(container, pod_spec(deployment), hop_file)]:  # fmt: skip
+        keys = {literal.split("=", 1)[0] for literal in secrets[name]["literals"]}
+        assert key in keys, (name, key)
 
 
 def test_the_grafana_dashboard_queries_series_the_hub_exports_per_pod() -> None:
@@ -211,14 +233,18 @@ def test_the_example_overlay_renders_with_every_reference_resolved(tmp_path: Pat
             assert obj["metadata"].get("namespace") == "model-hub", obj["metadata"]["name"]
 
     [deployment], [job] = by_kind["Deployment"], by_kind["Job"]
-    [config_map], [secret] = by_kind["ConfigMap"], by_kind["Secret"]
+    [config_map] = by_kind["ConfigMap"]
+    secrets = {s["metadata"]["name"]: s for s in by_kind["Secret"]}
     server, migrate = only_container(deployment), only_container(job)
     assert server["image"] == migrate["image"] == "registry.example.com/ml/model-hub:0.1.0"
     for obj in (deployment, job):
         names = {v["configMap"]["name"] for v in pod_spec(obj)["volumes"] if "configMap" in v}
         assert names == {config_map["metadata"]["name"]}  # the generated, hashed name
         ref = env_of(only_container(obj))["HUB_DATABASE_URL"]["valueFrom"]["secretKeyRef"]
-        assert ref["name"] == secret["metadata"]["name"] and ref["key"] in secret["data"]
+        assert ref["key"] in secrets[ref["name"]]["data"]  # the generated, hashed name
+    hop_file = env_of(server)["HUB_REPLICA__HOP_SECRET_FILE"]["value"]
+    name, key = secret_file(server, pod_spec(deployment), hop_file)
+    assert key in secrets[name]["data"]
 
     (tmp_path / "hub.yaml").write_text(config_map["data"]["hub.yaml"])
     assert load_settings(tmp_path / "hub.yaml").mlflow_tracking_uri == "http://mlflow:5000"

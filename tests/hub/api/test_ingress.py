@@ -23,13 +23,20 @@ from starlette.types import Receive, Scope, Send
 
 from backends.errors import CapacityError
 from hub.api.ingress import classify
-from hub.placement.forwarding import FORWARDED_BY, ROUTE_HEADER
+from hub.placement.forwarding import (
+    FORWARDED_BY,
+    ROUTE_HEADER,
+    SIGNATURE_HEADER,
+    HopSigner,
+    hop_headers,
+)
 from registry.replicas import ReplicaView
 from tests.support.hubs import make_settings, running_app
 from tests.support.live import serving
 from tests.support.traffic_hub import register
 
 PEER = "peer-b"
+SECRET = "shared-by-every-replica"
 
 
 class RecordingPeer:
@@ -84,7 +91,8 @@ async def placed(
     """A hub with emb v1 (production) and v2 split 50/50, whose one live peer holds v2."""
     address, recorder = peer
     settings = make_settings(tmp_path / "hub", mlflow_template,
-                             replica={"heartbeat_interval": 600, "expire_after": 1200})  # fmt: skip
+                             replica={"heartbeat_interval": 600, "expire_after": 1200,
+                                      "hop_secret": SECRET})  # fmt: skip
     async with running_app(settings) as (app, client):
         assert await register(client, "emb", tiny_embedder_dir, aliases=["production"]) == 1
         assert await register(client, "emb", tiny_embedder_v2_dir) == 2
@@ -122,6 +130,7 @@ async def test_a_request_is_routed_once_and_forwarded_unchanged_or_served_here(
             assert seen["body"] == body and seen["path"] == "/v1/embeddings"
             assert seen["headers"][FORWARDED_BY.lower()] == here
             assert seen["headers"][ROUTE_HEADER.lower()] == "emb@2;split"
+            assert "t=" in seen["headers"][SIGNATURE_HEADER.lower()]
             assert seen["headers"].get("x-hub-route-key") == key.get("X-Hub-Route-Key")
         else:
             assert len(r.json()["data"]) == 1
@@ -134,10 +143,11 @@ async def test_a_forwarded_request_is_served_here_with_the_version_it_names(
     placed: tuple[FastAPI, httpx.AsyncClient, RecordingPeer],
 ) -> None:
     app, client, peer = placed
-    hop = {FORWARDED_BY: PEER, ROUTE_HEADER: "emb@2;split"}
-    for path, body in [("/v1/embeddings", {"model": "emb", "input": "x"}),
-                       ("/models/emb/embed", {"input": "x"})]:  # fmt: skip
-        r = await client.post(path, json=body, headers=hop)
+    signer = HopSigner(SECRET)
+    for path, body in [("/v1/embeddings", b'{"model": "emb", "input": "x"}'),
+                       ("/models/emb/embed", b'{"input": "x"}')]:  # fmt: skip
+        hop = hop_headers(signer, "POST", path, body, PEER, "emb@2;split")
+        r = await client.post(path, content=body, headers=hop)
         assert r.status_code == 200, r.text
         assert r.headers["x-hub-model-version"] == "2"
         assert r.headers["x-hub-replica"] == app.state.hub.placement.id
@@ -219,3 +229,17 @@ def test_one_table_classifies_every_path_the_ingress_decides_for() -> None:
     for other in ("/v1/models", "/models/emb/chat", "/admin/models", "/health/live",
                   "/admin/registry/models/emb/versions/1/promote"):  # fmt: skip
         assert seen(other) is None
+
+
+async def test_without_the_hop_secret_every_request_is_served_here(
+    placed: tuple[FastAPI, httpx.AsyncClient, RecordingPeer],
+) -> None:
+    app, client, peer = placed
+    placement = app.state.hub.placement
+    placement.forwarder.signer = HopSigner(None)  # as a replica started without one
+    assert not placement.active
+    for i in range(8):
+        r = await client.post("/v1/embeddings", json={"model": "emb", "input": [f"t {i}"]},
+                              headers={"X-Hub-Route-Key": f"caller-{i}"})  # fmt: skip
+        assert r.status_code == 200 and r.headers["x-hub-replica"] == placement.id
+    assert peer.seen == []

@@ -19,7 +19,10 @@ from hub.placement.forwarding import (
     FORWARDED_BY,
     ROUTE_HEADER,
     Forwarder,
+    Hop,
+    HopSigner,
     PeerUnreachable,
+    incoming_hop,
     parse_route_header,
     route_header,
 )
@@ -28,6 +31,7 @@ from hub.settings import ReplicaSettings
 from tests.support.live import serving
 
 BODY = b'{"model": "chat", "prompt": "hi", "stream": true}'
+SECRET = "shared-by-every-replica"
 
 
 class StreamingPeer:
@@ -44,6 +48,7 @@ class StreamingPeer:
             return
         message = await receive()
         self.seen = {
+            "scope": scope,
             "path": scope["path"],
             "query": scope["query_string"],
             "headers": {k.decode(): v.decode() for k, v in scope["headers"]},
@@ -85,6 +90,9 @@ def _scope() -> Scope:
             (b"content-type", b"application/json"),
             (b"content-length", str(len(BODY)).encode()),
             (b"connection", b"keep-alive"),
+            # What a client may send: replaced by the forwarder's own, signed.
+            (b"x-hub-forwarded-by", b"client"),
+            (b"x-hub-hop-signature", b"t=1,v1=00"),
         ],
     }
 
@@ -93,7 +101,7 @@ async def test_a_stream_passes_through_as_the_peer_writes_it(
     peer: tuple[str, StreamingPeer],
 ) -> None:
     address, app = peer
-    forwarder = Forwarder(ReplicaSettings(), "replica-a")
+    forwarder = Forwarder(ReplicaSettings(hop_secret=SECRET), "replica-a")
     sent: list[Message] = []
 
     async def send(message: Message) -> None:
@@ -124,6 +132,10 @@ async def test_a_stream_passes_through_as_the_peer_writes_it(
     assert parse_route_header(seen["headers"][ROUTE_HEADER.lower()]) == (
         "chat", "3", True, None, False,
     )  # fmt: skip
+    # Signed over what the peer received: a peer with the same secret obeys it, another not.
+    assert incoming_hop(seen["scope"], BODY, HopSigner(SECRET)) == Hop("replica-a", "chat@3;split")
+    assert incoming_hop(seen["scope"], BODY, HopSigner("another-secret-entirely")) is None
+    assert incoming_hop(seen["scope"], BODY + b" ", HopSigner(SECRET)) is None
 
 
 async def test_a_client_leaving_a_forwarded_stream_leaves_the_peer_too(

@@ -23,14 +23,11 @@ from benchmarks.launch.cluster import Cluster, Replica, wait_for
 pytestmark = [pytest.mark.postgres, pytest.mark.slow, pytest.mark.serial]
 
 
-# What each replica does on its own is the point here, so requests carry the hop header a
-# forwarding peer sets: served where they land, never placed elsewhere (test_placement.py
-# covers placement).
-HERE = {"X-Hub-Forwarded-By": "test"}
-
-
 def embed(replica: Replica, model: str) -> httpx.Response:
-    return replica.post("/v1/embeddings", json={"model": model, "input": ["hello"]}, headers=HERE)
+    """What each replica does on its own is the point here, so requests carry the signed hop
+    headers a forwarding peer sets: served where they land, never placed elsewhere
+    (test_placement.py covers placement)."""
+    return replica.post_here("/v1/embeddings", {"model": model, "input": ["hello"]})
 
 
 def served_by(replica: Replica, model: str) -> str | None:

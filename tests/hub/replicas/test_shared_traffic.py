@@ -29,16 +29,13 @@ def ok(r: httpx.Response) -> Any:
     return r.json()
 
 
-# Every replica serves its share itself (as a model resident on all of them would): the
-# hop header a forwarding peer sets keeps placement from sending it all to one holder.
-HERE = {"X-Hub-Forwarded-By": "test"}
-
-
 def embed(replica: Replica) -> str:
-    """One routed request (a fresh sticky key) served by `replica`; the version that served."""
-    r = replica.post("/v1/embeddings", json={"model": MODEL, "input": ["a b c"],
-                                             "user": f"u-{next(_keys)}"},
-                     headers=HERE)  # fmt: skip
+    """One routed request (a fresh sticky key) served by `replica`; the version that served.
+    Every replica serves its share itself (as a model resident on all of them would): the
+    signed hop headers a forwarding peer sets keep placement from sending it all to one
+    holder."""
+    r = replica.post_here("/v1/embeddings", {"model": MODEL, "input": ["a b c"],
+                                             "user": f"u-{next(_keys)}"})  # fmt: skip
     assert r.status_code == 200, r.text
     return r.headers["X-Hub-Model-Version"]
 
