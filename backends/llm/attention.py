@@ -38,14 +38,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from backends.llm.cpu_kernels import PagedDecodeKernel
-from backends.llm.triton_prefill import PrefillBatch
 from backends.threads import set_this_thread, single_threaded
+
+if TYPE_CHECKING:
+    from backends.llm.triton_prefill import PrefillBatch
 
 ATTENTION_NAME = "hub_paged"
 
