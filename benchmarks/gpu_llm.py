@@ -303,17 +303,24 @@ def restore(ctx: Context) -> None:
 
 
 def embeddings(ctx: Context) -> None:
-    """The hub's embedder against sentence-transformers' `encode`, batches of 32 texts."""
+    """The hub's embedder (its default dtype on the device: float16 on a GPU) against
+    sentence-transformers' `encode` in float32 and in float16, batches of 32 texts, and how
+    closely the hub's vectors agree with float32 ones (the lowest cosine)."""
+    import numpy as np
+    import torch
     from sentence_transformers import SentenceTransformer
 
     folder = build_embedder(ctx)
     rng = random.Random(3)
     words = ["model", "hub", "serving", "memory", "device", "token", "batch", "query"]
-    texts = [" ".join(rng.choice(words) for _ in range(rng.randint(8, 60))) for _ in range(256)]
+    count = 64 if ctx.small else 256
+    texts = [" ".join(rng.choice(words) for _ in range(rng.randint(8, 60))) for _ in range(count)]
     batches = [texts[i : i + 32] for i in range(0, len(texts), 32)]
     rounds = 1 if ctx.small else 3
+    vectors: dict[str, Any] = {}
     with ctx.part("hub"):
         backend = embedder_backend(ctx, folder)
+        ctx.set("hub_dtype", str(next(backend.model.parameters()).dtype))
 
         async def run() -> float:
             for b in batches[:2]:
@@ -322,19 +329,34 @@ def embeddings(ctx: Context) -> None:
             for _ in range(rounds):
                 for b in batches:
                     await backend.embed(b)
-            return time.perf_counter() - start
+            seconds = time.perf_counter() - start
+            vectors["hub"] = np.concatenate([(await backend.embed(b)).vectors for b in batches])
+            return seconds
 
         seconds = asyncio.run(run())
         backend.unload()
         ctx.set("hub_texts_per_s", round(rounds * len(texts) / seconds, 1))
-    with ctx.part("sentence_transformers"):
-        model = SentenceTransformer(str(folder), device=ctx.device)
-        model.encode(batches[0], batch_size=32)
-        start = time.perf_counter()
-        for _ in range(rounds):
-            for b in batches:
-                model.encode(b, batch_size=32)
-        ctx.sync()
-        ctx.set("st_texts_per_s", round(rounds * len(texts) / (time.perf_counter() - start), 1))
-    if ctx.data.get("hub_texts_per_s") and ctx.data.get("st_texts_per_s"):
-        ctx.set("ratio", round(ctx.data["hub_texts_per_s"] / ctx.data["st_texts_per_s"], 2))
+    dtypes = {"st": torch.float32, "st_fp16": torch.float16} if ctx.cuda else {"st": None}
+    for name, dtype in dtypes.items():
+        with ctx.part(name):
+            kwargs = {"model_kwargs": {"dtype": dtype}} if dtype is not None else {}
+            model = SentenceTransformer(str(folder), device=ctx.device, **kwargs)
+            model.encode(batches[0], batch_size=32)
+            start = time.perf_counter()
+            for _ in range(rounds):
+                for b in batches:
+                    model.encode(b, batch_size=32)
+            ctx.sync()
+            ctx.set(f"{name}_texts_per_s",
+                    round(rounds * len(texts) / (time.perf_counter() - start), 1))  # fmt: skip
+            vectors[name] = np.asarray(model.encode(texts, batch_size=32), dtype=np.float32)
+            del model
+    if "hub" in vectors and "st" in vectors:
+        a, b = vectors["hub"], vectors["st"]
+        a = a / np.linalg.norm(a, axis=1, keepdims=True)
+        b = b / np.linalg.norm(b, axis=1, keepdims=True)
+        ctx.set("min_cosine_vs_st_float32", round(float(np.sum(a * b, axis=1).min()), 6))
+    for name in dtypes:
+        if ctx.data.get("hub_texts_per_s") and ctx.data.get(f"{name}_texts_per_s"):
+            ratio = ctx.data["hub_texts_per_s"] / ctx.data[f"{name}_texts_per_s"]
+            ctx.set("ratio" if name == "st" else f"ratio_vs_{name}", round(ratio, 2))

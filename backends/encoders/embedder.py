@@ -31,6 +31,7 @@ from backends.encoders.encoder import (
     model_max_length,
     sentence_transformers_kwargs,
     unpadded_setting,
+    weights_dtype,
 )
 from backends.encoders.tokenization import Encoded, EncoderTokenizer
 from backends.encoders.unpadded import UnpaddedEncoder, padded_embed
@@ -156,7 +157,8 @@ class EmbedderBackend(BatchedEncoderBackend[_EmbedRequest, _Row, EmbedderConfig]
     def load(self, artifact_dir: Path, device: str, dtype: torch.dtype | None = None) -> None:
         from sentence_transformers import SentenceTransformer
 
-        require_safe_weights(artifact_dir, allow_pickle=self.context.allow_pickle)
+        files = require_safe_weights(artifact_dir, allow_pickle=self.context.allow_pickle)
+        dtype = weights_dtype(files, device, dtype)
         try:
             model = SentenceTransformer(
                 str(artifact_dir), device=device, **sentence_transformers_kwargs(self, dtype)

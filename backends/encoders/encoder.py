@@ -32,7 +32,13 @@ from backends.encoders.forward_process import (
 )
 from backends.encoders.tokenization import Encoded, EncoderTokenizer
 from backends.errors import BackendClosedError, LoadError
-from backends.loading import module_bytes, require_safe_weights, tensor_bytes_from_headers
+from backends.loading import (
+    header_tensors,
+    module_bytes,
+    parse_dtype,
+    require_safe_weights,
+    tensor_bytes_from_headers,
+)
 from backends.parking import ParkedWeights, park, release
 from backends.runtime_config import EncoderConfig, RuntimeConfig
 from backends.threads import compute_threads, intraop_threads
@@ -96,12 +102,19 @@ class BatchedEncoderBackend(Backend, Generic[P, R, C]):
         *,
         device: str | None = None,
     ) -> int:
-        """The weights plus a fixed allowance; on a CUDA `device`, what loading allocates
-        there: each weight as the caching allocator rounds it."""
+        """The weights in the dtype they load in (`weights_dtype`) plus a fixed allowance; on
+        a CUDA `device`, what loading allocates there: each weight as the caching allocator
+        rounds it."""
         files = require_safe_weights(artifact_dir)
+        configured = (
+            runtime_config.get("dtype")
+            if isinstance(runtime_config, Mapping)
+            else getattr(runtime_config, "dtype", None)
+        )
+        dtype = weights_dtype(files, device or "cpu", parse_dtype(configured))
         if device is not None and device.startswith("cuda"):
-            return tensor_bytes_from_headers(files, device=device)
-        return tensor_bytes_from_headers(files) + _RUNTIME_OVERHEAD_BYTES
+            return tensor_bytes_from_headers(files, dtype, device=device)
+        return tensor_bytes_from_headers(files, dtype) + _RUNTIME_OVERHEAD_BYTES
 
     @property
     def model(self) -> torch.nn.Module:
@@ -269,6 +282,30 @@ def model_max_length(model: Any, configured: int | None) -> int:
     if configured is not None:
         return min(int(length), configured)
     return int(length)
+
+
+_HALF = {"F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def weights_dtype(
+    files: Sequence[Path], device: str, configured: torch.dtype | None
+) -> torch.dtype | None:
+    """The dtype an encoder's weights load in: the runtime config's `dtype` when it names one;
+    on a CUDA device otherwise half precision, the checkpoint's own 16-bit dtype or else
+    float16 (an encoder's batch is matmuls and attention, which run at twice the rate and half
+    the memory there; scores and vectors are returned in float32 whatever the dtype, and
+    `dtype: float32` keeps full precision); elsewhere None, the checkpoint's dtype."""
+    if configured is not None or not device.startswith("cuda"):
+        return configured
+    bytes_by_dtype: dict[str, int] = {}
+    for t in header_tensors(files):
+        if t.floating:
+            count = 1
+            for n in t.shape:
+                count *= n
+            bytes_by_dtype[t.dtype] = bytes_by_dtype.get(t.dtype, 0) + count
+    dominant = max(bytes_by_dtype, key=bytes_by_dtype.__getitem__, default="F32")
+    return _HALF.get(dominant, torch.float16)
 
 
 def sentence_transformers_kwargs(backend: Backend, dtype: torch.dtype | None) -> dict[str, Any]:

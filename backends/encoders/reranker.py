@@ -33,6 +33,7 @@ from backends.encoders.encoder import (
     model_max_length,
     sentence_transformers_kwargs,
     unpadded_setting,
+    weights_dtype,
 )
 from backends.encoders.tokenization import Encoded, EncoderTokenizer
 from backends.encoders.unpadded import UnpaddedCrossEncoder, padded_logits
@@ -145,7 +146,8 @@ class RerankerBackend(BatchedEncoderBackend[_RerankRequest, _Scored, RerankerCon
     def load(self, artifact_dir: Path, device: str, dtype: torch.dtype | None = None) -> None:
         from sentence_transformers import CrossEncoder
 
-        require_safe_weights(artifact_dir, allow_pickle=self.context.allow_pickle)
+        files = require_safe_weights(artifact_dir, allow_pickle=self.context.allow_pickle)
+        dtype = weights_dtype(files, device, dtype)
         try:
             model = CrossEncoder(
                 str(artifact_dir), device=device, **sentence_transformers_kwargs(self, dtype)
