@@ -13,7 +13,7 @@ from typing import Annotated
 from fastapi import Depends, Header, Request
 
 from hub.api.ingress import head_of
-from hub.auth import Authenticator
+from hub.auth import Authenticator, Caller
 from hub.catalog import Catalog
 from hub.control import Control
 from hub.manager import ModelManager
@@ -108,7 +108,7 @@ async def require_user(
     auth: Annotated[Authenticator, Depends(get_auth)],
     authorization: Annotated[str | None, Header()] = None,
     x_api_key: Annotated[str | None, Header()] = None,
-) -> str:
+) -> Caller:
     return await auth.check(authorization, x_api_key, admin=False)
 
 
@@ -117,8 +117,10 @@ async def require_admin(
     authorization: Annotated[str | None, Header()] = None,
     x_api_key: Annotated[str | None, Header()] = None,
 ) -> str:
-    return await auth.check(authorization, x_api_key, admin=True)
+    return (await auth.check(authorization, x_api_key, admin=True)).name
 
 
 # The authenticated admin's name, for the audit log.
 AdminActor = Annotated[str, Depends(require_admin)]
+# The caller of a user path: its key's name, role and policy (hub.auth.Caller).
+CallerDep = Annotated[Caller, Depends(require_user)]
