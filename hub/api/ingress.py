@@ -40,8 +40,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from hub.api.edge import EXEMPT_PREFIXES, Edge, answer_error
 from hub.api.header_limits import header_refusal
+from hub.api.keys_access import grants_of
 from hub.api.limits import BodyLimitMiddleware
 from hub.api.placement import forwarded_route, place, tagged, to_replica
+from hub.auth import Caller
 from hub.errors import HubError
 from hub.placement.forwarding import Hop, claims_hop, incoming_hop
 from hub.routing import Route
@@ -121,7 +123,9 @@ class Head:
     body's `user`; `hop` its hop headers when a peer signed them (hub.placement.forwarding);
     `body` the bytes read here (None: not read, the route reads them) and
     `parsed` whether they are a JSON object; `error` why they could not be read (the route
-    raises it); `route` the version decided here (None: the route routes as usual)."""
+    raises it); `route` the version decided here (None: the route routes as usual);
+    `caller` who sent it, authenticated here once (None: no valid key, the route answers
+    401), whose policy limits the models it may route to (hub.api.keys_access)."""
 
     endpoint: Endpoint
     model: str | None
@@ -133,6 +137,7 @@ class Head:
     parsed: bool = False
     error: Exception | None = None
     route: Route | None = None
+    caller: Caller | None = None
 
     @property
     def bare_model(self) -> str | None:
@@ -233,13 +238,19 @@ class Ingress:
             await head.read(receive)
         if claimed and head.error is None:
             head.hop = incoming_hop(scope, head.body or b"", signer)
-        saturated = self.edge.saturated(hub, head)
+        # Refused without I/O: only a caller verified already, for a model its key may use.
+        known = hub.auth.cached(head.authorization, head.api_key)
+        saturated = self.edge.saturated(hub, head) if _may_name(known, head) else None
         if saturated is not None:
             await self.edge.refuse_saturated(hub, head, send, saturated)
             return
+        try:
+            head.caller = await hub.auth.check(head.authorization, head.api_key, admin=False)
+        except Exception:  # no valid key, or SQL down: the route answers (401, 503)
+            head.caller = None
         if head.hop is not None:
             head.route = await forwarded_route(head.hop, hub)
-        elif placing and await place(hub, head, scope, receive, send):
+        elif placing and head.caller is not None and await place(hub, head, scope, receive, send):
             return
         await self.app(scope, receive, send)
 
@@ -271,6 +282,15 @@ class Ingress:
             await to_replica(hub.placement, target, scope, body, send)
         else:
             await self.app(scope, _replay(body, receive), send)
+
+
+def _may_name(caller: Caller | None, head: Head) -> bool:
+    """Whether `caller` is known and may use the bare model the head names (a key that may
+    not gets the route's 404, never word of that model's load)."""
+    if caller is None:
+        return False
+    grants = grants_of(caller)
+    return grants is None or (head.bare_model is not None and grants.names(head.bare_model))
 
 
 def _credentials(scope: Scope) -> tuple[str | None, str | None]:
