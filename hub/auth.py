@@ -16,7 +16,9 @@ import asyncio
 import hmac
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from backends.workers import WorkerPool
 from hub.errors import Forbidden, Unauthorized
@@ -24,6 +26,7 @@ from hub.settings import AuthSettings
 from registry.keys import ApiKeys, KeyPolicy, hash_key
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 CACHE_SECONDS = 30.0
 # How often each replica reads the key generation, and how long one read may take.
@@ -144,6 +147,11 @@ class Authenticator:
         if self._generation is not None and generation != self._generation:
             self.drop_cache()
         self._generation = generation
+
+    async def run_sql(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+        """`fn(*args, **kwargs)` on the threads that verify keys: the admin key routes' few
+        calls wait behind key checks, never behind the registry's or a model's work."""
+        return await self._threads.run(fn, *args, **kwargs)
 
     def drop_cache(self) -> None:
         """Forget every verified key: the next request of each is checked in SQL."""

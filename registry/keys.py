@@ -243,7 +243,8 @@ def _models(models: list[str] | tuple[str, ...] | None) -> list[str] | None:
     out: list[str] = []
     for model in models:
         name, sep, ref = model.partition("@")
-        if not name.strip() or (sep and not ref.strip()) or model != model.strip():
+        blank = not name.strip() or (sep and not ref.strip()) or model != model.strip()
+        if blank or not model.isprintable() or len(model) > 400:
             raise ValueError(
                 f"models: {model!r} is not a model name, `name@version` or `name@alias`"
             )
