@@ -144,7 +144,8 @@ class Authenticator:
         if self._sql_down:
             self._sql_down = False
             log.info("the API key generation answers again; revocations apply within a second")
-        if self._generation is not None and generation != self._generation:
+        # The first read drops too: keys verified before it may predate a change.
+        if generation != self._generation:
             self.drop_cache()
         self._generation = generation
 
