@@ -20,6 +20,7 @@ from hub.api import (
     dashboard,
     embeddings,
     health,
+    keys,
     models,
     registry,
     replicas,
@@ -125,6 +126,7 @@ def create_app(
         registry: admin,
         traffic_api: admin,
         replicas: error_responses(401, 403, 503),
+        keys: error_responses(400, 401, 403, 404, 409, 503),
         webhooks: error_responses(400, 401, 404, 409, 413, 503),
     }
     for module, responses in documented.items():

@@ -4,7 +4,8 @@ Registry commands (`models`, `versions`, `events`, `register`, `promote`, `rollb
 running hub at `--url` (default: `$HUB_URL`, else the configured host and port) and work on
 the database and MLflow of the config file themselves only with `--local` or when no hub
 answers (hub.cli_remote). `hub load`, `unload`, `pin`, `unpin`, `status`, `traffic`,
-`canary` and `readout` talk to a running hub only; `db` and `keys` work on the database.
+`canary` and `readout` talk to a running hub only; `db` works on the database, and `keys`
+too unless given `--url` (hub.cli_keys).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Annotated
 import typer
 
 from hub import cli_registry
+from hub.cli_keys import keys_app
 from hub.cli_remote import WRITE_TIMEOUT, ConfigOpt, KeyOpt, NoHub, configured_url
 from hub.cli_remote import UrlOpt as HubUrlOpt
 from hub.cli_remote import cli_settings as _settings
@@ -31,7 +33,6 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 db_app = typer.Typer(help="Schema migrations of the hub's own tables.", no_args_is_help=True)
-keys_app = typer.Typer(help="API keys (stored hashed).", no_args_is_help=True)
 app.add_typer(db_app, name="db")
 app.add_typer(keys_app, name="keys")
 
@@ -105,45 +106,6 @@ def db_current(config: ConfigOpt = None) -> None:
     from registry.db import current_revision
 
     typer.echo(current_revision(_settings(config).database_url) or "base (empty)")
-
-
-@keys_app.command("create")
-def keys_create(
-    name: str, role: Annotated[str, typer.Option(help="admin | user")] = "user",
-    config: ConfigOpt = None,
-) -> None:  # fmt: skip
-    """Create an API key; the key is printed once."""
-    from registry.db import Database, upgrade
-    from registry.keys import ApiKeys
-
-    settings = _settings(config)
-    upgrade(settings.database_url)
-    try:
-        key, _ = ApiKeys(Database(settings.database_url)).create(name, role)
-    except Exception as e:
-        raise _fail(str(e)) from None
-    typer.echo(key)
-
-
-@keys_app.command("list")
-def keys_list(config: ConfigOpt = None) -> None:
-    """List API keys (names, roles, prefixes; never the keys)."""
-    from registry.db import Database
-    from registry.keys import ApiKeys
-
-    for k in ApiKeys(Database(_settings(config).database_url)).list():
-        state = f"revoked {k.revoked_at:%Y-%m-%d}" if k.revoked_at else "active"
-        typer.echo(f"{k.name:24} {k.role:6} {k.prefix}…  {state}")
-
-
-@keys_app.command("revoke")
-def keys_revoke(name: str, config: ConfigOpt = None) -> None:
-    """Revoke the API key NAME."""
-    from registry.db import Database
-    from registry.keys import ApiKeys
-
-    ApiKeys(Database(_settings(config).database_url)).revoke(name)
-    typer.echo(f"revoked {name}")
 
 
 def _hub(url: str | None, config: Path | None) -> str:

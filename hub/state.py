@@ -206,6 +206,8 @@ class Hub:
         self.manager.start()
         await self.replicas.start()
         self.placement.start()
+        if self.settings.auth.enabled:  # revocations reach this replica within a second
+            self.background.append(asyncio.create_task(self.auth.watch(), name="key-generation"))
         self.preloading = {m.name for m in self.settings.models if m.preload or m.pin}
         if self.preloading:
             self.background.append(asyncio.create_task(self._preload(), name="preload"))

@@ -1,20 +1,34 @@
-"""API keys: created once (the plain key is shown only then), stored as sha256 hashes."""
+"""API keys: created once (the plain key is shown only then), stored as sha256 hashes, each
+with a policy: which models it may use, its rate limits, its scheduling priority and when it
+expires.
+
+Every change to a key (create, update, revoke) also increments one counter row
+(`hub_key_generation`) in the same transaction, so a replica that caches verified keys learns
+that its cache may be stale by reading one integer (`ApiKeys.generation`).
+"""
 
 from __future__ import annotations
 
 import datetime as dt
 import hashlib
+import re
 import secrets
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Final, Literal, cast, get_args
 
-from sqlalchemy import select
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
 
 from registry.db import Database
 from registry.errors import ConflictError, NotFoundError
-from registry.schema import ApiKey, utcnow
+from registry.schema import ApiKey, KeyGeneration, utcnow
 
 ROLES = ("admin", "user")
+Priority = Literal["interactive", "standard", "batch"]
+PRIORITIES: tuple[str, ...] = get_args(Priority)
 KEY_PREFIX = "hub-"
+# Names travel in paths (`/admin/keys/{name}`) and metric labels: no slashes or spaces.
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@:-]{0,199}")
 
 
 def hash_key(key: str) -> str:
@@ -22,51 +36,238 @@ def hash_key(key: str) -> str:
 
 
 @dataclass(frozen=True)
+class KeyLimits:
+    """A key's rate limits; None means no limit of that kind. Each given value is a positive
+    integer (ValueError otherwise)."""
+
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+    tokens_per_day: int | None = None
+    max_concurrent: int | None = None
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"limits.{f.name} must be a positive integer, not {value!r}")
+
+    @classmethod
+    def from_json(cls, value: dict[str, Any] | None) -> KeyLimits | None:
+        """The limits a JSON object names (ValueError for an unknown name); None for null."""
+        if value is None:
+            return None
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown limit {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+            )
+        return cls(**value)
+
+    def to_json(self) -> dict[str, int]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+@dataclass(frozen=True)
+class KeyPolicy:
+    """What a verified key may do: `models` the models it may use (`name`, `name@version`,
+    `name@alias`; None: every model), `limits` its rate limits (None: none), `priority` its
+    scheduling class, `expires_at` when it stops working (None: never)."""
+
+    name: str
+    role: str
+    models: tuple[str, ...] | None = None
+    limits: KeyLimits | None = None
+    priority: Priority = "standard"
+    expires_at: dt.datetime | None = None
+
+    def expired(self, now: dt.datetime | None = None) -> bool:
+        return self.expires_at is not None and self.expires_at <= (now or utcnow())
+
+
+@dataclass(frozen=True)
 class KeyView:
+    """A key as listings show it: its policy and bookkeeping, never the key itself."""
+
     name: str
     prefix: str
     role: str
     created_at: dt.datetime
     revoked_at: dt.datetime | None
+    policy: KeyPolicy
+
+
+class _Unset:
+    """The value of an `update` argument that leaves the field as it is."""
+
+
+UNSET: Final = _Unset()
 
 
 class ApiKeys:
+    """The API keys of one database. Raises NotFoundError for an unknown name, ConflictError
+    for a duplicate one and ValueError for a field that cannot be stored (role, priority,
+    models, limits, name)."""
+
     def __init__(self, db: Database) -> None:
         self.db = db
 
-    def create(self, name: str, role: str) -> tuple[str, KeyView]:
+    def create(
+        self,
+        name: str,
+        role: str,
+        *,
+        models: list[str] | tuple[str, ...] | None = None,
+        limits: KeyLimits | None = None,
+        priority: str = "standard",
+        expires_at: dt.datetime | None = None,
+    ) -> tuple[str, KeyView]:
         """A new key for `role`; returns the plain key (shown once) and its record."""
-        if role not in ROLES:
-            raise ValueError(f"unknown role {role!r}; expected one of {', '.join(ROLES)}")
+        if not _NAME.fullmatch(name):
+            raise ValueError(
+                f"key name {name!r}: 1-200 letters, digits or . _ @ : -, starting with a "
+                "letter or digit"
+            )
+        row = ApiKey(name=name, role=_role(role), priority=_priority(priority))
+        row.models = _models(models)
+        row.limits = limits.to_json() if limits is not None else None
+        row.expires_at = _aware(expires_at)
         key = KEY_PREFIX + secrets.token_urlsafe(32)
+        row.key_hash, row.prefix = hash_key(key), key[:10]
         with self.db.session() as s:
             if s.scalar(select(ApiKey).where(ApiKey.name == name)) is not None:
                 raise ConflictError(f"an API key named {name!r} exists already")
-            row = ApiKey(name=name, key_hash=hash_key(key), prefix=key[:10], role=role)
             s.add(row)
+            _bump(s)
             s.flush()
-            return key, self._view(row)
+            return key, _view(row)
 
-    def verify(self, key: str) -> tuple[str, str] | None:
-        """(name, role) of a valid, unrevoked key, else None."""
+    def get(self, name: str) -> KeyView:
+        with self.db.session() as s:
+            return _view(_row(s, name))
+
+    def update(
+        self,
+        name: str,
+        *,
+        role: str | _Unset = UNSET,
+        models: list[str] | tuple[str, ...] | _Unset | None = UNSET,
+        limits: KeyLimits | _Unset | None = UNSET,
+        priority: str | _Unset = UNSET,
+        expires_at: dt.datetime | _Unset | None = UNSET,
+    ) -> KeyView:
+        """Change the fields given (None clears models, limits or expiry); every replica
+        applies the change within about a second (hub.auth)."""
+        with self.db.session() as s:
+            row = _row(s, name)
+            if not isinstance(role, _Unset):
+                row.role = _role(role)
+            if not isinstance(models, _Unset):
+                row.models = _models(models)
+            if not isinstance(limits, _Unset):
+                row.limits = limits.to_json() if limits is not None else None
+            if not isinstance(priority, _Unset):
+                row.priority = _priority(priority)
+            if not isinstance(expires_at, _Unset):
+                row.expires_at = _aware(expires_at)
+            _bump(s)
+            return _view(row)
+
+    def revoke(self, name: str) -> KeyView:
+        """Revoke the key for good (a revoked key is never valid again)."""
+        with self.db.session() as s:
+            row = _row(s, name)
+            if row.revoked_at is None:
+                row.revoked_at = utcnow()
+                _bump(s)
+            return _view(row)
+
+    def list(self) -> list[KeyView]:
+        with self.db.session() as s:
+            return [_view(r) for r in s.scalars(select(ApiKey).order_by(ApiKey.name))]
+
+    def verify(self, key: str) -> KeyPolicy | None:
+        """The policy of a valid key: known, not revoked, not expired; else None."""
         with self.db.session() as s:
             row = s.scalar(select(ApiKey).where(ApiKey.key_hash == hash_key(key)))
             if row is None or row.revoked_at is not None:
                 return None
-            return row.name, row.role
+            policy = _view(row).policy
+        return None if policy.expired() else policy
 
-    def revoke(self, name: str) -> KeyView:
+    def generation(self) -> int:
+        """The count of key changes so far; it moves whenever any key changes."""
         with self.db.session() as s:
-            row = s.scalar(select(ApiKey).where(ApiKey.name == name))
-            if row is None:
-                raise NotFoundError(f"no API key named {name!r}")
-            row.revoked_at = utcnow()
-            return self._view(row)
+            value = s.scalar(select(KeyGeneration.generation).where(KeyGeneration.id == 1))
+            return int(value or 0)
 
-    def list(self) -> list[KeyView]:
-        with self.db.session() as s:
-            return [self._view(r) for r in s.scalars(select(ApiKey).order_by(ApiKey.name))]
 
-    @staticmethod
-    def _view(row: ApiKey) -> KeyView:
-        return KeyView(row.name, row.prefix, row.role, row.created_at, row.revoked_at)
+def _row(s: Session, name: str) -> ApiKey:
+    row = s.scalar(select(ApiKey).where(ApiKey.name == name))
+    if row is None:
+        raise NotFoundError(f"no API key named {name!r}")
+    return row
+
+
+def _bump(s: Session) -> None:
+    """Count a key change, in the caller's transaction."""
+    moved = s.execute(
+        update(KeyGeneration)
+        .where(KeyGeneration.id == 1)
+        .values(generation=KeyGeneration.generation + 1)
+    )
+    if getattr(moved, "rowcount", 1) == 0:  # a schema made without the migration's row
+        s.add(KeyGeneration(id=1, generation=1))
+
+
+def _role(role: str) -> str:
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r}; expected one of {', '.join(ROLES)}")
+    return role
+
+
+def _priority(priority: str) -> str:
+    if priority not in PRIORITIES:
+        raise ValueError(f"unknown priority {priority!r}; expected one of {', '.join(PRIORITIES)}")
+    return priority
+
+
+def _models(models: list[str] | tuple[str, ...] | None) -> list[str] | None:
+    """The model list to store: names or `name@ref`, without repeats; None for every model."""
+    if models is None:
+        return None
+    if not models:
+        raise ValueError("models: give at least one model, or null for every model")
+    out: list[str] = []
+    for model in models:
+        name, sep, ref = model.partition("@")
+        blank = not name.strip() or (sep and not ref.strip()) or model != model.strip()
+        if blank or not model.isprintable() or len(model) > 400:
+            raise ValueError(
+                f"models: {model!r} is not a model name, `name@version` or `name@alias`"
+            )
+        if model not in out:
+            out.append(model)
+    return out
+
+
+def _aware(value: dt.datetime | None) -> dt.datetime | None:
+    """`value` with a time zone (UTC when it has none: SQLite hands datetimes back so)."""
+    if value is None or value.tzinfo is not None:
+        return value
+    return value.replace(tzinfo=dt.UTC)
+
+
+def _view(row: ApiKey) -> KeyView:
+    policy = KeyPolicy(
+        name=row.name,
+        role=row.role,
+        models=tuple(row.models) if row.models is not None else None,
+        limits=KeyLimits.from_json(row.limits),
+        priority=cast(Priority, row.priority or "standard"),
+        expires_at=_aware(row.expires_at),
+    )
+    return KeyView(row.name, row.prefix, row.role, _aware(row.created_at) or row.created_at,
+                   _aware(row.revoked_at), policy)  # fmt: skip

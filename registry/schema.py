@@ -215,6 +215,24 @@ class ApiKey(Base):
     role: Mapped[str] = mapped_column(String(16))  # admin | user
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     revoked_at: Mapped[dt.datetime | None] = mapped_column(default=None)
+    # The models the key may use (names, `name@version`, `name@alias`); null: every model.
+    models: Mapped[list[str] | None] = mapped_column(JSON, default=None)
+    # {requests_per_minute, tokens_per_minute, tokens_per_day, max_concurrent}; null: none.
+    limits: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+    # interactive | standard | batch: the scheduling class of the key's requests.
+    priority: Mapped[str] = mapped_column(String(16), default="standard", server_default="standard")
+    # After this instant the key is invalid; null: it never expires.
+    expires_at: Mapped[dt.datetime | None] = mapped_column(default=None)
+
+
+class KeyGeneration(Base):
+    """One row counting changes to API keys: every create, update and revoke adds one, so
+    each replica learns that its cache of verified keys is stale by reading one integer."""
+
+    __tablename__ = "hub_key_generation"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    generation: Mapped[int] = mapped_column(BigInteger, default=0)
 
 
 class Replica(Base):

@@ -38,12 +38,12 @@ Body = TypeVar("Body", bound=BaseModel)
 async def read_user_body(request: Request, model: type[Body]) -> Body:
     """The validated body of an inference request, after the user-key check."""
     head = head_of(request.scope)
-    if head is not None:
-        authorization, api_key = head.authorization, head.api_key
-    else:
+    if head is None:
         authorization = request.headers.get("authorization")
         api_key = request.headers.get("x-api-key")
-    await hub_of(request).auth.check(authorization, api_key, admin=False)
+        await hub_of(request).auth.check(authorization, api_key, admin=False)
+    elif head.caller is None:  # the ingress found no valid key: this raises its 401
+        await hub_of(request).auth.check(head.authorization, head.api_key, admin=False)
     raw = await request_body(request)
     if too_deep(raw):
         raise BadRequest(str(JsonTooDeep("the request body")), param="body")

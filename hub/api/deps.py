@@ -13,7 +13,8 @@ from typing import Annotated
 from fastapi import Depends, Header, Request
 
 from hub.api.ingress import head_of
-from hub.auth import Authenticator
+from hub.api.keys_access import routes_for
+from hub.auth import Authenticator, Caller
 from hub.catalog import Catalog
 from hub.control import Control
 from hub.manager import ModelManager
@@ -44,10 +45,14 @@ async def get_manager(request: Request) -> ModelManager:
 async def get_router(request: Request) -> Router:
     """The hub's router, or one answering the version the ingress already decided for this
     request (placement, or the replica that forwarded it: hub.api.ingress), so that a
-    request is routed once."""
-    router = hub_of(request).router
+    request is routed once; limited to the models the caller's key may use."""
+    router: Router = hub_of(request).router
     head = head_of(request.scope)
-    return router if head is None or head.route is None else DecidedRouter(router, head.route)
+    if head is None:
+        return router
+    if head.route is not None:
+        router = DecidedRouter(router, head.route)
+    return routes_for(router, head.caller)
 
 
 async def get_catalog(request: Request) -> Catalog:
@@ -108,7 +113,7 @@ async def require_user(
     auth: Annotated[Authenticator, Depends(get_auth)],
     authorization: Annotated[str | None, Header()] = None,
     x_api_key: Annotated[str | None, Header()] = None,
-) -> str:
+) -> Caller:
     return await auth.check(authorization, x_api_key, admin=False)
 
 
@@ -117,8 +122,10 @@ async def require_admin(
     authorization: Annotated[str | None, Header()] = None,
     x_api_key: Annotated[str | None, Header()] = None,
 ) -> str:
-    return await auth.check(authorization, x_api_key, admin=True)
+    return (await auth.check(authorization, x_api_key, admin=True)).name
 
 
 # The authenticated admin's name, for the audit log.
 AdminActor = Annotated[str, Depends(require_admin)]
+# The caller of a user path: its key's name, role and policy (hub.auth.Caller).
+CallerDep = Annotated[Caller, Depends(require_user)]

@@ -12,9 +12,12 @@ In order, for an HTTP request:
    decision needs them, the body bytes, read here once under the body limit;
 4. the hop check (a request whose hop headers a peer signed is served here, with the
    version they name: hub.placement.forwarding.incoming_hop; unsigned ones are ignored), the
-   saturation refusal (a model whose queue is over its bound: hub.api.edge) and the
-   placement decision (hub.api.placement), each from the head; for an admin call naming a
-   replica (`?replica=<id>`), the admin key check and then the forwarding there;
+   saturation refusal (a model whose queue is over its bound, for a caller already verified
+   whose key may use the model: hub.api.edge), the caller's key check (once: the route and
+   the router read `Head.caller`, hub.api.keys_access), its key's rate limits (a 429 before
+   anything is routed: hub.api.keys_limits) and the placement decision
+   (hub.api.placement), each from the head; for an admin call naming a replica
+   (`?replica=<id>`), the admin key check and then the forwarding there;
 5. the route, with the head in the scope (`head_of`): it takes the body from the head
    (hub.api.bodies.request_body) and serves the route decided here, if any
    (hub.api.deps.get_router), so nothing is read or routed twice.
@@ -40,8 +43,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from hub.api.edge import EXEMPT_PREFIXES, Edge, answer_error
 from hub.api.header_limits import header_refusal
+from hub.api.keys_access import grants_of
+from hub.api.keys_limits import RateLimited, RateLimiter, metered
 from hub.api.limits import BodyLimitMiddleware
 from hub.api.placement import forwarded_route, place, tagged, to_replica
+from hub.auth import Caller
 from hub.errors import HubError
 from hub.placement.forwarding import Hop, claims_hop, incoming_hop
 from hub.routing import Route
@@ -121,7 +127,9 @@ class Head:
     body's `user`; `hop` its hop headers when a peer signed them (hub.placement.forwarding);
     `body` the bytes read here (None: not read, the route reads them) and
     `parsed` whether they are a JSON object; `error` why they could not be read (the route
-    raises it); `route` the version decided here (None: the route routes as usual)."""
+    raises it); `route` the version decided here (None: the route routes as usual);
+    `caller` who sent it, authenticated here once (None: no valid key, the route answers
+    401), whose policy limits the models it may route to (hub.api.keys_access)."""
 
     endpoint: Endpoint
     model: str | None
@@ -133,6 +141,7 @@ class Head:
     parsed: bool = False
     error: Exception | None = None
     route: Route | None = None
+    caller: Caller | None = None
 
     @property
     def bare_model(self) -> str | None:
@@ -190,6 +199,8 @@ class Ingress:
     ) -> None:
         self.app = app
         self.edge = Edge(max_in_progress, max_lag)
+        # Per-key rate limits (hub.api.keys_limits), this replica's share of them.
+        self.limits = RateLimiter()
         self._bounded = BodyLimitMiddleware(InFlightMiddleware(self._decide), max_body_bytes)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -233,13 +244,47 @@ class Ingress:
             await head.read(receive)
         if claimed and head.error is None:
             head.hop = incoming_hop(scope, head.body or b"", signer)
-        saturated = self.edge.saturated(hub, head)
+        # Refused without I/O: only a caller verified already, for a model its key may use.
+        known = hub.auth.cached(head.authorization, head.api_key)
+        saturated = self.edge.saturated(hub, head) if _may_name(known, head) else None
         if saturated is not None:
             await self.edge.refuse_saturated(hub, head, send, saturated)
             return
+        try:
+            head.caller = await hub.auth.check(head.authorization, head.api_key, admin=False)
+        except Exception:  # no valid key, or SQL down: the route answers (401, 503)
+            head.caller = None
+        caller = head.caller
+        # Without limits, or forwarded by a peer (which admitted it): served as it is.
+        if caller is None or caller.policy.limits is None or head.hop is not None:
+            await self._serve(hub, head, scope, receive, send)
+            return
+        limits = caller.policy.limits
+        if (limits.tokens_per_minute or limits.tokens_per_day) and head.body is None:
+            await head.read(receive)  # its length and max_tokens are its cost
+        try:
+            admission = self.limits.admit(caller.name, limits, _replicas(hub), head.body)
+        except RateLimited as e:
+            await answer_error(send, e)
+            return
+        try:
+            headers = self.limits.headers(admission.state)
+            await self._serve(hub, head, scope, receive, metered(send, admission, headers))
+        finally:
+            self.limits.settle(admission)
+
+    async def _serve(
+        self, hub: Any, head: Head, scope: Scope, receive: Receive, send: Send
+    ) -> None:
+        """Serve an admitted request: with the version a peer decided, forwarded by
+        placement, or by the route."""
         if head.hop is not None:
             head.route = await forwarded_route(head.hop, hub)
-        elif placing and await place(hub, head, scope, receive, send):
+        elif (
+            hub.placement.active
+            and head.caller is not None
+            and await place(hub, head, scope, receive, send)
+        ):
             return
         await self.app(scope, receive, send)
 
@@ -271,6 +316,21 @@ class Ingress:
             await to_replica(hub.placement, target, scope, body, send)
         else:
             await self.app(scope, _replay(body, receive), send)
+
+
+def _may_name(caller: Caller | None, head: Head) -> bool:
+    """Whether `caller` is known and may use the bare model the head names (a key that may
+    not gets the route's 404, never word of that model's load)."""
+    if caller is None:
+        return False
+    grants = grants_of(caller)
+    return grants is None or (head.bare_model is not None and grants.names(head.bare_model))
+
+
+def _replicas(hub: Any) -> int:
+    """How many live replicas share each key's limits: this one and its peers."""
+    peers = {p.id for p in hub.replicas.peers}
+    return len(peers | {hub.placement.id})
 
 
 def _credentials(scope: Scope) -> tuple[str | None, str | None]:

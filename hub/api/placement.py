@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.types import Message, Receive, Scope, Send
 
 from hub.api.edge import answer_error
+from hub.api.keys_access import routes_for
 from hub.errors import HubError, NotFound, Unavailable
 from hub.placement.forwarding import (
     REPLICA_HEADER,
@@ -53,7 +54,7 @@ async def place(hub: Any, head: Head, scope: Scope, receive: Receive, send: Send
     (with `head.route` set when it was routed)."""
     if head.body is None or not head.parsed or head.model is None:
         return False
-    router: Router = hub.router
+    router = routes_for(hub.router, head.caller)
     try:
         route = router.route(head.model, route_key=head.route_key)
     except HubError:  # an unknown model, a bad reference: the route answers the error

@@ -128,6 +128,6 @@ async def caller_of(request: Request) -> str:
         else:
             authorization = request.headers.get("authorization")
             api_key = request.headers.get("x-api-key")
-        return await hub.auth.check(authorization, api_key, admin=False)
+        return (await hub.auth.check(authorization, api_key, admin=False)).name
     client = request.client
     return f"client {client.host}" if client is not None else "anonymous"

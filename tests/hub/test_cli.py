@@ -160,3 +160,21 @@ def test_register_an_adapter_with_base(config: Path, tiny_llm_dir: Path, tmp_pat
     assert json.loads(result.output.strip().splitlines()[-1]) == {"name": "bot", "version": 1}
     out = runner.invoke(app, ["versions", "bot", "--config", str(config)]).output
     assert "(adapter on tiny@1)" in out
+
+
+def test_keys_carry_a_policy_on_the_database(config: Path) -> None:
+    def hub(*args: str) -> Any:
+        return runner.invoke(app, ["keys", *args, "--config", str(config)])
+
+    expiry = "2999-01-01T00:00:00+00:00"
+    created = hub("create", "team-a", "--model", "chat", "--model", "emb@2",
+                  "--limit", "tokens_per_day=1000", "--expires-at", expiry)  # fmt: skip
+    assert created.exit_code == 0, created.output
+    shown = json.loads(hub("show", "team-a").output)
+    assert shown["models"] == ["chat", "emb@2"] and shown["limits"] == {"tokens_per_day": 1000}
+    assert shown["expires_at"].startswith("2999-01-01")
+    assert hub("update", "team-a", "--priority", "interactive").exit_code == 0
+    assert "priority=interactive" in hub("list").output
+    refused = hub("update", "team-a", "--limit", "requests_per_hour=5")
+    assert refused.exit_code == 1 and "unknown limit" in refused.output
+    assert hub("update", "team-a").exit_code == 2  # nothing to change

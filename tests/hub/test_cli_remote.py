@@ -118,3 +118,23 @@ def test_a_read_command_imports_no_mlflow_and_migrates_nothing(served: Path) -> 
     assert out.returncode == 0, out.stderr
     assert "heavy modules: []" in out.stdout, out.stdout + out.stderr
     assert "locally" not in out.stderr
+
+
+def test_keys_commands_with_a_url_go_through_the_admin_api(served: Path) -> None:
+    """`hub keys ... --url` manages keys on the running hub: what it creates, the hub lists,
+    and the local database commands (no --url) see the same keys."""
+    url = ["--url", _base(served)]
+    created = _hub(served, "keys", "create", "team-a", "--model", "emb", "--limit",
+                   "requests_per_minute=60", "--priority", "batch", *url)  # fmt: skip
+    secret = created.stdout.strip()
+    assert secret.startswith("hub-")
+    listed = httpx.get(f"{_base(served)}/admin/keys", timeout=30).json()
+    assert [(k["name"], k["models"], k["priority"]) for k in listed] == [
+        ("team-a", ["emb"], "batch")
+    ]
+    _hub(served, "keys", "update", "team-a", "--all-models", "--no-limits", *url)
+    shown = json.loads(_hub(served, "keys", "show", "team-a", *url).stdout)
+    assert shown["models"] is None and shown["limits"] is None
+    assert "team-a" in _hub(served, "keys", "list").stdout  # the database, without --url
+    assert "revoked team-a" in _hub(served, "keys", "revoke", "team-a", *url).stdout
+    assert "revoked" in _hub(served, "keys", "list", *url).stdout

@@ -1,0 +1,120 @@
+"""Rate limits per key: 429 in OpenAI's shape with its x-ratelimit-* headers and Retry-After,
+as the openai SDK surfaces it (RateLimitError); buckets refill with time, settle on the usage
+an answer reports, and bound concurrent requests."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from hub.api.keys_limits import RateLimited, RateLimiter, metered
+from registry.db import Database
+from registry.keys import ApiKeys, KeyLimits
+from tests.support.hubs import ADMIN, auth_settings, running_app
+
+
+async def test_the_openai_sdk_sees_a_key_over_its_limit_as_rate_limit_error(
+    tmp_path: Path, mlflow_template: Path
+) -> None:
+    """Admission comes before the route: the requests here name no registered model (each
+    admitted one is a 404, counted all the same), so no model is loaded."""
+    settings, _ = auth_settings(tmp_path / "hub", mlflow_template)
+    keys = ApiKeys(Database(settings.database_url))
+    limited, _ = keys.create("limited", "user", limits=KeyLimits(requests_per_minute=2))
+    tokens, _ = keys.create("tokens", "user", limits=KeyLimits(tokens_per_minute=100))
+    request = {"model": "emb", "input": "hi"}
+    async with running_app(settings) as (app, client):
+
+        def sdk(key: str) -> openai.AsyncOpenAI:
+            http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://hub")
+            return openai.AsyncOpenAI(
+                base_url="http://hub/v1", api_key=key, max_retries=0, http_client=http
+            )
+
+        for remaining in ("1", "0"):
+            headers = {"Authorization": f"Bearer {limited}"}
+            r = await client.post("/v1/embeddings", json=request, headers=headers)
+            assert r.status_code == 404
+            assert r.headers["x-ratelimit-limit-requests"] == "2"
+            assert r.headers["x-ratelimit-remaining-requests"] == remaining
+        with pytest.raises(openai.RateLimitError) as refused:
+            await sdk(limited).embeddings.create(model="emb", input="hi")
+        error = refused.value
+        assert error.status_code == 429 and error.code == "rate_limit_exceeded"
+        assert error.type == "rate_limit_exceeded"
+        headers = error.response.headers
+        assert int(headers["retry-after"]) >= 1
+        assert headers["x-ratelimit-remaining-requests"] == "0"
+        assert headers["x-ratelimit-reset-requests"].endswith("s")
+        # A key with no limits is not touched.
+        r = await client.post("/v1/embeddings", json=request, headers=ADMIN)
+        assert r.status_code == 404 and "x-ratelimit-limit-requests" not in r.headers
+
+        # A request whose max_tokens cannot fit the token limit is refused up front.
+        with pytest.raises(openai.RateLimitError, match="lower max_tokens"):
+            await sdk(tokens).completions.create(model="llm", prompt="hi", max_tokens=500)
+        r = await client.post(
+            "/v1/embeddings", json=request, headers={"Authorization": f"Bearer {tokens}"}
+        )
+        assert r.headers["x-ratelimit-limit-tokens"] == "100"
+        # Its prompt's estimate was taken from the bucket before it was served.
+        assert int(r.headers["x-ratelimit-remaining-tokens"]) < 100
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_buckets_refill_with_time_and_bound_concurrency() -> None:
+    clock = Clock()
+    limiter = RateLimiter(clock)
+    limits = KeyLimits(requests_per_minute=60, max_concurrent=2)
+    first = limiter.admit("k", limits, 1, None)
+    limiter.admit("k", limits, 1, None)
+    with pytest.raises(RateLimited, match="max_concurrent"):
+        limiter.admit("k", limits, 1, None)
+    limiter.settle(first)
+    for _ in range(57):
+        limiter.settle(limiter.admit("k", limits, 1, None))
+    limiter.admit("k", limits, 1, None)  # the 60th this minute, with one still in flight
+    with pytest.raises(RateLimited) as refused:
+        limiter.admit("k", KeyLimits(requests_per_minute=60), 1, None)
+    assert refused.value.headers["Retry-After"] == "1"
+    clock.now = 1.0  # one request's worth refilled
+    limiter.admit("k", KeyLimits(requests_per_minute=60), 1, None)
+    # Two replicas share the limit: each admits half of it.
+    halves = [limiter.admit("shared", KeyLimits(requests_per_minute=4), 2, None) for _ in "ab"]
+    assert len(halves) == 2
+    with pytest.raises(RateLimited):
+        limiter.admit("shared", KeyLimits(requests_per_minute=4), 2, None)
+
+
+async def test_a_stream_is_charged_as_its_events_pass() -> None:
+    limiter = RateLimiter(Clock())
+    limits = KeyLimits(tokens_per_minute=1000)
+    body = b'{"model": "m", "prompt": "' + b"x" * 36 + b'", "max_tokens": 200}'
+    admission = limiter.admit("k", limits, 1, body)
+    assert admission.reserved == 200 + math.ceil(len(body) / 4)
+    sent: list[dict] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    stream = metered(send, admission, {"x-ratelimit-limit-tokens": "1000"})
+    await stream({"type": "http.response.start", "status": 200,
+                  "headers": [(b"content-type", b"text/event-stream")]})  # fmt: skip
+    events = b"".join(b'data: {"choices":[{"text":"t"}]}\n\n' for _ in range(7))
+    await stream({"type": "http.response.body", "body": events + b"data: [DONE]\n\n"})
+    assert (b"x-ratelimit-limit-tokens", b"1000") in sent[0]["headers"]
+    assert admission.streamed == 7
+    limiter.settle(admission)
+    tokens = limiter._keys["k"].tokens_minute
+    assert tokens is not None and tokens.level == 1000 - (admission.prompt + 7)
