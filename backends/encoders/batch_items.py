@@ -40,13 +40,17 @@ class BatchStages(Protocol[P_contra, I, R_co]):
 class PendingRequest(Generic[P, R]):
     """One submitted payload: where its results go, and how many are still missing."""
 
-    __slots__ = ("cancelled", "failed", "future", "loop", "missing", "payload", "results",
-                 "size", "started_at", "submitted_at")  # fmt: skip
+    __slots__ = ("cancelled", "failed", "future", "loop", "missing", "payload", "priority",
+                 "results", "size", "started_at", "submitted_at")  # fmt: skip
 
-    def __init__(self, payload: P, size: int, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self, payload: P, size: int, loop: asyncio.AbstractEventLoop, priority: int = 0
+    ) -> None:
         self.payload = payload
         self.size = size
         self.loop = loop
+        # The scheduling level (backends.priority): lower seeds batches first.
+        self.priority = priority
         self.future: asyncio.Future[list[R]] = loop.create_future()
         self.submitted_at = time.perf_counter()
         self.started_at: float | None = None

@@ -35,6 +35,9 @@ class BatchLimits:
     # Whether the model runs batches unpadded (packed into one row): then a batch costs its
     # real tokens, and `max_batch_tokens` counts those. Set by the backend, not the config.
     unpadded: bool = False
+    # Batches taken while an input waits for it to gain one priority level (aging: a batch-
+    # class input outranks newer interactive ones after waiting 2x this). Not a config key.
+    priority_aging_batches: int = 16
 
     @classmethod
     def from_config(cls, config: EncoderConfig) -> BatchLimits:

@@ -13,17 +13,18 @@ runs the batch in flight, so tokenizing overlaps the forward pass (torch release
 kernels, the Rust tokenizer in its batch encode). A payload the stages refuse (an input too long,
 a token id out of range) fails as a whole, before any of it reaches the model.
 
-Batches. Whenever a forward thread is free it takes the oldest pooled input and grows a batch
-around it in length order while the batch's cost per real token falls, the cost being a fixed
-`batch_overhead_tokens` per forward pass plus `size * longest` padded tokens; `size * longest
-<= max_batch_tokens` and `size <= max_batch_size` bound it. A model that runs batches
-unpadded (`BatchLimits.unpadded`) pays only for real tokens, so its batches grow to the
-budgets, which then count real tokens. Starting from the oldest input means
-no input starves; the cost rule groups similar lengths (padding is paid for) unless a pass is
-dear enough that one big batch wins. One payload's inputs may land in several batches and are
-reassembled in order. An idle model waits up to `batch_wait_s` after the oldest input arrived,
-but only while the pool is smaller than the previous batch: a steady stream of concurrent
-requests gets full batches, a lone client pays no wait. With several forward threads
+Batches. Whenever a forward thread is free it takes the oldest pooled input of the best-ranked
+priority level (`backends.encoders.batch_queue`: interactive ahead of standard ahead of batch,
+with aging) and grows a batch around it in length order while the batch's cost per real token
+falls, the cost being a fixed `batch_overhead_tokens` per forward pass plus `size * longest`
+padded tokens; `size * longest <= max_batch_tokens` and `size <= max_batch_size` bound it. A
+model that runs batches unpadded (`BatchLimits.unpadded`) pays only for real tokens, so its
+batches grow to the budgets, which then count real tokens. Starting from the oldest input (of a
+level, aged) means no input starves; the cost rule groups similar lengths (padding is paid for)
+unless a pass is dear enough that one big batch wins. One payload's inputs may land in several
+batches and are reassembled in order. An idle model waits up to `batch_wait_s` after the oldest
+input arrived, but only while the pool is smaller than the previous batch: a steady stream of
+concurrent requests gets full batches, a lone client pays no wait. With several forward threads
 (`forward_workers`) each runs its own batch.
 
 Capacity. At most `max_queue` inputs wait (not yet in a forward pass); beyond that `submit`
@@ -61,6 +62,7 @@ from backends.encoders.batch_items import (
 )
 from backends.encoders.batch_limits import BatchLimits
 from backends.encoders.batch_metrics import BatchMetrics
+from backends.encoders.batch_queue import SeedQueue
 from backends.encoders.batch_work import BatchWork
 from backends.errors import BackendClosedError, CapacityError, InputError
 
@@ -97,7 +99,8 @@ class DynamicBatcher(Generic[P, I, R]):
         self._pooled = threading.Condition(self._lock)
         self._incoming: deque[PendingRequest[P, R]] = deque()  # submitted, not yet tokenized
         self._pool: list[PooledInput[I]] = []  # tokenized, sorted by (length, arrival)
-        self._fifo: deque[PooledInput[I]] = deque()  # the same slots in arrival order
+        # The same slots in arrival order per priority level: where each batch starts.
+        self._seeds: SeedQueue[I] = SeedQueue(limits.priority_aging_batches)
         self._queued = 0  # inputs submitted and not yet in a forward pass
         self._last_batch_size = 1
         self._seq = itertools.count()
@@ -138,10 +141,11 @@ class DynamicBatcher(Generic[P, I, R]):
         from any thread."""
         return self.work.outstanding_s()
 
-    async def submit(self, payload: P, size: int) -> list[R]:
-        """Results for the `size` inputs of `payload`, in order. Raises the stages' error for a
-        refused payload, InputError when `size` exceeds `max_queue`, CapacityError when the
-        queue has no room for it now, BackendClosedError once closed."""
+    async def submit(self, payload: P, size: int, *, priority: int = 0) -> list[R]:
+        """Results for the `size` inputs of `payload`, in order; `priority` is the request's
+        level (`backends.priority`, lower first). Raises the stages' error for a refused
+        payload, InputError when `size` exceeds `max_queue`, CapacityError when the queue
+        has no room for it now, BackendClosedError once closed."""
         if size < 1:
             raise ValueError("a request needs at least one input")
         if size > self.limits.max_queue:
@@ -149,7 +153,8 @@ class DynamicBatcher(Generic[P, I, R]):
                 f"{size} inputs in one request is more than {self.name} queues "
                 f"({self.limits.max_queue}, runtime config max_queue); split the request"
             )
-        request: PendingRequest[P, R] = PendingRequest(payload, size, asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        request: PendingRequest[P, R] = PendingRequest(payload, size, loop, priority)
         with self._lock:
             if self._closed:
                 raise BackendClosedError(f"{self.name} is shut down")
@@ -196,7 +201,7 @@ class DynamicBatcher(Generic[P, I, R]):
             pending.update((id(s.request), s.request) for s in self._pool)
             self._incoming.clear()
             self._pool.clear()
-            self._fifo.clear()
+            self._seeds.clear()
             self._queued = 0
         self._deliver([(r, error) for r in pending.values()])
 
@@ -227,7 +232,7 @@ class DynamicBatcher(Generic[P, I, R]):
                     for index, item in enumerate(items):
                         slot = PooledInput(request, index, item, next(self._seq))
                         bisect.insort(self._pool, slot, key=pool_order)
-                        self._fifo.append(slot)
+                        self._seeds.append(slot, request.priority)
                 self._pooled.notify_all()
             self._deliver(refused)
 
@@ -261,11 +266,11 @@ class DynamicBatcher(Generic[P, I, R]):
     def _next_batch(self) -> list[PooledInput[I]] | None:
         """Wait for inputs (holding the condition's lock), then take one batch from the pool."""
         while True:
-            while not self._fifo and not self._closed:
+            while not self._seeds and not self._closed:
                 self._pooled.wait()
             if self._closed:
                 return None
-            oldest = self._oldest()
+            oldest = self._seeds.seed()
             if oldest is None:
                 continue
             deadline = oldest.request.submitted_at + self.limits.batch_wait_s
@@ -277,11 +282,6 @@ class DynamicBatcher(Generic[P, I, R]):
                 self._pooled.wait(deadline - now)
                 continue
             return self._take_batch(oldest)
-
-    def _oldest(self) -> PooledInput[I] | None:
-        while self._fifo and self._fifo[0].taken:
-            self._fifo.popleft()
-        return self._fifo[0] if self._fifo else None
 
     def _take_batch(self, oldest: PooledInput[I]) -> list[PooledInput[I]]:
         """Grow a batch around `oldest` in length order while its cost per real token falls,
@@ -328,6 +328,7 @@ class DynamicBatcher(Generic[P, I, R]):
             slot.taken = True
         self._queued -= len(batch)
         self._last_batch_size = len(batch)
+        self._seeds.batch_taken()
         self.work.started(id(batch), len(batch))
         return batch
 

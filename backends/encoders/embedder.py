@@ -199,12 +199,14 @@ class EmbedderBackend(BatchedEncoderBackend[_EmbedRequest, _Row, EmbedderConfig]
         *,
         truncate: bool = True,
         dimensions: int | None = None,
+        priority: int = 0,
     ) -> Embeddings:
         """Embed each input: a text, or content token ids (the model's special tokens are
-        added). `truncate=False` refuses inputs longer than the model's maximum instead of
-        cutting them; `dimensions` keeps the first that many dimensions (renormalised when the
-        model normalises), allowed for the model's `matryoshka_dims`. Raises InputError naming
-        the offending input, CapacityError when the queue is full."""
+        added). `priority`: the request's level (`backends.priority`), lower batched first.
+        `truncate=False` refuses inputs longer than the model's maximum instead of cutting
+        them; `dimensions` keeps the first that many dimensions (renormalised when the model
+        normalises), allowed for the model's `matryoshka_dims`. Raises InputError naming the
+        offending input, CapacityError when the queue is full."""
         if not inputs:
             raise InputError("input must not be empty", param="input")
         require_encodable(inputs, "input")
@@ -224,7 +226,7 @@ class EmbedderBackend(BatchedEncoderBackend[_EmbedRequest, _Row, EmbedderConfig]
                 "the runtime config key matryoshka_dims)",
                 param="dimensions",
             )
-        rows = await self._submit(_EmbedRequest(inputs, truncate), len(inputs))
+        rows = await self._submit(_EmbedRequest(inputs, truncate), len(inputs), priority)
         vectors = np.stack([vector for vector, _ in rows])
         if dimensions is not None and dimensions != self._dimension:
             vectors = vectors[:, :dimensions]

@@ -252,11 +252,11 @@ class BatchedEncoderBackend(Backend, Generic[P, R, C]):
         threads = config.worker_threads or max(1, available // limits.forward_workers)
         return limits, threads
 
-    async def _submit(self, payload: P, size: int) -> list[R]:
+    async def _submit(self, payload: P, size: int, priority: int = 0) -> list[R]:
         batcher = self._batcher
         if batcher is None:
             raise BackendClosedError(f"{self.kind.value} {self.context.model} is not loaded")
-        return await batcher.submit(payload, size)
+        return await batcher.submit(payload, size, priority=priority)
 
     def _require(self) -> EncoderStages[P, R]:
         if self._stages is None:

@@ -178,8 +178,10 @@ class RerankerBackend(BatchedEncoderBackend[_RerankRequest, _Scored, RerankerCon
         *,
         truncate: bool = True,
         max_tokens_per_doc: int | None = None,
+        priority: int = 0,
     ) -> Scores:
-        """Score each document against `query`, in document order. With `max_tokens_per_doc`
+        """Score each document against `query`, in document order; `priority`: the request's
+        level (`backends.priority`), lower batched first. With `max_tokens_per_doc`
         each document is first cut to its first that many tokens (Cohere's field). A pair
         longer than the model's maximum is truncated (`longest_first`) unless
         `truncate=False`, which refuses it. Raises InputError for an empty query, no
@@ -208,5 +210,5 @@ class RerankerBackend(BatchedEncoderBackend[_RerankRequest, _Scored, RerankerCon
             for i, d in enumerate(documents)
         ]
         request = _RerankRequest(query, documents, truncate, max_tokens_per_doc)
-        scored = await self._submit(request, len(documents))
+        scored = await self._submit(request, len(documents), priority)
         return Scores(scores=[s for s, _ in scored], token_counts=[n for _, n in scored])

@@ -7,11 +7,22 @@ prompt spreads over steps and mixes with decodes (chunked prefill). Waiting sequ
 admitted last, in order of precedence, and only while their blocks can be allocated; the first
 that cannot be admitted stops admission, so a large request is never overtaken forever.
 
-Precedence is `(priority - age // priority_aging_steps, arrival)`, lower first: FCFS inside a
-priority, and a request that waits long enough outranks any newcomer, so none starves. When
-blocks run out, the running sequence of lowest precedence (lowest priority, then latest
-arrival) is preempted: its blocks are freed and it waits to be recomputed, usually largely
-from the prefix cache since freed blocks keep their contents until reused.
+Precedence is `(level, arrival)`, lower first, where a sequence's level is its priority less
+one per `priority_aging_steps` steps it has spent waiting (`backends.priority`: the classes
+interactive, standard and batch are the levels -1, 0 and 1). FCFS inside a level, and a
+request that waits long enough outranks any newcomer, so none starves: a batch request that
+has waited twice `priority_aging_steps` is admitted ahead of every interactive request that
+arrived after it. Only waiting ages a sequence; a running one keeps the level it was admitted
+with, so a long generation does not become unpreemptable merely by running long.
+
+Preemption frees a running sequence's blocks and sends it back to waiting, to be recomputed,
+usually largely from the prefix cache since freed blocks keep their contents until reused.
+It happens for two reasons. When blocks run out, the running sequence of lowest precedence
+goes. And when a waiting sequence outranks a running one by a level (a class), it does not
+wait for them: on admission, the lowest running sequence it outranks gives up its seat (at
+`max_num_seqs`) or its blocks (when the pool is short), and outranked prompt chunks give up
+the step's tokens, so the waiting sequence starts at this step with the budget an idle
+engine would give it. The victim keeps its waiting age, so it comes back in turn.
 """
 
 from __future__ import annotations
@@ -21,6 +32,7 @@ from dataclasses import dataclass, field
 
 from backends.llm.kv_cache_manager import KVCacheManager
 from backends.llm.sequence import FinishReason, Sequence, SequenceStatus
+from backends.priority import aged_level
 
 
 @dataclass(frozen=True)
@@ -79,6 +91,10 @@ class Scheduler:
         self.num_steps = 0
         self.num_preemptions = 0
         self._finished_ids: list[int] = []
+        # Per unfinished sequence: steps it waited before its current state, and the step
+        # its current wait began (waiting sequences only). Only waiting ages a sequence.
+        self._waited: dict[int, int] = {}
+        self._waiting_since: dict[int, int] = {}
 
     # ---- queue ------------------------------------------------------------------------
     @property
@@ -89,6 +105,8 @@ class Scheduler:
         seq.arrival = self.num_steps
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
+        self._waited[seq.seq_id] = 0
+        self._waiting_since[seq.seq_id] = self.num_steps
 
     def finish(
         self, seq: Sequence, reason: FinishReason, stop_reason: int | str | None = None
@@ -103,6 +121,8 @@ class Scheduler:
         self.kv_cache.free(seq)
         seq.finish(reason, stop_reason)
         self._finished_ids.append(seq.seq_id)
+        self._waited.pop(seq.seq_id, None)
+        self._waiting_since.pop(seq.seq_id, None)
 
     def requeue(self, seq: Sequence) -> None:
         """Send a running `seq` back to waiting with its blocks freed, to be recomputed (after
@@ -148,7 +168,7 @@ class Scheduler:
 
         # Admit waiting sequences only when memory is not already short.
         if not preempted:
-            budget = self._admit(chosen, budget)
+            budget, preempted = self._admit(chosen, budget)
 
         scheduled = sorted(chosen.values(), key=lambda s: s.num_tokens > 1)
         finished, self._finished_ids = self._finished_ids, []
@@ -181,37 +201,86 @@ class Scheduler:
         return updated
 
     # ---- helpers ----------------------------------------------------------------------
-    def _admit(self, chosen: dict[int, ScheduledSequence], budget: int) -> int:
+    def _admit(self, chosen: dict[int, ScheduledSequence], budget: int) -> tuple[int, int]:
+        """Admit waiting sequences in precedence order; one that outranks running sequences
+        by a level preempts them for a seat, tokens or blocks. Returns the budget left and
+        the number preempted."""
         self.waiting.sort(key=self._precedence)
         adapters = {s.adapter for s in self.running if s.adapter is not None}
         held_back = False
         admitted: set[int] = set()
-        for seq in self.waiting:
-            if budget <= 0 or len(self.running) >= self.limits.max_num_seqs:
-                break
+        preempted = 0
+        for seq in list(self.waiting):  # victims join the queue; they wait a step
             if seq.adapter is not None and seq.adapter not in adapters:
                 if held_back or len(adapters) >= self.limits.max_loras:
                     held_back = True
                     continue
             elif seq.adapter is not None and held_back:
                 continue
+            while len(self.running) >= self.limits.max_num_seqs:
+                victim = self._victim(seq, self.running)
+                if victim is None:
+                    break
+                budget += self._preempt_scheduled(victim, chosen)
+                preempted += 1
+            # Prompt chunks of outranked sequences yield the step's tokens (their computed
+            # blocks stay cached); decodes keep theirs, one token each.
+            wanted = seq.num_tokens - seq.num_computed_tokens
+            while budget < wanted:
+                chunks = [c.seq for c in chosen.values() if c.num_tokens > 1]
+                victim = self._victim(seq, chunks)
+                if victim is None:
+                    break
+                budget += self._preempt_scheduled(victim, chosen)
+                preempted += 1
+            if budget <= 0 or len(self.running) >= self.limits.max_num_seqs:
+                break
+            # Looked up after any preemption: a victim's uncomputed blocks are forgotten.
             cached = self.kv_cache.find_cached_prefix(seq)
             num_new = min(seq.num_tokens - len(cached) * self.kv_cache.block_size, budget)
-            if not self.kv_cache.allocate_slots(seq, num_new, cached):
-                break
-            admitted.add(seq.seq_id)
-            if seq.adapter is not None:
-                adapters.add(seq.adapter)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            start = seq.num_computed_tokens
-            chosen[seq.seq_id] = ScheduledSequence(
-                seq, start, num_new, start + num_new == seq.num_tokens
-            )
-            budget -= num_new
+            # Short of blocks: preempt outranked sequences until they fit (the else clause),
+            # or stop admitting when none is left (break).
+            while not self.kv_cache.allocate_slots(seq, num_new, cached):
+                victim = self._victim(seq, self.running)
+                if victim is None:
+                    break
+                budget += self._preempt_scheduled(victim, chosen)
+                preempted += 1
+                cached = self.kv_cache.find_cached_prefix(seq)
+                num_new = min(seq.num_tokens - len(cached) * self.kv_cache.block_size, budget)
+            else:
+                admitted.add(seq.seq_id)
+                if seq.adapter is not None:
+                    adapters.add(seq.adapter)
+                self._start(seq)
+                start = seq.num_computed_tokens
+                chosen[seq.seq_id] = ScheduledSequence(
+                    seq, start, num_new, start + num_new == seq.num_tokens
+                )
+                budget -= num_new
+                continue
+            break
         if admitted:
             self.waiting = [s for s in self.waiting if s.seq_id not in admitted]
-        return budget
+        return budget, preempted
+
+    def _victim(self, seq: Sequence, candidates: list[Sequence]) -> Sequence | None:
+        """The candidate of lowest precedence, if waiting `seq` outranks it by a level."""
+        if not candidates:
+            return None
+        lowest = max(candidates, key=self._precedence)
+        return lowest if self._level(seq) < self._level(lowest) else None
+
+    def _preempt_scheduled(self, seq: Sequence, chosen: dict[int, ScheduledSequence]) -> int:
+        """Preempt running `seq`, dropping its part of this step; returns the tokens freed."""
+        dropped = chosen.pop(seq.seq_id, None)
+        self._preempt(seq)
+        return dropped.num_tokens if dropped is not None else 0
+
+    def _start(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        self._waited[seq.seq_id] += self.num_steps - self._waiting_since.pop(seq.seq_id)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -220,11 +289,19 @@ class Scheduler:
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
+        self._waiting_since[seq.seq_id] = self.num_steps
         self.num_preemptions += 1
 
+    def _level(self, seq: Sequence) -> int:
+        """`seq`'s priority, less one per `priority_aging_steps` steps it spent waiting."""
+        waited = self._waited.get(seq.seq_id, 0)
+        since = self._waiting_since.get(seq.seq_id)
+        if since is not None:
+            waited += self.num_steps - since
+        return aged_level(seq.priority, waited, self.limits.priority_aging_steps)
+
     def _precedence(self, seq: Sequence) -> tuple[int, int, int]:
-        age = self.num_steps - seq.arrival
-        return (seq.priority - age // self.limits.priority_aging_steps, seq.arrival, seq.seq_id)
+        return (self._level(seq), seq.arrival, seq.seq_id)
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         params = seq.params

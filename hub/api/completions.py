@@ -49,6 +49,7 @@ from hub.api.openai_schemas import (
 from hub.api.serving import VERSION_HEADER, Serving
 from hub.api.tools import ToolPlan, ToolStream, apply_plan, chat_tool_plan, message_parts
 from hub.errors import BadRequest
+from hub.priority import request_level
 from hub.routing import Route
 
 # Bodies are read and the caller authenticated by UserBody (hub/api/bodies.py).
@@ -88,8 +89,8 @@ async def create_completion(
         return _encode_prompts(body.prompt, backend), params
 
     gen = await start_generation(
-        serving, route, "completions", build, priority=body.priority, keep_alive=body.keep_alive,
-        request=request,
+        serving, route, "completions", build, keep_alive=body.keep_alive, request=request,
+        priority=request_level(request, body.priority),
     )  # fmt: skip
     if body.stream:
         return sse_response(gen, _completion_events(gen, body))
@@ -214,8 +215,8 @@ async def create_chat_completion(
         return [prompt], apply_plan(params, plan)
 
     gen = await start_generation(
-        serving, route, "chat", build, priority=body.priority, keep_alive=body.keep_alive,
-        prompt_param="messages", request=request,
+        serving, route, "chat", build, keep_alive=body.keep_alive, prompt_param="messages",
+        request=request, priority=request_level(request, body.priority, body.service_tier),
     )  # fmt: skip
     plan, parallel = plans[0], body.parallel_tool_calls
     if body.stream:
@@ -362,8 +363,8 @@ async def _generate(
         return [prompt], body.sampling_params(max_tokens=body.max_tokens, logprobs=body.logprobs)
 
     gen = await start_generation(
-        serving, route, "generate", build, priority=body.priority, keep_alive=body.keep_alive,
-        prompt_param=given[0], request=request,
+        serving, route, "generate", build, keep_alive=body.keep_alive, prompt_param=given[0],
+        request=request, priority=request_level(request, body.priority),
     )  # fmt: skip
     if body.stream:
         return sse_response(gen, _generate_events(gen))

@@ -20,6 +20,7 @@ from backends.encoders.embedder import Embeddings
 from hub.api.bodies import RouteKey, UserBody, cancelled_if_client_leaves, openapi_body
 from hub.api.deps import RouterDep, ServingDep
 from hub.api.serving import EMBEDDER, VERSION_HEADER, KeepAlive, Serving
+from hub.priority import RequestedPriority, request_level
 from hub.routing import Route
 from hub.traffic.replays import EmbeddingReplay
 
@@ -84,9 +85,11 @@ class EmbedBody(BaseModel):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[int, Field(gt=0)] | None = None
     user: str | None = None
-    # Extensions: refuse over-long inputs instead of truncating them; Ollama's keep_alive.
+    # Extensions: refuse over-long inputs instead of truncating them; Ollama's keep_alive;
+    # a priority class or level, never above the key's (hub/priority.py).
     truncate: bool = True
     keep_alive: KeepAlive = None
+    priority: RequestedPriority = None
 
 
 class EmbeddingCreate(EmbedBody):
@@ -146,7 +149,12 @@ async def _embed(request: Request, serving: Serving, route: Route, body: EmbedBo
         serving.serve(route, "embeddings", EMBEDDER, keep_alive=body.keep_alive) as req,
     ):
         inputs = _inputs(body.input)
-        result = await req.backend.embed(inputs, truncate=body.truncate, dimensions=body.dimensions)
+        result = await req.backend.embed(
+            inputs,
+            truncate=body.truncate,
+            dimensions=body.dimensions,
+            priority=request_level(request, body.priority),
+        )
         req.report_tokens(result.total_tokens)
         req.mirror_to_shadow(EmbeddingReplay(inputs, truncate=body.truncate), result.vectors)
     return Response(

@@ -33,7 +33,8 @@ class IgnoredChatFields(BaseModel):
     # Stateless server: nothing is stored, so nothing to tag or keep.
     store: bool | None = None
     metadata: dict[str, str] | None = None
-    # Scheduling tiers of OpenAI's fleet; the hub's own is `priority`.
+    # OpenAI's tiers: "flex" runs as the batch class, "priority" as interactive (within the
+    # key's class, hub/priority.py); the others ask nothing.
     service_tier: str | None = None
     # Abuse-monitoring identifier (OpenAI's successor of `user`).
     safety_identifier: str | None = None

@@ -25,6 +25,7 @@ from hub.api.openai_ignored import IgnoredChatFields, StreamOptions
 from hub.api.serving import KeepAlive
 from hub.api.structured import StructuredFields
 from hub.api.tool_schemas import ToolCall, ToolChoice, ToolDef
+from hub.priority import RequestedPriority
 
 TokenIds = list[Annotated[int, Field(ge=0, le=MAX_COUNT)]]
 
@@ -56,8 +57,9 @@ class SamplingFields(StructuredFields):
     stop_token_ids: TokenIds | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    # Lower runs first; a request waiting long enough outranks newer ones anyway.
-    priority: Annotated[int, Field(ge=-MAX_COUNT, le=MAX_COUNT)] = 0
+    # A class name or an integer level (lower runs first), never above the key's class
+    # (hub/priority.py); None: the key's class.
+    priority: RequestedPriority = None
     keep_alive: KeepAlive = None
 
     @field_validator("logit_bias")

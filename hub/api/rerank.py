@@ -17,6 +17,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from hub.api.bodies import RouteKey, UserBody, cancelled_if_client_leaves, openapi_body
 from hub.api.deps import RouterDep, ServingDep
 from hub.api.serving import RERANKER, VERSION_HEADER, KeepAlive, Serving
+from hub.priority import RequestedPriority, request_level
 from hub.routing import Route
 from hub.traffic.replays import RerankReplay
 
@@ -62,9 +63,11 @@ class RerankBody(BaseModel):
     documents: Annotated[list[str | RerankDocument], BeforeValidator(check_documents)]
     top_n: Annotated[int, Field(gt=0)] | None = None
     return_documents: bool = False
-    # Extensions: refuse over-long pairs instead of truncating them; Ollama's keep_alive.
+    # Extensions: refuse over-long pairs instead of truncating them; Ollama's keep_alive;
+    # Cohere's priority (a class name too), never above the key's (hub/priority.py).
     truncate: bool = True
     keep_alive: KeepAlive = None
+    priority: RequestedPriority = None
 
 
 class RerankCreate(RerankBody):
@@ -103,7 +106,8 @@ async def _rerank(request: Request, serving: Serving, route: Route, body: Rerank
         cancelled_if_client_leaves(request),
         serving.serve(route, "rerank", RERANKER, keep_alive=body.keep_alive) as req,
     ):
-        scored = await req.backend.rerank(body.query, texts, truncate=body.truncate)
+        level = request_level(request, body.priority)
+        scored = await req.backend.rerank(body.query, texts, truncate=body.truncate, priority=level)
         req.report_tokens(scored.total_tokens)
         req.mirror_to_shadow(RerankReplay(body.query, texts, truncate=body.truncate), scored.scores)
     # Most relevant first; equal scores keep document order, as a stable sort does.

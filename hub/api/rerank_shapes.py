@@ -4,8 +4,8 @@
   `{model, query, documents, top_n?, max_tokens_per_doc?, return_documents?, priority?}` ->
   `{id, results: [{index, relevance_score, document?: {text}}], meta: {api_version,
   billed_units, tokens}}`. `max_tokens_per_doc` cuts each document to its first that many
-  tokens before it is paired with the query; `priority` is accepted and ignored (a reranker's
-  queue is first come, first served).
+  tokens before it is paired with the query; `priority` (Cohere's level, lower first, or a
+  class name) orders the reranker's batches, never above the key's class (hub/priority.py).
 - `POST /rerank`, Hugging Face TEI when the body has `texts`: `{query, texts, model?,
   return_text?, truncate?, raw_scores?, truncation_direction?, top_n?}` -> `[{index, score,
   text?}]`, most relevant first (the first `top_n` of them; litellm's `huggingface/` provider
@@ -49,6 +49,7 @@ from hub.api.rerank import (
 from hub.api.serving import RERANKER, VERSION_HEADER, KeepAlive, Serving
 from hub.catalog import Catalog
 from hub.errors import BadRequest
+from hub.priority import RequestedPriority, request_level
 from hub.routing import Route, Router
 from hub.traffic.replays import RerankReplay
 from registry.bounded_json import loads_bounded
@@ -71,14 +72,20 @@ async def score(
     truncate: bool,
     max_tokens_per_doc: int | None = None,
     keep_alive: float | None = None,
+    priority: int | str | None = None,
 ) -> Scores:
-    """Score `texts` against `query` on the routed reranker, recorded as `/v1/rerank` is."""
+    """Score `texts` against `query` on the routed reranker, recorded as `/v1/rerank` is;
+    `priority` as the request asked it (`hub.priority`)."""
     async with (
         cancelled_if_client_leaves(request),
         serving.serve(route, "rerank", RERANKER, keep_alive=keep_alive) as req,
     ):
         scored = await req.backend.rerank(
-            query, texts, truncate=truncate, max_tokens_per_doc=max_tokens_per_doc
+            query,
+            texts,
+            truncate=truncate,
+            max_tokens_per_doc=max_tokens_per_doc,
+            priority=request_level(request, priority),
         )
         req.report_tokens(scored.total_tokens)
         replay = RerankReplay(query, texts, truncate, max_tokens_per_doc)
@@ -113,7 +120,7 @@ class CohereRerankCreate(BaseModel):
     top_n: PositiveInt | None = None
     max_tokens_per_doc: PositiveInt | None = None
     return_documents: bool = False
-    priority: int | None = None
+    priority: RequestedPriority = None
     # Extensions, as on /v1/rerank: refuse over-long pairs instead of truncating them;
     # Ollama's keep_alive.
     truncate: bool = True
@@ -157,7 +164,7 @@ async def create_rerank_v2(
     texts = [d if isinstance(d, str) else d.text for d in body.documents]
     scored = await score(request, serving, route, body.query, texts, truncate=body.truncate,
                          max_tokens_per_doc=body.max_tokens_per_doc,
-                         keep_alive=body.keep_alive)  # fmt: skip
+                         keep_alive=body.keep_alive, priority=body.priority)  # fmt: skip
     results = [
         RerankResult(
             index=i,

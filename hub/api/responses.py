@@ -34,6 +34,7 @@ from hub.api.responses_schemas import ResponseCreate
 from hub.api.serving import VERSION_HEADER
 from hub.api.structured import ResponseFormat, StructuredFields
 from hub.api.tools import ToolPlan, ToolStream, apply_plan, chat_tool_plan, parse_output
+from hub.priority import request_level
 
 router = APIRouter(tags=["generation"])
 
@@ -70,8 +71,8 @@ async def create_response(
         return [prompt], apply_plan(params, plan)
 
     gen = await start_generation(
-        serving, route, "responses", build, priority=body.priority, keep_alive=body.keep_alive,
-        prompt_param="input", request=request,
+        serving, route, "responses", build, keep_alive=body.keep_alive, prompt_param="input",
+        request=request, priority=request_level(request, body.priority, body.service_tier),
     )  # fmt: skip
     shell = _Shell(body, gen)
     if body.stream:

@@ -24,6 +24,7 @@ from hub.api.tool_schemas import (
     ToolDef,
 )
 from hub.errors import BadRequest
+from hub.priority import RequestedPriority
 
 
 class InputText(BaseModel):
@@ -122,7 +123,7 @@ class ResponseCreate(BaseModel):
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
     stream: bool = False
-    priority: int = 0
+    priority: RequestedPriority = None
     keep_alive: KeepAlive = None
     # Accepted and ignored: this server is stateless.
     store: bool | None = None
