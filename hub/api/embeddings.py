@@ -20,7 +20,7 @@ from backends.encoders.embedder import Embeddings
 from hub.api.bodies import RouteKey, UserBody, cancelled_if_client_leaves, openapi_body
 from hub.api.deps import RouterDep, ServingDep
 from hub.api.serving import EMBEDDER, VERSION_HEADER, KeepAlive, Serving
-from hub.priority import RequestedPriority, request_level
+from hub.api.priority import RequestedPriority, request_level
 from hub.routing import Route
 from hub.traffic.replays import EmbeddingReplay
 
@@ -86,7 +86,7 @@ class EmbedBody(BaseModel):
     dimensions: Annotated[int, Field(gt=0)] | None = None
     user: str | None = None
     # Extensions: refuse over-long inputs instead of truncating them; Ollama's keep_alive;
-    # a priority class or level, never above the key's (hub/priority.py).
+    # a priority class or level, never above the key's (hub/api/priority.py).
     truncate: bool = True
     keep_alive: KeepAlive = None
     priority: RequestedPriority = None

@@ -34,7 +34,7 @@ class IgnoredChatFields(BaseModel):
     store: bool | None = None
     metadata: dict[str, str] | None = None
     # OpenAI's tiers: "flex" runs as the batch class, "priority" as interactive (within the
-    # key's class, hub/priority.py); the others ask nothing.
+    # key's class, hub/api/priority.py); the others ask nothing.
     service_tier: str | None = None
     # Abuse-monitoring identifier (OpenAI's successor of `user`).
     safety_identifier: str | None = None

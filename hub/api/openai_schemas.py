@@ -25,7 +25,7 @@ from hub.api.openai_ignored import IgnoredChatFields, StreamOptions
 from hub.api.serving import KeepAlive
 from hub.api.structured import StructuredFields
 from hub.api.tool_schemas import ToolCall, ToolChoice, ToolDef
-from hub.priority import RequestedPriority
+from hub.api.priority import RequestedPriority
 
 TokenIds = list[Annotated[int, Field(ge=0, le=MAX_COUNT)]]
 
@@ -58,7 +58,7 @@ class SamplingFields(StructuredFields):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # A class name or an integer level (lower runs first), never above the key's class
-    # (hub/priority.py); None: the key's class.
+    # (hub/api/priority.py); None: the key's class.
     priority: RequestedPriority = None
     keep_alive: KeepAlive = None
 

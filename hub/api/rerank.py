@@ -17,7 +17,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from hub.api.bodies import RouteKey, UserBody, cancelled_if_client_leaves, openapi_body
 from hub.api.deps import RouterDep, ServingDep
 from hub.api.serving import RERANKER, VERSION_HEADER, KeepAlive, Serving
-from hub.priority import RequestedPriority, request_level
+from hub.api.priority import RequestedPriority, request_level
 from hub.routing import Route
 from hub.traffic.replays import RerankReplay
 
@@ -64,7 +64,7 @@ class RerankBody(BaseModel):
     top_n: Annotated[int, Field(gt=0)] | None = None
     return_documents: bool = False
     # Extensions: refuse over-long pairs instead of truncating them; Ollama's keep_alive;
-    # Cohere's priority (a class name too), never above the key's (hub/priority.py).
+    # Cohere's priority (a class name too), never above the key's (hub/api/priority.py).
     truncate: bool = True
     keep_alive: KeepAlive = None
     priority: RequestedPriority = None

@@ -5,7 +5,7 @@
   `{id, results: [{index, relevance_score, document?: {text}}], meta: {api_version,
   billed_units, tokens}}`. `max_tokens_per_doc` cuts each document to its first that many
   tokens before it is paired with the query; `priority` (Cohere's level, lower first, or a
-  class name) orders the reranker's batches, never above the key's class (hub/priority.py).
+  class name) orders the reranker's batches, never above the key's class (hub/api/priority.py).
 - `POST /rerank`, Hugging Face TEI when the body has `texts`: `{query, texts, model?,
   return_text?, truncate?, raw_scores?, truncation_direction?, top_n?}` -> `[{index, score,
   text?}]`, most relevant first (the first `top_n` of them; litellm's `huggingface/` provider
@@ -49,7 +49,7 @@ from hub.api.rerank import (
 from hub.api.serving import RERANKER, VERSION_HEADER, KeepAlive, Serving
 from hub.catalog import Catalog
 from hub.errors import BadRequest
-from hub.priority import RequestedPriority, request_level
+from hub.api.priority import RequestedPriority, request_level
 from hub.routing import Route, Router
 from hub.traffic.replays import RerankReplay
 from registry.bounded_json import loads_bounded
@@ -75,7 +75,7 @@ async def score(
     priority: int | str | None = None,
 ) -> Scores:
     """Score `texts` against `query` on the routed reranker, recorded as `/v1/rerank` is;
-    `priority` as the request asked it (`hub.priority`)."""
+    `priority` as the request asked it (`hub.api.priority`)."""
     async with (
         cancelled_if_client_leaves(request),
         serving.serve(route, "rerank", RERANKER, keep_alive=keep_alive) as req,

@@ -34,7 +34,7 @@ from hub.api.responses_schemas import ResponseCreate
 from hub.api.serving import VERSION_HEADER
 from hub.api.structured import ResponseFormat, StructuredFields
 from hub.api.tools import ToolPlan, ToolStream, apply_plan, chat_tool_plan, parse_output
-from hub.priority import request_level
+from hub.api.priority import request_level
 
 router = APIRouter(tags=["generation"])
 

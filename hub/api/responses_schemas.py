@@ -24,7 +24,7 @@ from hub.api.tool_schemas import (
     ToolDef,
 )
 from hub.errors import BadRequest
-from hub.priority import RequestedPriority
+from hub.api.priority import RequestedPriority
 
 
 class InputText(BaseModel):

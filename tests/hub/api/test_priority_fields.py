@@ -10,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from backends.priority import PriorityClass
-from hub.priority import resolve_level
+from hub.api.priority import resolve_level
 from tests.hub.api.test_embeddings import register
 
 INTERACTIVE, STANDARD, BATCH = PriorityClass

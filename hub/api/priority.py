@@ -18,6 +18,7 @@ from pydantic import Field
 
 from backends.llm.sampling_params import MAX_COUNT
 from backends.priority import PriorityClass
+from hub.api.ingress import head_of
 
 # The body field: a class name or an integer level; None: the key's class.
 RequestedPriority = Annotated[int, Field(ge=-MAX_COUNT, le=MAX_COUNT)] | PriorityClass | None
@@ -27,9 +28,14 @@ _SERVICE_TIERS = {"flex": PriorityClass.BATCH, "priority": PriorityClass.INTERAC
 
 
 def key_priority(request: Request) -> PriorityClass:
-    """The priority class of the API key that made `request`: standard for every key until
-    keys carry a class of their own."""
-    return PriorityClass.STANDARD
+    """The priority class of the API key that made `request`, as the ingress authenticated
+    it (`Head.caller`); standard where no key was checked (auth off, a route the ingress
+    does not read)."""
+    head = head_of(request.scope)
+    caller = head.caller if head is not None else None
+    if caller is None:
+        return PriorityClass.STANDARD
+    return PriorityClass(caller.policy.priority)
 
 
 def request_level(
