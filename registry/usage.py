@@ -17,9 +17,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from sqlalchemy import Engine, func, select
+from sqlalchemy import Engine, event, func, select
 from sqlalchemy.dialects import postgresql, sqlite
 
+from registry.replicas import membership_engine
 from registry.schema import UsageRow
 
 # What usage can be grouped by; `key` is the caller (the API key's name).
@@ -91,6 +92,20 @@ class UsageTotal:
     version: int | None
     hour: dt.datetime | None
     counts: UsageCounts = field(default_factory=UsageCounts)
+
+
+def usage_engine(url: str, timeout: float) -> Engine:
+    """An engine for usage writes whose every call gives up after about `timeout` seconds.
+    On SQLite its commits skip the fsync (`synchronous=NORMAL` in WAL mode): a committed
+    batch still survives the process being killed, only not the machine losing power."""
+    engine = membership_engine(url, timeout)
+    if engine.dialect.name == "sqlite":
+
+        def _no_fsync(dbapi_conn: Any, _record: Any) -> None:
+            dbapi_conn.execute("PRAGMA synchronous=NORMAL")
+
+        event.listen(engine, "connect", _no_fsync)
+    return engine
 
 
 class UsageBook:

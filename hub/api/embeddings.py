@@ -147,7 +147,7 @@ async def _embed(request: Request, serving: Serving, route: Route, body: EmbedBo
     ):
         inputs = _inputs(body.input)
         result = await req.backend.embed(inputs, truncate=body.truncate, dimensions=body.dimensions)
-        req.report_tokens(result.total_tokens)
+        req.report_embedded(len(inputs), result.total_tokens)
         req.mirror_to_shadow(EmbeddingReplay(inputs, truncate=body.truncate), result.vectors)
     return Response(
         _response_bytes(result, route.name, body.encoding_format),

@@ -104,7 +104,7 @@ async def _rerank(request: Request, serving: Serving, route: Route, body: Rerank
         serving.serve(route, "rerank", RERANKER, keep_alive=body.keep_alive) as req,
     ):
         scored = await req.backend.rerank(body.query, texts, truncate=body.truncate)
-        req.report_tokens(scored.total_tokens)
+        req.report_reranked(len(texts), scored.total_tokens)
         req.mirror_to_shadow(RerankReplay(body.query, texts, truncate=body.truncate), scored.scores)
     # Most relevant first; equal scores keep document order, as a stable sort does.
     order = sorted(range(len(texts)), key=lambda i: -scored.scores[i])[: body.top_n]

@@ -80,7 +80,7 @@ async def score(
         scored = await req.backend.rerank(
             query, texts, truncate=truncate, max_tokens_per_doc=max_tokens_per_doc
         )
-        req.report_tokens(scored.total_tokens)
+        req.report_reranked(len(texts), scored.total_tokens)
         replay = RerankReplay(query, texts, truncate, max_tokens_per_doc)
         req.mirror_to_shadow(replay, scored.scores)
     return scored
