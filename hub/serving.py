@@ -35,7 +35,8 @@ from hub.saturation import Saturation
 from hub.traffic.request import ServedRequest
 from hub.traffic.service import TrafficService
 from hub.traffic.shadow import Replay
-from hub.usage import UsageMeter, current_caller
+from hub.usage.caller import current_caller
+from hub.usage.meter import UsageMeter
 from registry.usage import UsageCounts
 
 VERSION_HEADER = "X-Hub-Model-Version"

@@ -25,7 +25,7 @@ from hub.saturation import Saturation
 from hub.serving import Serving
 from hub.settings import HubSettings
 from hub.traffic.service import TrafficService
-from hub.usage import UsageMeter
+from hub.usage.meter import UsageMeter
 from hub.usage.metrics import UsageMetrics
 from hub.validation import ValidationGate
 from hub.webhooks import EVENTS, WebhookVerifier

@@ -15,7 +15,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from sqlalchemy import Engine
 
-from hub.usage import UsageMeter
+from hub.usage.meter import UsageMeter
 from hub.usage.metrics import UsageMetrics
 from registry.db import upgrade
 from registry.replicas import membership_engine
