@@ -8,22 +8,25 @@ from prometheus_client import CollectorRegistry, Counter
 
 from registry.usage import COUNTERS, UsageCounts
 
-_HELP = {
-    "requests": "Metered requests answered",
-    "errors": "Metered requests answered with an error",
-    "prompt_tokens": "Tokens read (prompts, embedding inputs, rerank pairs)",
-    "completion_tokens": "Tokens generated",
-    "embedded_inputs": "Inputs embedded",
-    "embedded_tokens": "Tokens of the inputs embedded",
-    "rerank_documents": "Documents reranked",
+# Each counter of registry.usage: its series (exported with `_total`) and help.
+_SERIES = {
+    "requests": ("hub_usage_requests", "Metered requests answered"),
+    "errors": ("hub_usage_errors", "Metered requests answered with an error"),
+    "prompt_tokens": (
+        "hub_usage_prompt_tokens",
+        "Tokens read (prompts, embedding inputs, rerank pairs)",
+    ),
+    "completion_tokens": ("hub_usage_completion_tokens", "Tokens generated"),
+    "embedded_inputs": ("hub_usage_embedded_inputs", "Inputs embedded"),
+    "embedded_tokens": ("hub_usage_embedded_tokens", "Tokens of the inputs embedded"),
+    "rerank_documents": ("hub_usage_rerank_documents", "Documents reranked"),
 }
 
 
 class UsageMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.counters = {
-            name: Counter(f"hub_usage_{name}", _HELP[name], ["key", "model"], registry=registry)
-            for name in COUNTERS
+            name: Counter(*_SERIES[name], ["key", "model"], registry=registry) for name in COUNTERS
         }
         self.commits = Counter(
             "hub_usage_commits",

@@ -153,3 +153,4 @@ def test_usage_equals_what_clients_were_told(
         assert f'hub_usage_completion_tokens_total{{key="app",model="tiny"}} {completion}.0' in (
             metrics
         )
+        assert "/admin/usage" in client.get("/").text  # the dashboard's usage panel
