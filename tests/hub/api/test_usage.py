@@ -1,7 +1,8 @@
 """Usage metering over HTTP: what `GET /admin/usage` reports per key and model equals what
 the clients were told in their answers' `usage` fields, for chat (plain and streamed),
-completions, generate, embeddings and rerank in its shapes; errors are counted; the route
-needs an admin key and refuses bad filters; Prometheus counts by key."""
+completions, generate, responses, embeddings and rerank in its shapes (TEI's too, which tells
+no usage); errors are counted; the route needs an admin key and refuses bad filters;
+Prometheus counts by key; the dashboard has its panel."""
 
 from __future__ import annotations
 
@@ -91,6 +92,11 @@ def test_usage_equals_what_clients_were_told(
         assert r.status_code == 400
         told[("batch", "tiny")][2] += 1
 
+        respond = {"model": "tiny", "input": "Hello", "max_output_tokens": 4}
+        r = client.post("/v1/responses", headers=app, json=respond)
+        u = r.json()["usage"]
+        tell("app", "tiny", u["input_tokens"], u["output_tokens"])
+
         r = client.post("/v1/embeddings", headers=app, json={"model": "emb", "input": ["a", "b c"]})
         tell("app", "emb", r.json()["usage"]["prompt_tokens"])
         embedded_tokens = r.json()["usage"]["prompt_tokens"]
@@ -101,13 +107,18 @@ def test_usage_equals_what_clients_were_told(
         r = client.post(
             "/v1/rerank", headers=app, json={"model": "rr", "query": "cat", "documents": DOCUMENTS}
         )
-        tell("app", "rr", r.json()["usage"]["prompt_tokens"])
+        pairs = r.json()["usage"]["prompt_tokens"]
+        tell("app", "rr", pairs)
         r = client.post(
             "/v2/rerank",
             headers=app,
             json={"model": "rr", "query": "cat", "documents": DOCUMENTS[:2]},
         )
         tell("app", "rr", r.json()["meta"]["tokens"]["input_tokens"])
+        # TEI's shape tells no usage; the same pairs as the first rerank are as many tokens.
+        r = client.post("/rerank", headers=batch, json={"query": "cat", "texts": DOCUMENTS})
+        assert r.status_code == 200, r.text
+        tell("batch", "rr", pairs)
 
         r = client.get("/admin/usage", headers=ADMIN)
         assert r.status_code == 200, r.text
@@ -129,6 +140,7 @@ def test_usage_equals_what_clients_were_told(
             embedded_tokens
         )
         assert by[("app", "rr")]["rerank_documents"] == 5
+        assert by[("batch", "rr")]["rerank_documents"] == 3
 
         # Filters and grouping.
         r = client.get("/admin/usage?key=batch&group_by=key", headers=ADMIN)
