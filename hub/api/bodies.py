@@ -3,8 +3,7 @@
     async def create_embeddings(body: Annotated[EmbeddingCreate, UserBody(EmbeddingCreate)],
                                 route_key: RouteKey, ...)
 
-`UserBody` is a dependency on the bare `Request` alone: it checks the user key (noting the
-caller the request is metered under: hub.usage.caller), takes the
+`UserBody` is a dependency on the bare `Request` alone: it checks the user key, takes the
 body (`request_body`: as the ingress read it, else from the connection now) and validates it
 with `model_validate_json` (pydantic's JSON parser, one pass), after refusing a body nested
 deeper than `MAX_JSON_DEPTH` (a 400 naming the limit); `parse_json_body` is the same bounded
@@ -45,6 +44,7 @@ async def read_user_body(request: Request, model: type[Body]) -> Body:
     else:
         authorization = request.headers.get("authorization")
         api_key = request.headers.get("x-api-key")
+    # The caller the rest of this request is metered under (hub.usage.caller).
     note_caller(await hub_of(request).auth.check(authorization, api_key, admin=False))
     raw = await request_body(request)
     if too_deep(raw):
