@@ -118,11 +118,16 @@ class UsageBook:
         """Add every increment to its row (created at zero when missing), in one transaction."""
         if not increments:
             return
+        # One entry per row (PostgreSQL refuses a statement that updates a row twice), in one
+        # order for every writer: two replicas' batches that touch the same rows lock them in
+        # the same order, so they wait for each other and never deadlock.
+        rows: dict[tuple[str, str, int, dt.datetime], UsageCounts] = {}
+        for k, c in increments.items():
+            rows.setdefault((k.key, k.model, k.version, hour_of(k.hour)), UsageCounts()).add(c)
         values = [
-            {"key_name": k.key, "model": k.model, "version": k.version, "hour": hour_of(k.hour),
-             **c.as_dict()}
-            for k, c in increments.items()
-        ]  # fmt: skip
+            {"key_name": key, "model": model, "version": version, "hour": hour, **c.as_dict()}
+            for (key, model, version, hour), c in sorted(rows.items(), key=lambda kc: kc[0])
+        ]
         dialect = self.engine.dialect.name
         insert: Any
         if dialect == "postgresql":
