@@ -62,23 +62,36 @@ class UsageMeter:
         self.stop_timeout = stop_timeout
         self.clock = clock
         self._pending: dict[UsageKey, UsageCounts] = {}
+        self._writing: dict[UsageKey, UsageCounts] = {}
         # Resolved when the pending batch's write ends: True committed, False failed.
         self._committed: asyncio.Future[bool] | None = None
         self._writer: asyncio.Task[None] | None = None
         self._failing = False
+        self._stopped = False
         # One thread: writes follow each other, reads wait behind them (read-your-writes).
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="usage-sql")
+        metrics.unwritten.set_function(lambda: self.unwritten_requests)
 
     @property
-    def pending(self) -> dict[UsageKey, UsageCounts]:
-        """Counts not yet written (queued for the next commit, or kept while SQL fails)."""
-        return self._pending
+    def failing(self) -> bool:
+        """Whether the last write failed (answers do not wait for commits meanwhile)."""
+        return self._failing
+
+    @property
+    def unwritten_requests(self) -> int:
+        """Requests whose usage is not committed yet: queued for the next write, kept while
+        the database fails, or in the write under way."""
+        batches = [self._pending, self._writing]
+        return sum(c.requests for batch in batches for c in batch.values())
 
     async def record(
         self, key: str, model: str, version: int, counts: UsageCounts, *, wait: bool = True
     ) -> None:
         """Meter one request of caller `key` answered by `model` version `version`."""
         self.metrics.count(key, model, counts)
+        if self._stopped:  # a request that outlived the shutdown: nothing writes any more
+            log.error("usage of a request that ended after shutdown is not written")
+            return
         row = UsageKey(key, model, version, hour_of(self.clock()))
         queued = self._pending.get(row)
         if queued is None:
@@ -104,11 +117,13 @@ class UsageMeter:
             while self._pending:
                 batch, self._pending = self._pending, {}
                 committed, self._committed = self._committed, None
+                self._writing = batch
                 try:
                     # Not bounded here: the engine's own timeouts end a write, and whether
                     # an abandoned one landed would be unknown.
                     await asyncio.shield(loop.run_in_executor(self._thread, self.book.add, batch))
                 except Exception as e:
+                    self._writing = {}
                     self._put_back(batch)
                     _resolve(committed, False)
                     self.metrics.commits.labels("failed").inc()
@@ -121,6 +136,7 @@ class UsageMeter:
                     self._failing = True
                     await asyncio.sleep(self.retry_interval)
                     continue
+                self._writing = {}
                 _resolve(committed, True)
                 self.metrics.commits.labels("ok").inc()
                 if self._failing:
@@ -146,13 +162,14 @@ class UsageMeter:
 
     async def stop(self) -> None:
         """Write what is pending (at most `stop_timeout`); what could not be is logged."""
+        self._stopped = True
         writer = self._writer
         if writer is not None:
             await asyncio.wait({writer}, timeout=self.stop_timeout)
             writer.cancel()  # still retrying a database that does not answer
-        if self._pending:
-            requests = sum(c.requests for c in self._pending.values())
-            log.error("usage of %d requests could not be written before shutdown", requests)
+        if self.unwritten_requests:
+            log.error("usage of %d requests could not be written before shutdown",
+                      self.unwritten_requests)  # fmt: skip
         self._thread.shutdown(wait=False, cancel_futures=True)
         self.book.engine.dispose()
 

@@ -4,7 +4,7 @@ and how the group commits went."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from registry.usage import COUNTERS, UsageCounts
 
@@ -38,6 +38,12 @@ class UsageMetrics:
             "hub_usage_commit_waits_timed_out",
             "Answers sent before their usage was committed (the commit took longer than "
             "usage.commit_timeout; the counts stay queued and are written later)",
+            registry=registry,
+        )
+
+        self.unwritten = Gauge(
+            "hub_usage_unwritten_requests",
+            "Requests whose usage is not committed yet (grows while the database fails)",
             registry=registry,
         )
 

@@ -104,10 +104,13 @@ async def test_a_failing_database_keeps_usage_in_memory_and_writes_it_once(
         for _ in range(5):
             await meter.record("k", "m", 1, one())  # answered at once while it fails
         await asyncio.sleep(0.2)  # several retries fail meanwhile
-    assert meter.pending[UsageKey("k", "m", 1, NOON)].requests == 6
+    assert meter.unwritten_requests == 6
+    unwritten = meter.metrics.unwritten.collect()[0].samples[0].value
+    assert unwritten == 6  # hub_usage_unwritten_requests
     assert len([r for r in caplog.records if "could not be written" in r.message]) == 1
     book.down = False
-    await until(lambda: book.batches == [6])  # the retry wrote them, in one batch
+    await until(lambda: not meter.failing)
+    assert book.batches == [6] and meter.unwritten_requests == 0  # one retry wrote them all
     await meter.record("k", "m", 1, one())
     assert book.requests() == 7
 
@@ -124,3 +127,19 @@ async def test_a_stalled_commit_lets_the_answer_go_and_lands_later(
     book.gate.set()
     await until(lambda: book.batches == [1])
     assert book.requests() == 1
+
+
+async def test_stop_writes_what_is_pending(book: FaultyBook) -> None:
+    meter = UsageMeter(book, UsageMetrics(CollectorRegistry()), commit_timeout=5.0,
+                       retry_interval=0.05, sql_timeout=2.0, clock=lambda: NOON)  # fmt: skip
+    book.gate.clear()
+    for _ in range(3):
+        await meter.record("k", "m", 1, one(), wait=False)  # a client that left waits for none
+    stopping = asyncio.create_task(meter.stop())
+    await asyncio.sleep(0.05)
+    assert not stopping.done()  # the write under way is waited for
+    book.gate.set()
+    await stopping
+    assert book.requests() == 3
+    await meter.record("k", "m", 1, one())  # after the shutdown: counted in metrics only
+    assert book.requests() == 3
