@@ -30,6 +30,7 @@ from hub.api import (
 )
 from hub.api import responses as responses_api
 from hub.api import traffic as traffic_api
+from hub.api import usage as usage_api
 from hub.api.errors import error_responses, install_error_handlers
 from hub.api.ingress import Ingress
 from hub.settings import HubSettings
@@ -125,6 +126,7 @@ def create_app(
         admin_models: admin,
         registry: admin,
         traffic_api: admin,
+        usage_api: admin,
         replicas: error_responses(401, 403, 503),
         keys: error_responses(400, 401, 403, 404, 409, 503),
         webhooks: error_responses(400, 401, 404, 409, 413, 503),

@@ -4,8 +4,8 @@ Registry commands (`models`, `versions`, `events`, `register`, `promote`, `rollb
 running hub at `--url` (default: `$HUB_URL`, else the configured host and port) and work on
 the database and MLflow of the config file themselves only with `--local` or when no hub
 answers (hub.cli_remote). `hub load`, `unload`, `pin`, `unpin`, `status`, `traffic`,
-`canary` and `readout` talk to a running hub only; `db` works on the database, and `keys`
-too unless given `--url` (hub.cli_keys).
+`canary`, `readout` and `usage` talk to a running hub only; `db` works on the database, and
+`keys` too unless given `--url` (hub.cli_keys).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from hub.cli_remote import cli_settings as _settings
 from hub.cli_remote import fail as _fail
 from hub.cli_remote import request as _request
 from hub.traffic import cli as traffic_cli
+from hub.usage import cli as usage_cli
 
 app = typer.Typer(
     help="Model Hub: serve many models (LLMs, embedders, rerankers) from one memory pool.",
@@ -76,6 +77,7 @@ def serve(
 
 cli_registry.install(app)  # hub register | promote | rollback | models | versions | events
 traffic_cli.install(app)  # hub traffic | canary | readout
+app.command("usage")(usage_cli.usage)  # hub usage
 
 
 @db_app.command("upgrade")

@@ -35,6 +35,9 @@ from hub.saturation import Saturation
 from hub.traffic.request import ServedRequest
 from hub.traffic.service import TrafficService
 from hub.traffic.shadow import Replay
+from hub.usage.caller import current_caller
+from hub.usage.meter import UsageMeter
+from registry.usage import UsageCounts
 
 VERSION_HEADER = "X-Hub-Model-Version"
 
@@ -75,15 +78,31 @@ def wrong_kind_message(name: str, kind: str, endpoint: str, wanted: str) -> str:
 @dataclass
 class InferenceRequest(Generic[B]):
     """One request inside `serve()`: the routed version, its backend (of the kind the route
-    asked for) and the traffic layer's record, which takes tokens and shadow material."""
+    asked for), the traffic layer's record, which takes tokens and shadow material, and the
+    usage it is metered for (LLM tokens are reported by hub.api.generation)."""
 
     route: Route
     backend: B
     served: ServedRequest
+    usage: UsageCounts
 
     def report_tokens(self, tokens: int) -> None:
         """Input tokens (embeddings, rerank) or generated tokens (LLM), for readouts."""
         self.served.report_tokens(tokens)
+
+    def report_embedded(self, inputs: int, tokens: int) -> None:
+        """An embedder's `inputs` and their `tokens`, for readouts and metering."""
+        self.served.report_tokens(tokens)
+        self.usage.embedded_inputs += inputs
+        self.usage.embedded_tokens += tokens
+        self.usage.prompt_tokens += tokens
+
+    def report_reranked(self, documents: int, tokens: int) -> None:
+        """A reranker's `documents` and the tokens of their pairs with the query, for readouts
+        and metering."""
+        self.served.report_tokens(tokens)
+        self.usage.rerank_documents += documents
+        self.usage.prompt_tokens += tokens
 
     def mirror_to_shadow(self, replay: Replay, output: Any) -> None:
         """The primary's `output` and how to replay the request on the shadow version; kept
@@ -97,8 +116,10 @@ class Serving:
 
     Contract: `serve` acquires the routed version for one request and yields an
     `InferenceRequest` typed by `kind`; every request it starts is counted once in
-    `hub_requests_total` with `status_of(exception)` (200 without one, 499 when cancelled)
-    and handed to the traffic layer's `finish`.
+    `hub_requests_total` with `status_of(exception)` (200 without one, 499 when cancelled),
+    handed to the traffic layer's `finish`, and metered by `usage` (when metering is on)
+    under the caller the request's user-key check named: its exit waits for that usage to be
+    committed (bounded by the meter), so an answer written after it never outruns its usage.
     """
 
     def __init__(
@@ -107,11 +128,13 @@ class Serving:
         traffic: TrafficService,
         metrics: HubMetrics,
         saturation: Saturation | None = None,
+        usage: UsageMeter | None = None,
     ) -> None:
         self.manager = manager
         self.traffic = traffic
         self.metrics = metrics
         self.saturation = saturation
+        self.usage = usage
 
     @contextlib.asynccontextmanager
     async def serve(
@@ -132,6 +155,8 @@ class Serving:
             )
         labels = (route.name, str(route.version), endpoint)
         served = self.traffic.begin(route)
+        usage = UsageCounts(requests=1)
+        caller = current_caller()
         start = self.traffic.timer.now()
         status = 200
         try:
@@ -144,7 +169,7 @@ class Serving:
                         f"{route.name} v{route.version} is registered as a {kind.name} but its "
                         f"backend is a {type(backend).__name__}, not a {kind.backend.__name__}"
                     )
-                yield InferenceRequest(route, backend, served)
+                yield InferenceRequest(route, backend, served, usage)
         except BaseException as e:
             status = status_of(e).status
             # The error answer (an injected fault, a load failure) names the version too.
@@ -165,3 +190,8 @@ class Serving:
             # A client that went away says nothing about the model: not recorded as a sample.
             outcome = None if status == CLIENT_CLOSED else status
             self.traffic.finish(served, latency_s=elapsed, status=outcome)
+            if self.usage is not None:
+                usage.errors = int(status >= 400)
+                # A client that left reads no answer: nothing waits for its commit.
+                await self.usage.record(caller, route.name, route.version, usage,
+                                        wait=status != CLIENT_CLOSED)  # fmt: skip

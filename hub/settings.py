@@ -234,6 +234,19 @@ class TrafficSettings(_Section):
     min_samples: int = Field(default=30, ge=2)
 
 
+class UsageSettings(_Section):
+    """Usage metering (hub.usage): per caller, model version and hour, in SQL."""
+
+    enabled: bool = True
+    # The longest an answer waits for its usage to be committed before it is sent anyway
+    # (the counts stay queued and are written once the database answers).
+    commit_timeout: Seconds = Field(default=2.0, gt=0)
+    # How often a write is retried while the database fails.
+    retry_interval: Seconds = Field(default=2.0, gt=0)
+    # The longest one usage write or read may take in the database.
+    sql_timeout: Seconds = Field(default=3.0, gt=0)
+
+
 def _env_switch(name: str, default: bool) -> bool:
     value = os.environ.get(name)
     if value is None or not value.strip():
@@ -389,6 +402,7 @@ class HubSettings(BaseSettings):
     engine: EngineSettings = Field(default_factory=EngineSettings)
     structured_outputs: StructuredOutputSettings = StructuredOutputSettings()
     replica: ReplicaSettings = ReplicaSettings()
+    usage: UsageSettings = UsageSettings()
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
     log_level: Literal["debug", "info", "warning", "error"] = "info"

@@ -25,12 +25,15 @@ from hub.saturation import Saturation
 from hub.serving import Serving
 from hub.settings import HubSettings
 from hub.traffic.service import TrafficService
+from hub.usage.meter import UsageMeter
+from hub.usage.metrics import UsageMetrics
 from hub.validation import ValidationGate
 from hub.webhooks import EVENTS, WebhookVerifier
 from registry.db import REGISTRATION_LOCK, Database, sqlite_path, upgrade
 from registry.keys import ApiKeys
 from registry.outage import dependency_down
 from registry.service import Registry
+from registry.usage import UsageBook, usage_engine
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +77,8 @@ class Hub:
     replicas: Membership
     dependencies: DependencyMonitor
     placement: Placement
+    # Usage metering (None when `usage.enabled` is off).
+    usage: UsageMeter | None = None
     ready: bool = False
     background: list[asyncio.Task[None]] = field(default_factory=list)
     # Configured models whose preload has not finished yet, and those whose preload failed.
@@ -163,6 +168,7 @@ class Hub:
         )
         replicas = Membership.for_hub(settings, manager, metrics.registry)
         saturation = Saturation(lambda: catalog.snapshot)
+        usage = _usage_meter(settings, metrics)
         return cls(
             settings=settings,
             db=db,
@@ -177,12 +183,13 @@ class Hub:
             promoter=promoter,
             webhooks=WebhookVerifier(secret) if secret else None,
             traffic=traffic,
-            serving=Serving(manager, traffic, metrics, saturation),
+            serving=Serving(manager, traffic, metrics, saturation, usage),
             saturation=saturation,
             replicas=replicas,
             dependencies=dependencies,
             placement=Placement.for_hub(settings, replicas, manager, catalog, metrics.registry),
             grammar_pool=grammar_pool,
+            usage=usage,
         )
 
     async def start(self) -> None:
@@ -256,6 +263,8 @@ class Hub:
         await _step("reconciler", self.reconciler.stop())
         await _step("placement", self.placement.close())
         await _step("model manager", self.manager.close())
+        if self.usage is not None:  # after the last request was served
+            await _step("usage", self.usage.stop())
         if self.grammar_pool is not None:
             self.grammar_pool.close()
         await _step("dependency checks", self.dependencies.stop())
@@ -334,6 +343,21 @@ class Hub:
                 self.preloading.discard(spec.name)
         if self.freeze_gc:
             gc_freeze.freeze()
+
+
+def _usage_meter(settings: HubSettings, metrics: HubMetrics) -> UsageMeter | None:
+    """The usage writer, on an engine of its own with short timeouts (as the traffic
+    statistics'), so the registry's pool never delays an answer's commit."""
+    config = settings.usage
+    if not config.enabled:
+        return None
+    return UsageMeter(
+        UsageBook(usage_engine(settings.database_url, config.sql_timeout)),
+        UsageMetrics(metrics.registry),
+        commit_timeout=config.commit_timeout,
+        retry_interval=config.retry_interval,
+        sql_timeout=config.sql_timeout,
+    )
 
 
 async def _step(what: str, work: Awaitable[object]) -> None:

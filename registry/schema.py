@@ -303,3 +303,30 @@ class Lease(Base):
     holder: Mapped[str] = mapped_column(String(200))
     expires_at: Mapped[dt.datetime] = mapped_column()
     acquired_at: Mapped[dt.datetime] = mapped_column()
+
+
+class UsageRow(Base):
+    """Metered usage of one caller (the API key's name; "anonymous" with auth off) on one
+    model version in one UTC hour, summed over every replica: each answered request adds its
+    counts to its row (an upsert by increment), so the row is the total. Names, not foreign
+    keys: usage outlives the key and the model it was metered under."""
+
+    __tablename__ = "hub_usage"
+
+    key_name: Mapped[str] = mapped_column(String(200), primary_key=True)
+    model: Mapped[str] = mapped_column(String(200), primary_key=True)
+    version: Mapped[int] = mapped_column(Integer, primary_key=True)
+    # The start of the hour (UTC) the requests were answered in.
+    hour: Mapped[dt.datetime] = mapped_column(primary_key=True, index=True)
+    requests: Mapped[int] = mapped_column(BigInteger, default=0)
+    # Requests that reached a model version and were answered with an error (4xx or 5xx, a
+    # client that left included).
+    errors: Mapped[int] = mapped_column(BigInteger, default=0)
+    # Tokens read, as the answers' `usage.prompt_tokens` say: LLM prompts, embedding inputs,
+    # rerank query-document pairs.
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    completion_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    # Embedders alone: inputs embedded and their tokens (also in prompt_tokens).
+    embedded_inputs: Mapped[int] = mapped_column(BigInteger, default=0)
+    embedded_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    rerank_documents: Mapped[int] = mapped_column(BigInteger, default=0)

@@ -30,6 +30,7 @@ from hub.api.deps import hub_of
 from hub.api.ingress import ROUTE_KEY_HEADER, head_of
 from hub.errors import BadRequest
 from hub.outcome import ClientGone
+from hub.usage.caller import note_caller
 from registry.bounded_json import JsonTooDeep, loads_bounded, too_deep
 
 Body = TypeVar("Body", bound=BaseModel)
@@ -41,9 +42,12 @@ async def read_user_body(request: Request, model: type[Body]) -> Body:
     if head is None:
         authorization = request.headers.get("authorization")
         api_key = request.headers.get("x-api-key")
-        await hub_of(request).auth.check(authorization, api_key, admin=False)
+        note_caller(await hub_of(request).auth.check(authorization, api_key, admin=False))
     elif head.caller is None:  # the ingress found no valid key: this raises its 401
         await hub_of(request).auth.check(head.authorization, head.api_key, admin=False)
+    else:
+        # The caller the rest of this request is metered under (hub.usage.caller).
+        note_caller(head.caller)
     raw = await request_body(request)
     if too_deep(raw):
         raise BadRequest(str(JsonTooDeep("the request body")), param="body")

@@ -46,10 +46,10 @@ from hub.api.openai_schemas import (
     TopLogprob,
     Usage,
 )
+from hub.api.priority import request_level
 from hub.api.serving import VERSION_HEADER, Serving
 from hub.api.tools import ToolPlan, ToolStream, apply_plan, chat_tool_plan, message_parts
 from hub.errors import BadRequest
-from hub.api.priority import request_level
 from hub.routing import Route
 
 # Bodies are read and the caller authenticated by UserBody (hub/api/bodies.py).

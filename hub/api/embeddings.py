@@ -19,8 +19,8 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from backends.encoders.embedder import Embeddings
 from hub.api.bodies import RouteKey, UserBody, cancelled_if_client_leaves, openapi_body
 from hub.api.deps import RouterDep, ServingDep
-from hub.api.serving import EMBEDDER, VERSION_HEADER, KeepAlive, Serving
 from hub.api.priority import RequestedPriority, request_level
+from hub.api.serving import EMBEDDER, VERSION_HEADER, KeepAlive, Serving
 from hub.routing import Route
 from hub.traffic.replays import EmbeddingReplay
 
@@ -155,7 +155,7 @@ async def _embed(request: Request, serving: Serving, route: Route, body: EmbedBo
             dimensions=body.dimensions,
             priority=request_level(request, body.priority),
         )
-        req.report_tokens(result.total_tokens)
+        req.report_embedded(len(inputs), result.total_tokens)
         req.mirror_to_shadow(EmbeddingReplay(inputs, truncate=body.truncate), result.vectors)
     return Response(
         _response_bytes(result, route.name, body.encoding_format),

@@ -32,6 +32,7 @@ from hub.api.structured import caller_of
 from hub.routing import Route
 from hub.traffic.replays import GenerationReplay
 from hub.traffic.request import ServedRequest
+from registry.usage import UsageCounts
 
 # What a route makes of the backend: the prompts (token ids), their sampling parameters.
 PromptBuilder = Callable[[LLMBackend], tuple[list[list[int]], SamplingParams]]
@@ -72,6 +73,8 @@ class Generation:
     # The traffic layer's handle on this request (tokens for the readout, shadow mirroring);
     # kept here because a stream finishes in another task than the one that started it.
     served: ServedRequest | None = None
+    # What this request is metered for (hub.usage); its tokens are added when it closes.
+    usage: UsageCounts | None = None
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
     cached_tokens: int = 0
@@ -133,7 +136,11 @@ class Generation:
 
     def _report(self, *, complete: bool) -> None:
         """Hand the traffic layer the generated token count and, for a finished greedy
-        request selected for shadowing, the texts to compare the shadow's with."""
+        request selected for shadowing, the texts to compare the shadow's with; and the
+        tokens the answer's `usage` reports to the meter."""
+        if self.usage is not None:
+            self.usage.prompt_tokens += self.prompt_tokens
+            self.usage.completion_tokens += self.completion_tokens
         served = self.served
         if served is None or served.finished:
             return
@@ -201,7 +208,9 @@ async def start_generation(
             e.param = prompt_param
         await stack.__aexit__(type(e), e, e.__traceback__)
         raise
-    return Generation(backend, route, prompts, params, streams, stack, served=req.served)
+    return Generation(
+        backend, route, prompts, params, streams, stack, served=req.served, usage=req.usage
+    )
 
 
 async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:

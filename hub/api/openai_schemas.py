@@ -22,10 +22,10 @@ from pydantic import (
 
 from backends.llm.sampling_params import MAX_COUNT, SamplingParams
 from hub.api.openai_ignored import IgnoredChatFields, StreamOptions
+from hub.api.priority import RequestedPriority
 from hub.api.serving import KeepAlive
 from hub.api.structured import StructuredFields
 from hub.api.tool_schemas import ToolCall, ToolChoice, ToolDef
-from hub.api.priority import RequestedPriority
 
 TokenIds = list[Annotated[int, Field(ge=0, le=MAX_COUNT)]]
 

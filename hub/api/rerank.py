@@ -16,8 +16,8 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from hub.api.bodies import RouteKey, UserBody, cancelled_if_client_leaves, openapi_body
 from hub.api.deps import RouterDep, ServingDep
-from hub.api.serving import RERANKER, VERSION_HEADER, KeepAlive, Serving
 from hub.api.priority import RequestedPriority, request_level
+from hub.api.serving import RERANKER, VERSION_HEADER, KeepAlive, Serving
 from hub.routing import Route
 from hub.traffic.replays import RerankReplay
 
@@ -108,7 +108,7 @@ async def _rerank(request: Request, serving: Serving, route: Route, body: Rerank
     ):
         level = request_level(request, body.priority)
         scored = await req.backend.rerank(body.query, texts, truncate=body.truncate, priority=level)
-        req.report_tokens(scored.total_tokens)
+        req.report_reranked(len(texts), scored.total_tokens)
         req.mirror_to_shadow(RerankReplay(body.query, texts, truncate=body.truncate), scored.scores)
     # Most relevant first; equal scores keep document order, as a stable sort does.
     order = sorted(range(len(texts)), key=lambda i: -scored.scores[i])[: body.top_n]

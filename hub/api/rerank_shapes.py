@@ -37,6 +37,7 @@ from hub.api.bodies import (
     request_body,
 )
 from hub.api.deps import CatalogDep, RouterDep, ServingDep
+from hub.api.priority import RequestedPriority, request_level
 from hub.api.rerank import (
     RerankCreate,
     RerankDocument,
@@ -49,7 +50,6 @@ from hub.api.rerank import (
 from hub.api.serving import RERANKER, VERSION_HEADER, KeepAlive, Serving
 from hub.catalog import Catalog
 from hub.errors import BadRequest
-from hub.api.priority import RequestedPriority, request_level
 from hub.routing import Route, Router
 from hub.traffic.replays import RerankReplay
 from registry.bounded_json import loads_bounded
@@ -87,7 +87,7 @@ async def score(
             max_tokens_per_doc=max_tokens_per_doc,
             priority=request_level(request, priority),
         )
-        req.report_tokens(scored.total_tokens)
+        req.report_reranked(len(texts), scored.total_tokens)
         replay = RerankReplay(query, texts, truncate, max_tokens_per_doc)
         req.mirror_to_shadow(replay, scored.scores)
     return scored

@@ -30,11 +30,11 @@ from hub.api.bodies import RouteKey, UserBody, openapi_body
 from hub.api.completions import sse_response
 from hub.api.deps import RouterDep, ServingDep
 from hub.api.generation import Generation, start_generation
+from hub.api.priority import request_level
 from hub.api.responses_schemas import ResponseCreate
 from hub.api.serving import VERSION_HEADER
 from hub.api.structured import ResponseFormat, StructuredFields
 from hub.api.tools import ToolPlan, ToolStream, apply_plan, chat_tool_plan, parse_output
-from hub.api.priority import request_level
 
 router = APIRouter(tags=["generation"])
 

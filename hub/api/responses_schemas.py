@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from hub.api.priority import RequestedPriority
 from hub.api.serving import KeepAlive
 from hub.api.structured import JsonSchemaFormat
 from hub.api.tool_schemas import (
@@ -24,7 +25,6 @@ from hub.api.tool_schemas import (
     ToolDef,
 )
 from hub.errors import BadRequest
-from hub.api.priority import RequestedPriority
 
 
 class InputText(BaseModel):

@@ -138,3 +138,22 @@ def test_keys_commands_with_a_url_go_through_the_admin_api(served: Path) -> None
     assert "team-a" in _hub(served, "keys", "list").stdout  # the database, without --url
     assert "revoked team-a" in _hub(served, "keys", "revoke", "team-a", *url).stdout
     assert "revoked" in _hub(served, "keys", "list", *url).stdout
+
+
+def test_hub_usage_reads_the_running_hubs_usage(served: Path, tiny_embedder_dir: Path) -> None:
+    base = _base(served)
+    body = {"name": "use-emb", "kind": "embedder", "source": str(tiny_embedder_dir)}
+    assert httpx.post(f"{base}/admin/registry/models", json=body, timeout=60).status_code == 201
+    told = 0
+    for text in ("one", "two words"):
+        r = httpx.post(f"{base}/v1/embeddings", json={"model": "use-emb", "input": [text]},
+                       timeout=60)  # fmt: skip
+        told += r.json()["usage"]["prompt_tokens"]
+    [row] = json.loads(_hub(served, "usage", "--model", "use-emb", "--json").stdout)
+    assert (row["key"], row["version"], row["requests"], row["prompt_tokens"]) == (
+        "anonymous", 1, 2, told,
+    )  # fmt: skip
+    table = _hub(served, "usage", "--model", "use-emb", "--group-by", "model").stdout
+    assert table.split("\n")[1].split()[:3] == ["use-emb", "2", "0"]
+    refused = runner.invoke(app, ["usage", "--group-by", "colour", "--config", str(served)])
+    assert refused.exit_code == 1 and "cannot group usage by 'colour'" in refused.output

@@ -1,7 +1,8 @@
 """Traffic statistics and canaries across three replicas: every replica's readout adds up the
 traffic that went through all of them, a canary's steps count every replica's requests, one
 replica analyses it and runs its validation gate, and when that replica is killed with
-SIGKILL mid-canary another continues from the recorded step.
+SIGKILL mid-canary another continues from the recorded step; the usage metered for the model
+still equals what every client was told, the killed replica's included.
 
 Uses the package's shared cluster (conftest.py) and a model of its own, `ts-emb`."""
 
@@ -22,6 +23,8 @@ pytestmark = [pytest.mark.postgres, pytest.mark.slow, pytest.mark.serial]
 
 MODEL = "ts-emb"
 _keys = itertools.count()
+# What this module's clients of MODEL were told: answers, and prompt tokens in their `usage`.
+TOLD = {"requests": 0, "prompt_tokens": 0}
 
 
 def ok(r: httpx.Response) -> Any:
@@ -37,6 +40,8 @@ def embed(replica: Replica) -> str:
     r = replica.post_here("/v1/embeddings", {"model": MODEL, "input": ["a b c"],
                                              "user": f"u-{next(_keys)}"})  # fmt: skip
     assert r.status_code == 200, r.text
+    TOLD["requests"] += 1
+    TOLD["prompt_tokens"] += r.json()["usage"]["prompt_tokens"]
     return r.headers["X-Hub-Model-Version"]
 
 
@@ -154,5 +159,9 @@ def test_one_analyst_runs_the_canary_and_another_takes_over(
     assert [e["action"] for e in production] == ["promote"]  # one gate, one promotion
     assert production[0]["validation"]["passed"] is True
     assert not [e for e in events if e["action"] == "rollback"]
+    # Usage is committed before each answer: the victim's survived it.
+    r = survivor.get("/admin/usage", params={"model": MODEL, "group_by": "model"})
+    [metered] = ok(r)
+    assert {k: metered[k] for k in TOLD} == TOLD
     victim.restart()
     wait_for(lambda: len(replica_ids(cluster)) == 3, "the killed replica never came back")
