@@ -270,6 +270,7 @@ class Scheduler:
         self.running.remove(seq)
         self.kv_cache.free(seq)
         seq.num_computed_tokens = 0
+        seq.draft_token_ids = []
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)

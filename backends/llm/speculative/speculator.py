@@ -12,14 +12,39 @@ saves. A structured request's drafts are cut at the first one its grammar refuse
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import Protocol
 
 from backends.llm.sequence import Sequence
 from backends.llm.speculative.ngram import propose_ngram
 from backends.runtime_config import SpeculativeConfig
 
-# Drafts for a batch of sequences, `k` tokens at most each: one list per sequence.
-Proposer = Callable[[list[Sequence], int], list[list[int]]]
+
+class Proposer(Protocol):
+    """Makes drafts: prompt lookup, or a draft model with state per sequence."""
+
+    def propose(self, seqs: list[Sequence], num_tokens: int) -> list[list[int]]:
+        """Up to `num_tokens` drafts for each of `seqs` (one list each, maybe empty)."""
+        ...
+
+    def keep_only(self, seq_ids: set[int]) -> None:
+        """Drop any state kept for sequences other than these (the running ones)."""
+        ...
+
+
+class PromptLookup:
+    """Drafts copied from the sequence's own tokens (`ngram`); keeps no state."""
+
+    def __init__(self, min_match: int, max_match: int) -> None:
+        self.min_match = min_match
+        self.max_match = max_match
+
+    def propose(self, seqs: list[Sequence], num_tokens: int) -> list[list[int]]:
+        return [
+            propose_ngram(s.token_ids, num_tokens, self.min_match, self.max_match) for s in seqs
+        ]
+
+    def keep_only(self, seq_ids: set[int]) -> None:
+        return None
 
 
 class Speculator:
@@ -27,11 +52,12 @@ class Speculator:
 
     def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None) -> None:
         self.config = config
-        self.proposer = proposer or self._lookup
+        self.proposer = proposer or PromptLookup(config.min_match, config.max_match)
 
     def propose(self, running: list[Sequence]) -> int:
         """Draft for the decoding sequences of `running` that should speculate; returns the
         number of tokens proposed."""
+        self.proposer.keep_only({s.seq_id for s in running})
         decoding = [s for s in running if s.num_tokens - s.num_computed_tokens == 1]
         if not decoding or len(decoding) > self.config.max_batch:
             return 0
@@ -39,7 +65,8 @@ class Speculator:
         if not chosen:
             return 0
         proposed = 0
-        for seq, drafts in zip(chosen, self.proposer(chosen, self.config.num_tokens), strict=True):
+        drafted = self.proposer.propose(chosen, self.config.num_tokens)
+        for seq, drafts in zip(chosen, drafted, strict=True):
             if drafts and seq.guide is not None:
                 drafts = drafts[: seq.guide.matcher.validate_tokens(drafts)]
             seq.draft_token_ids = drafts
@@ -59,7 +86,3 @@ class Speculator:
         if seq.spec_proposed >= config.min_proposed:
             return seq.spec_accepted >= config.min_acceptance * seq.spec_proposed
         return True
-
-    def _lookup(self, seqs: list[Sequence], k: int) -> list[list[int]]:
-        c = self.config
-        return [propose_ngram(s.token_ids, k, c.min_match, c.max_match) for s in seqs]

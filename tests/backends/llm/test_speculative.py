@@ -316,3 +316,62 @@ def test_sampled_output_keeps_the_targets_distribution(root: Path) -> None:
     assert sum(big) > 8
     result = chisquare(observed, wanted)
     assert result.pvalue > 0.001, (result, stats.summary())
+
+
+# ---- a draft model -------------------------------------------------------------------------
+def draft_engine(folder: Path, draft_folder: Path, k: int, **config: Any) -> LLMEngine:
+    from backends.llm.config import EngineConfig
+    from backends.llm.model_runner import ModelRunner
+    from backends.llm.speculative.draft_model import DraftModel
+
+    options = {"block_size": BLOCK_SIZE, "max_num_seqs": 8, "max_num_batched_tokens": STEP_BUDGET}
+    spec = SpeculativeConfig(draft="draft@1", num_tokens=k, max_batch=64)
+    engine_config = EngineConfig(speculative=spec, **(options | config))
+    runner = ModelRunner.load(folder, "cpu", torch.float32, engine_config)
+    draft_config = EngineConfig(**(options | config))
+    draft_runner = ModelRunner.load(draft_folder, "cpu", torch.float32, draft_config)
+    draft = DraftModel(draft_runner, BLOCK_SIZE, STEP_BUDGET)
+    draft.check_vocab(runner.vocab_size)
+    return LLMEngine(engine_config, runner, proposer=draft)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_greedy_output_with_a_draft_model_equals_without(arch: str, root: Path) -> None:
+    from backends.tiny import build_tiny_llm
+
+    folder = build_model(root, arch)
+    other = root / f"{arch}-draft"
+    if not (other / "config.json").is_file():
+        build_tiny_llm(other, arch, num_layers=1, seed=5)
+    requests = workload()
+    base = run_all(engine(folder, None), requests)
+    # The target as its own draft: nearly every draft is accepted.
+    same = draft_engine(folder, folder, 4)
+    assert_same(base, run_all(same, requests))
+    assert same.metrics.speculation.acceptance_rate > 0.9
+    assert same.metrics.speculation.tokens_per_step > 3
+    # Another model: drafts mostly rejected, rolled back in both caches, output unchanged.
+    # Preemption too (20 blocks of 4 tokens).
+    small = {"kv_cache_bytes": kv_bytes(folder, 20, BLOCK_SIZE)}
+    different = draft_engine(folder, other, 3, **small)
+    assert_same(base, run_all(different, requests))
+    assert different.metrics.speculation.proposed > 0
+    assert different.scheduler.num_preemptions > 0
+    assert different.kv_cache.pool.num_used_blocks == 0
+
+
+def test_a_draft_with_another_tokenizer_is_refused_by_name(root: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from backends.errors import InputError
+    from backends.llm.speculative.draft_model import check_same_tokenizer
+    from backends.tiny import build_tiny_llm
+
+    folder = build_model(root, "llama")
+    other = root / "llama-other-vocab"
+    if not (other / "config.json").is_file():
+        build_tiny_llm(other, "llama", vocab_size=384)
+    target = AutoTokenizer.from_pretrained(folder)
+    check_same_tokenizer(target, AutoTokenizer.from_pretrained(folder))
+    with pytest.raises(InputError, match="vocabulary of 384 tokens and the target 512"):
+        check_same_tokenizer(target, AutoTokenizer.from_pretrained(other), "small@1")
