@@ -59,6 +59,8 @@ class SamplingFields(StructuredFields):
     # Lower runs first; a request waiting long enough outranks newer ones anyway.
     priority: Annotated[int, Field(ge=-MAX_COUNT, le=MAX_COUNT)] = 0
     keep_alive: KeepAlive = None
+    # False: no speculative decoding for this request, where the model has it configured.
+    speculative: bool = True
 
     @field_validator("logit_bias")
     @classmethod
@@ -101,6 +103,7 @@ class SamplingFields(StructuredFields):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             structured=self.structured_output(),
+            speculative=self.speculative,
         )
 
 

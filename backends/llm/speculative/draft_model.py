@@ -78,6 +78,14 @@ class DraftModel:
                 param="speculative.draft",
             )
 
+    def reset(self) -> None:
+        """Forget every mirror (the draft's KV cache was released or allocated anew)."""
+        self.kv_cache = KVCacheManager(
+            self.runner.num_blocks, self.block_size, enable_prefix_caching=False
+        )
+        self._mirrors.clear()
+        self._synced.clear()
+
     # ---- Proposer --------------------------------------------------------------------------
     def keep_only(self, seq_ids: set[int]) -> None:
         for seq_id in [i for i in self._mirrors if i not in seq_ids]:

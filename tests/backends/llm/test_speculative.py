@@ -375,3 +375,60 @@ def test_a_draft_with_another_tokenizer_is_refused_by_name(root: Path) -> None:
     check_same_tokenizer(target, AutoTokenizer.from_pretrained(folder))
     with pytest.raises(InputError, match="vocabulary of 384 tokens and the target 512"):
         check_same_tokenizer(target, AutoTokenizer.from_pretrained(other), "small@1")
+
+
+async def test_the_backend_loads_moves_and_frees_the_draft_with_its_target(root: Path) -> None:
+    from backends.base import BackendContext
+    from backends.errors import LoadError
+    from backends.llm.backend import LLMBackend
+    from backends.llm.context import LLMContext
+    from backends.llm.kernel_settings import KernelSettings
+    from backends.loading import module_bytes
+    from backends.tiny import build_tiny_llm
+
+    folder = build_model(root, "llama")
+    other_vocab = root / "llama-other-vocab"
+    if not (other_vocab / "config.json").is_file():
+        build_tiny_llm(other_vocab, "llama", vocab_size=384)
+    config = {"kv_cache_bytes": 2**20, "speculative": {"draft": "self@1", "num_tokens": 3}}
+
+    def backend(draft_dir: Path | None) -> LLMBackend:
+        context = BackendContext("t", "1", config)
+        return LLMBackend(LLMContext.of(context, KernelSettings(), draft_dir=draft_dir))
+
+    with pytest.raises(LoadError, match="not resolved"):
+        backend(None).load(folder, "cpu", torch.float32)
+    with pytest.raises(LoadError, match="vocabulary of 384 tokens"):
+        backend(other_vocab).load(folder, "cpu", torch.float32)
+
+    b = backend(folder)  # the target as its own draft
+    b.load(folder, "cpu", torch.float32)
+    weights = module_bytes(b.engine.runner.model)
+    full = b.memory_bytes()
+    assert full >= 2 * weights + 2 * 2**20  # both models and both caches are charged
+    assert b.offload_bytes() == 2 * weights
+    prompt = b.encode("the harbour the harbour the harbour")
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+    async def tokens() -> list[int]:
+        return [t async for out in b.generate(prompt, params) for t in out.token_ids]
+
+    before = await tokens()
+    b.offload()
+    assert b.memory_bytes() == 0
+    b.restore("cpu")
+    assert await tokens() == before
+    stats = b.engine.metrics.speculation
+    assert stats.acceptance_rate > 0.9
+    await b.aclose()
+    b.unload()
+    assert b.memory_bytes() == 0
+
+
+def test_a_request_body_may_opt_out_of_speculation() -> None:
+    from hub.api.openai_schemas import CompletionCreate
+
+    body = CompletionCreate(model="m", prompt="x", speculative=False)
+    assert body.sampling_params(max_tokens=4, logprobs=None).speculative is False
+    default = CompletionCreate(model="m", prompt="x")
+    assert default.sampling_params(max_tokens=4, logprobs=None).speculative is True
