@@ -18,40 +18,12 @@ draft's context, proposes nothing that step.
 
 from __future__ import annotations
 
-from typing import Any
-
 from backends.errors import InputError
 from backends.llm.kv_cache_manager import KVCacheManager
 from backends.llm.model_runner import ModelRunner
 from backends.llm.sampling_params import SamplingParams
 from backends.llm.scheduler import ScheduledSequence, SchedulerOutput
 from backends.llm.sequence import Sequence
-
-
-def check_same_tokenizer(target: Any, draft: Any, draft_name: str = "the draft model") -> None:
-    """InputError naming the difference when `draft`'s tokenizer is not `target`'s (their
-    vocabularies, token by token, and their special tokens)."""
-    target_vocab, draft_vocab = target.get_vocab(), draft.get_vocab()
-    if len(target_vocab) != len(draft_vocab):
-        raise InputError(
-            f"{draft_name} has a vocabulary of {len(draft_vocab)} tokens and the target "
-            f"{len(target_vocab)}; speculative decoding needs the same tokenizer",
-            param="speculative.draft",
-        )
-    differing = [t for t, i in target_vocab.items() if draft_vocab.get(t) != i]
-    if differing:
-        raise InputError(
-            f"{draft_name}'s tokenizer maps {len(differing)} tokens differently from the "
-            f"target's (first: {differing[0]!r}); speculative decoding needs the same tokenizer",
-            param="speculative.draft",
-        )
-    for name in ("bos_token_id", "eos_token_id"):
-        if getattr(target, name, None) != getattr(draft, name, None):
-            raise InputError(
-                f"{draft_name}'s {name} is {getattr(draft, name, None)}, the target's "
-                f"{getattr(target, name, None)}; speculative decoding needs the same tokenizer",
-                param="speculative.draft",
-            )
 
 
 class DraftModel:

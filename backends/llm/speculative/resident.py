@@ -19,7 +19,8 @@ import torch
 from backends.errors import InputError, LoadError
 from backends.llm.config import EngineConfig
 from backends.llm.model_runner import ModelRunner
-from backends.llm.speculative.draft_model import DraftModel, check_same_tokenizer
+from backends.llm.speculative.compat import check_same_tokenizer
+from backends.llm.speculative.draft_model import DraftModel
 from backends.loading import module_bytes
 from backends.parking import ParkedWeights, park, release
 

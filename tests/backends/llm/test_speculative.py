@@ -364,7 +364,7 @@ def test_a_draft_with_another_tokenizer_is_refused_by_name(root: Path) -> None:
     from transformers import AutoTokenizer
 
     from backends.errors import InputError
-    from backends.llm.speculative.draft_model import check_same_tokenizer
+    from backends.llm.speculative.compat import check_same_tokenizer
     from backends.tiny import build_tiny_llm
 
     folder = build_model(root, "llama")
