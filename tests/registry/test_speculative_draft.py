@@ -38,3 +38,23 @@ def test_a_draft_must_be_registered_and_share_the_tokenizer(
         registry.register("t2", "llm", str(tiny_llm_dir), config=config("missing@1"))
     with pytest.raises(InvalidSourceError, match="maps 2 tokens differently"):
         registry.register("t2", "llm", str(tiny_llm_dir), config=config("odd@1"))
+
+
+def test_the_loader_hands_the_draft_folder_over_and_charges_it(
+    registry: Registry, tiny_llm_dir: Path
+) -> None:
+    from hub.manager.loader import VersionLoader
+    from hub.manager.state import ModelKey
+
+    registry.register("draft", "llm", str(tiny_llm_dir), aliases=["production"])
+    spec = {"draft": "draft@production", "num_tokens": 3}
+    registry.register("plain", "llm", str(tiny_llm_dir))
+    registry.register("target", "llm", str(tiny_llm_dir), config={"speculative": spec})
+    loader = VersionLoader(registry)
+    plain = loader.prepare(ModelKey("plain", 1))
+    target = loader.prepare(ModelKey("target", 1))
+    assert plain.draft_dir is None
+    assert target.draft_dir is not None and (target.draft_dir / "config.json").is_file()
+    assert target.draft_dir != target.artifact_dir  # the draft version's own copy
+    # The same weights twice, and the KV reservation twice (the draft gets the target's).
+    assert target.predict_memory() == 2 * plain.predict_memory()
