@@ -11,6 +11,7 @@ that repeat themselves, and a few requests whose `logit_bias` confines them to t
 
 from __future__ import annotations
 
+import random
 import re
 from dataclasses import replace
 from pathlib import Path
@@ -20,12 +21,16 @@ import pytest
 import torch
 
 from backends.llm.engine import LLMEngine
+from backends.llm.kv_cache_manager import KVCacheManager
 from backends.llm.metrics import EngineMetrics
 from backends.llm.sampling_params import SamplingParams
+from backends.llm.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
+from backends.llm.sequence import Sequence
 from backends.llm.speculative.ngram import propose_ngram
 from backends.llm.structured import StructuredOutput
 from backends.runtime_config import LLMConfig, RuntimeConfigError, SpeculativeConfig
 from backends.tiny import TINY_LLM_ARCHITECTURES
+from tests.backends.llm.fake_runner import FakeRunner, next_token
 from tests.backends.llm.support import (
     Completion,
     build_model,
@@ -113,6 +118,86 @@ def test_the_speculative_keys_are_checked_and_named() -> None:
         with pytest.raises(RuntimeConfigError) as caught:
             LLMConfig.parse({"speculative": raw})
         assert caught.value.key == key
+
+
+# ---- the scheduler and the KV cache alone (a fake runner) ---------------------------------
+class DraftingFakeRunner(FakeRunner):
+    """The fake runner, over drafts too: a draft position's KV is its draft prefix, and each
+    position of a draft chunk samples the fake model's next token after that prefix."""
+
+    def execute(self, output: SchedulerOutput) -> list[int]:
+        self.outputs.append(output)
+        sampled = []
+        for item in output.scheduled:
+            seq = item.seq
+            context = seq.token_ids + list(item.drafts)
+            for p in range(item.start, item.start + item.num_tokens):
+                self.kv[self.slot(seq, p)] = tuple(context[: p + 1])
+        for item in output.scheduled:
+            seq, end = item.seq, item.start + item.num_tokens
+            context = seq.token_ids + list(item.drafts)
+            for p in range(end):  # every position reads the KV of its own prefix
+                assert self.kv.get(self.slot(seq, p)) == tuple(context[: p + 1]), (seq, p)
+            if item.sample:
+                first = end - len(item.drafts)
+                sampled += [next_token(context[:p]) for p in range(first, end + 1)]
+        return sampled
+
+
+def drafts_for(seq: Sequence, k: int, rng: random.Random) -> list[int]:
+    """The fake model's own next tokens, with a wrong one from a random position on."""
+    tokens = list(seq.token_ids)
+    drafts = []
+    wrong_at = rng.randint(0, k)
+    for i in range(k):
+        token = next_token(tokens) if i < wrong_at else 2
+        drafts.append(token)
+        tokens.append(token)
+    return drafts
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_rejected_drafts_leave_no_trace_in_the_block_table_or_the_prefix_cache(
+    seed: int,
+) -> None:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, 50) for _ in range(rng.randint(3, 20))] for _ in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=17, ignore_eos=True)
+
+    def scheduler(blocks: int) -> Scheduler:
+        kv = KVCacheManager(blocks, BLOCK_SIZE, enable_prefix_caching=True)
+        return Scheduler(SchedulerLimits(4, 16, 256, 100), kv, [])
+
+    def run_all_fake(s: Scheduler, prompts: list[list[int]], k: int) -> list[list[int]]:
+        seqs = [
+            Sequence(i, str(i), p, params, max_tokens=17, block_size=BLOCK_SIZE)
+            for i, p in enumerate(prompts)
+        ]
+        for seq in seqs:
+            s.add(seq)
+        runner = DraftingFakeRunner(BLOCK_SIZE)
+        while s.num_unfinished:
+            for seq in s.running:
+                if k and seq.num_tokens - seq.num_computed_tokens == 1:
+                    seq.draft_token_ids = drafts_for(seq, k, rng)
+            output = s.schedule()
+            s.update(output, runner.execute(output))
+            for seq in s.running:  # blocks for the computed tokens only, until scheduled
+                assert len(seq.block_ids) <= s.kv_cache.blocks_for(seq.num_computed_tokens + 1)
+        assert s.kv_cache.pool.num_used_blocks == 0
+        return [seq.output_token_ids for seq in seqs]
+
+    expected = run_all_fake(scheduler(64), prompts, 0)
+    # Drafts of 4, some rejected; 14 blocks make sequences preempt each other.
+    spec = scheduler(14)
+    assert run_all_fake(spec, prompts, 4) == expected
+    assert spec.num_preemptions > 0
+    # The cache now holds blocks the accepted drafts filled: prompts that continue into
+    # those outputs hit them, and the fake runner checks every hit block holds that prefix.
+    continued = [p + out[:12] for p, out in zip(prompts, expected, strict=True)]
+    queries = spec.kv_cache.prefix_hits
+    run_all_fake(spec, continued, 0)
+    assert spec.kv_cache.prefix_hits > queries
 
 
 # ---- greedy output is the target's ------------------------------------------------------
