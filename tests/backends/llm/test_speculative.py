@@ -204,7 +204,7 @@ def test_rejected_drafts_leave_no_trace_in_the_block_table_or_the_prefix_cache(
 @pytest.mark.parametrize("arch", TINY_LLM_ARCHITECTURES)
 def test_greedy_output_with_prompt_lookup_equals_without(arch: str, root: Path) -> None:
     folder = build_model(root, arch)
-    requests = workload()
+    requests = workload(max_tokens=16)
     base = run_all(engine(folder, None), requests)
     k = 2 + TINY_LLM_ARCHITECTURES.index(arch) % 7  # 2..8 over the architectures
     spec_engine = engine(folder, ngram(k, max_batch=64))
