@@ -15,10 +15,8 @@ import random
 import re
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import pytest
-import torch
 
 from backends.llm.engine import LLMEngine
 from backends.llm.kv_cache_manager import KVCacheManager
@@ -31,64 +29,20 @@ from backends.llm.structured import StructuredOutput
 from backends.runtime_config import LLMConfig, RuntimeConfigError, SpeculativeConfig
 from backends.tiny import TINY_LLM_ARCHITECTURES
 from tests.backends.llm.fake_runner import FakeRunner, next_token
-from tests.backends.llm.support import (
-    Completion,
-    build_model,
-    kv_bytes,
-    make_engine,
-    random_prompts,
-    run_all,
+from tests.backends.llm.speculative_support import (
+    BLOCK_SIZE,
+    assert_same,
+    engine,
+    ngram,
+    tokens_of,
+    workload,
 )
-
-BLOCK_SIZE = 4
-STEP_BUDGET = 32
-MAX_TOKENS = 24
+from tests.backends.llm.support import Completion, build_model, kv_bytes, run_all
 
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("speculative-models")
-
-
-def ngram(k: int, **options: Any) -> SpeculativeConfig:
-    return SpeculativeConfig(method="ngram", num_tokens=k, **options)
-
-
-def workload(max_tokens: int = MAX_TOKENS) -> list[tuple[list[int], SamplingParams]]:
-    """Eight requests: prompts that repeat themselves (two share a 20-token prefix, one is
-    longer than a step's budget), one n=2, two confined to three tokens by logit_bias."""
-    shared = random_prompts(1, seed=300, lengths=(20, 20))[0]
-    prompts = [shared + p for p in random_prompts(2, seed=301, lengths=(4, 12))]
-    prompts += random_prompts(4, seed=302, lengths=(6, 30))
-    prompts = [p + p[-12:] + p[-12:] for p in prompts]  # copies to look up
-    assert max(len(p) for p in prompts) > STEP_BUDGET
-    params = [SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=2) for _ in prompts]
-    params[1] = SamplingParams(temperature=0.0, max_tokens=max_tokens, n=2)
-    confined = {40: 5.0, 41: 5.0, 42: 5.0}
-    for prompt in random_prompts(2, seed=303, lengths=(5, 9)):
-        prompts.append(prompt)
-        params.append(SamplingParams(temperature=0.0, max_tokens=max_tokens, logit_bias=confined))
-    return list(zip(prompts, params, strict=True))
-
-
-def tokens_of(results: list[list[Completion]]) -> list[list[int]]:
-    return [c.token_ids for samples in results for c in samples]
-
-
-def assert_same(base: list[list[Completion]], spec: list[list[Completion]]) -> None:
-    assert tokens_of(spec) == tokens_of(base)
-    for b, s in zip(base, spec, strict=True):
-        for x, y in zip(b, s, strict=True):
-            assert x.finish_reason == y.finish_reason
-            assert [lp.token_id for lp in x.logprobs] == [lp.token_id for lp in y.logprobs]
-            assert [[t for t, _ in lp.top] for lp in x.logprobs] == [
-                [t for t, _ in lp.top] for lp in y.logprobs
-            ]
-
-
-def engine(folder: Path, spec: SpeculativeConfig | None, tokenizer: Any = None, **config: Any):
-    options = {"block_size": BLOCK_SIZE, "max_num_seqs": 8, "max_num_batched_tokens": STEP_BUDGET}
-    return make_engine(folder, tokenizer, speculative=spec, **(options | config))
 
 
 # ---- drafting -----------------------------------------------------------------------------
@@ -333,181 +287,6 @@ def test_speculation_metrics_are_exported() -> None:
     summary = metrics.speculation.summary()
     assert summary["acceptance_by_position"] == [0.5, 0.5, 0.0, 0.0]
     assert summary["tokens_per_step"] == 2.0
-
-
-# ---- sampled output keeps the target's distribution ----------------------------------------
-VOCAB = 6
-TEMPERATURE = 0.8
-SHARPEN = 2.0
-
-
-def tiny_vocab_model(root: Path) -> Path:
-    from transformers import LlamaForCausalLM
-
-    from backends.tiny.llm import tiny_llm_config
-
-    folder = root / "tiny-vocab"
-    if not (folder / "config.json").is_file():
-        ids = {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 1}
-        config = tiny_llm_config("llama", vocab_size=VOCAB, token_ids=ids, hidden_size=32)
-        torch.manual_seed(7)
-        model = LlamaForCausalLM(config)
-        with torch.no_grad():  # sharper than the default init, so the draws are not uniform
-            model.lm_head.weight.mul_(SHARPEN)
-        model.save_pretrained(folder, safe_serialization=True)
-    return folder
-
-
-def target_distribution(folder: Path, prompt: list[int]) -> torch.Tensor:
-    """The target's probability of each sequence of three tokens after `prompt`, (V^3,)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-
-    def next_probs(prefixes: list[list[int]]) -> torch.Tensor:
-        with torch.inference_mode():
-            logits = model(input_ids=torch.tensor([prompt + p for p in prefixes])).logits
-        return torch.softmax(logits[:, -1].double() / TEMPERATURE, dim=-1)  # (B, V)
-
-    first = next_probs([[]])[0]  # (V,)
-    pairs = [[a, b] for a in range(VOCAB) for b in range(VOCAB)]
-    second = next_probs([[a] for a in range(VOCAB)])  # (V, V)
-    third = next_probs(pairs)  # (V*V, V)
-    joint = first[:, None, None] * second[:, :, None] * third.view(VOCAB, VOCAB, VOCAB)
-    return joint.flatten()
-
-
-def test_sampled_output_keeps_the_targets_distribution(root: Path) -> None:
-    from scipy.stats import chisquare
-
-    folder = tiny_vocab_model(root)
-    prompt = [2, 4, 5, 0, 3, 1, 1, 1]
-    expected = target_distribution(folder, prompt)
-    samples = 3000
-    params = SamplingParams(temperature=TEMPERATURE, max_tokens=3, ignore_eos=True, n=8)
-    e = engine(folder, ngram(2, max_batch=4096), max_num_seqs=512, max_num_batched_tokens=2048)
-    torch.manual_seed(0)  # unseeded rows draw from torch's default generator
-    results = run_all(e, [(prompt, params)] * (samples // 8))
-    stats = e.metrics.speculation
-    assert samples // 20 < stats.accepted < stats.proposed  # accepted and rejected drafts
-    counts = torch.zeros(VOCAB**3, dtype=torch.float64)
-    for c in (c for s in results for c in s):
-        a, b, t = c.token_ids
-        counts[(a * VOCAB + b) * VOCAB + t] += 1
-    # Cells expected below 5 times are pooled into one.
-    big = expected * samples >= 5
-    observed = [*counts[big].tolist(), counts[~big].sum().item()]
-    wanted = [*(expected[big] * samples).tolist(), (expected[~big] * samples).sum().item()]
-    assert sum(big) > 8
-    result = chisquare(observed, wanted)
-    assert result.pvalue > 0.001, (result, stats.summary())
-
-
-# ---- a draft model -------------------------------------------------------------------------
-def draft_engine(folder: Path, draft_folder: Path, k: int, **config: Any) -> LLMEngine:
-    from backends.llm.config import EngineConfig
-    from backends.llm.model_runner import ModelRunner
-    from backends.llm.speculative.draft_model import DraftModel
-
-    options = {"block_size": BLOCK_SIZE, "max_num_seqs": 8, "max_num_batched_tokens": STEP_BUDGET}
-    spec = SpeculativeConfig(draft="draft@1", num_tokens=k, max_batch=64)
-    engine_config = EngineConfig(speculative=spec, **(options | config))
-    runner = ModelRunner.load(folder, "cpu", torch.float32, engine_config)
-    draft_config = EngineConfig(**(options | config))
-    draft_runner = ModelRunner.load(draft_folder, "cpu", torch.float32, draft_config)
-    draft = DraftModel(draft_runner, BLOCK_SIZE, STEP_BUDGET)
-    draft.check_vocab(runner.vocab_size)
-    return LLMEngine(engine_config, runner, proposer=draft)
-
-
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_greedy_output_with_a_draft_model_equals_without(arch: str, root: Path) -> None:
-    from backends.tiny import build_tiny_llm
-
-    folder = build_model(root, arch)
-    other = root / f"{arch}-draft"
-    if not (other / "config.json").is_file():
-        build_tiny_llm(other, arch, num_layers=1, seed=5)
-    requests = workload()
-    base = run_all(engine(folder, None), requests)
-    # The target as its own draft: nearly every draft is accepted.
-    same = draft_engine(folder, folder, 4)
-    assert_same(base, run_all(same, requests))
-    assert same.metrics.speculation.acceptance_rate > 0.9
-    assert same.metrics.speculation.tokens_per_step > 3
-    # Another model: drafts mostly rejected, rolled back in both caches, output unchanged.
-    # Preemption too (20 blocks of 4 tokens).
-    small = {"kv_cache_bytes": kv_bytes(folder, 20, BLOCK_SIZE)}
-    different = draft_engine(folder, other, 3, **small)
-    assert_same(base, run_all(different, requests))
-    assert different.metrics.speculation.proposed > 0
-    assert different.scheduler.num_preemptions > 0
-    assert different.kv_cache.pool.num_used_blocks == 0
-
-
-def test_a_draft_with_another_tokenizer_is_refused_by_name(root: Path) -> None:
-    from transformers import AutoTokenizer
-
-    from backends.errors import InputError
-    from backends.llm.speculative.compat import check_same_tokenizer
-    from backends.tiny import build_tiny_llm
-
-    folder = build_model(root, "llama")
-    other = root / "llama-other-vocab"
-    if not (other / "config.json").is_file():
-        build_tiny_llm(other, "llama", vocab_size=384)
-    target = AutoTokenizer.from_pretrained(folder)
-    check_same_tokenizer(target, AutoTokenizer.from_pretrained(folder))
-    with pytest.raises(InputError, match="vocabulary of 384 tokens and the target 512"):
-        check_same_tokenizer(target, AutoTokenizer.from_pretrained(other), "small@1")
-
-
-async def test_the_backend_loads_moves_and_frees_the_draft_with_its_target(root: Path) -> None:
-    from backends.base import BackendContext
-    from backends.errors import LoadError
-    from backends.llm.backend import LLMBackend
-    from backends.llm.context import LLMContext
-    from backends.llm.kernel_settings import KernelSettings
-    from backends.loading import module_bytes
-    from backends.tiny import build_tiny_llm
-
-    folder = build_model(root, "llama")
-    other_vocab = root / "llama-other-vocab"
-    if not (other_vocab / "config.json").is_file():
-        build_tiny_llm(other_vocab, "llama", vocab_size=384)
-    config = {"kv_cache_bytes": 2**20, "speculative": {"draft": "self@1", "num_tokens": 3}}
-
-    def backend(draft_dir: Path | None) -> LLMBackend:
-        context = BackendContext("t", "1", config)
-        return LLMBackend(LLMContext.of(context, KernelSettings(), draft_dir=draft_dir))
-
-    with pytest.raises(LoadError, match="not resolved"):
-        backend(None).load(folder, "cpu", torch.float32)
-    with pytest.raises(LoadError, match="vocabulary of 384 tokens"):
-        backend(other_vocab).load(folder, "cpu", torch.float32)
-
-    b = backend(folder)  # the target as its own draft
-    b.load(folder, "cpu", torch.float32)
-    weights = module_bytes(b.engine.runner.model)
-    full = b.memory_bytes()
-    assert full >= 2 * weights + 2 * 2**20  # both models and both caches are charged
-    assert b.offload_bytes() == 2 * weights
-    prompt = b.encode("the harbour the harbour the harbour")
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-
-    async def tokens() -> list[int]:
-        return [t async for out in b.generate(prompt, params) for t in out.token_ids]
-
-    before = await tokens()
-    b.offload()
-    assert b.memory_bytes() == 0
-    b.restore("cpu")
-    assert await tokens() == before
-    stats = b.engine.metrics.speculation
-    assert stats.acceptance_rate > 0.9
-    await b.aclose()
-    b.unload()
-    assert b.memory_bytes() == 0
 
 
 def test_a_request_body_may_opt_out_of_speculation() -> None:
