@@ -6,7 +6,7 @@ scheduler preempts a running sequence for a waiting one that outranks it by a le
 encoders' batchers seed each batch with the best-ranked waiting input. Integer priorities
 (vLLM's field) are levels themselves, so `priority: 5` ranks below `batch`.
 
-Who may ask for what is the hub's business (`hub.priority`); backends only compare levels.
+Who may ask for what is the hub's business (`hub.api.priority`); backends only compare levels.
 """
 
 from __future__ import annotations

@@ -192,6 +192,48 @@ def _graphs_setting(value: object) -> object:
     raise ValueError(f"use true, false or 'auto' (got {value!r})")
 
 
+class SpeculativeConfig(BaseModel):
+    """Speculative decoding of an LLM (backends/llm/speculative): either prompt lookup
+    (`method: "ngram"`, drafts copied from the sequence's own prompt and output) or a draft
+    model (`draft: "name@ref"`, a registered LLM with the same tokenizer). The rest tunes
+    when speculation turns itself down."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    method: Literal["ngram", "draft"] | None = None
+    draft: str | None = None
+    # Tokens proposed per step at most.
+    num_tokens: Annotated[int, Field(strict=True, ge=1, le=16)] = 4
+    # Prompt lookup: the longest and shortest suffix of the sequence searched for earlier.
+    min_match: Annotated[int, Field(strict=True, ge=1, le=64)] = 1
+    max_match: Annotated[int, Field(strict=True, ge=1, le=64)] = 3
+    # A sequence stops proposing once, after `min_proposed` proposed tokens, fewer than this
+    # share of them were accepted.
+    min_acceptance: Annotated[float, Field(strict=True, ge=0, le=1, allow_inf_nan=False)] = 0.1
+    min_proposed: Count = 32
+    # No speculation in a step with more decoding sequences than this (the step is then
+    # bound by compute, and verifying drafts costs more than it saves).
+    max_batch: Count = 16
+
+    @model_validator(mode="after")
+    def _one_source(self) -> SpeculativeConfig:
+        method = self.method or ("draft" if self.draft is not None else None)
+        if method is None:
+            raise _KeyError("method", 'set method: "ngram" or draft: "name@ref"')
+        if method == "draft" and not self.draft:
+            raise _KeyError("draft", 'method "draft" needs draft: "name@ref" (a registered LLM)')
+        if method == "ngram" and self.draft is not None:
+            raise _KeyError("draft", 'set either method: "ngram" or a draft model, not both')
+        if self.min_match > self.max_match:
+            raise _KeyError("min_match", "min_match must not exceed max_match")
+        return self
+
+    @property
+    def kind(self) -> Literal["ngram", "draft"]:
+        """Prompt lookup or a draft model."""
+        return "draft" if self.draft is not None else "ngram"
+
+
 class LLMConfig(RuntimeConfig):
     """The LLM engine's runtime config (see `backends.llm.config` for each key's effect)."""
 
@@ -250,6 +292,8 @@ class LLMConfig(RuntimeConfig):
     grammar_compile_timeout_ms: Annotated[float, Field(strict=True, gt=0, allow_inf_nan=False)] = (
         10_000.0
     )
+    # Speculative decoding (backends/llm/speculative); None: off.
+    speculative: SpeculativeConfig | None = None
 
     def quantization_method(self) -> str | None:
         """The quantization to apply at load ("int8", "int4"), or None."""
@@ -298,10 +342,12 @@ def _error(cls: type[RuntimeConfig], error: ValidationError) -> RuntimeConfigErr
         key = ".".join(str(p) for p in err["loc"])
         cause = err.get("ctx", {}).get("error")
         if isinstance(cause, _KeyError):
-            key = cause.key
+            key = ".".join([*(str(p) for p in err["loc"]), cause.key])
         if err["type"] == "extra_forbidden":
-            known = sorted(cls.model_fields)
-            close = difflib.get_close_matches(key, known, n=1)
+            # A nested mapping's own keys (`speculative.foo`), else the kind's.
+            nested = err["loc"][:-1] == ("speculative",)
+            known = sorted((SpeculativeConfig if nested else cls).model_fields)
+            close = difflib.get_close_matches(key.rsplit(".", 1)[-1], known, n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
             reason = f"unknown key for {_NOUNS[cls.kind]} ({hint}known keys: {', '.join(known)})"
         else:

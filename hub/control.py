@@ -58,6 +58,7 @@ def build_registry(settings: HubSettings) -> Registry:
     """The registry the settings describe (SQL, MLflow, the artifact cache, the Hugging Face
     cache); does no I/O and runs no migration."""
     from backends.llm.architectures import folder_problem
+    from backends.llm.speculative.compat import draft_problem
     from backends.runtime_config import parse_runtime_config
     from hub.adapters.checks import adapter_problem
     from hub.manager.devices import Device
@@ -80,6 +81,7 @@ def build_registry(settings: HubSettings) -> Registry:
         check_config=parse_runtime_config,
         folder_check=folder_problem,
         adapter_check=adapter_problem,
+        draft_check=draft_problem,
         trust_remote_code=settings.trust_remote_code,
         # A model whose config alone says it cannot fit the largest device is refused.
         max_model_bytes=max(

@@ -115,6 +115,7 @@ class Registry:
         max_model_bytes: int | None = None,
         folder_check: Callable[[Path, str], str | None] | None = None,
         adapter_check: Callable[[Path, Path, Mapping[str, Any]], str | None] | None = None,
+        draft_check: Callable[[Path, Path], str | None] | None = None,
     ) -> None:
         self.db = db
         self.check_config = check_config
@@ -131,6 +132,9 @@ class Registry:
         # in, a reason out (unsupported PEFT features, shapes or target modules that do not
         # fit the base, a rank above its max_lora_rank).
         self.adapter_check = adapter_check
+        # The same for an LLM's `speculative.draft`: the LLM's folder and the draft's in, why
+        # the draft cannot draft for it out (a different tokenizer).
+        self.draft_check = draft_check
         self.traffic = TrafficBook(db)
         self.aliases = AliasBook(db, mlflow, self.traffic)
         self.canaries = CanaryBook(db, self.traffic)
@@ -226,6 +230,8 @@ class Registry:
         problem = None
         if self.folder_check is not None and base is None:
             problem = self.folder_check(folder, kind)
+        if problem is None and kind == "llm" and base is None:
+            self._check_draft(folder, runtime_config)
         if problem is not None:
             raise InvalidSourceError(f"source {source} cannot be served: {problem}")
         if base is None:
@@ -278,6 +284,25 @@ class Registry:
                  f", adapter on {base}" if base else "", inspected.total_bytes,
                  source)  # fmt: skip
         return self.get_version(name, version)
+
+    def _check_draft(self, folder: Path, config: Mapping[str, Any]) -> None:
+        """InvalidSourceError (400) when the config's `speculative.draft` names no registered
+        LLM version, or one that cannot draft for the model in `folder`."""
+        speculative = config.get("speculative")
+        draft = speculative.get("draft") if isinstance(speculative, Mapping) else None
+        if not isinstance(draft, str):
+            return
+        try:
+            ref = resolve_base(draft, self.get_model)
+        except InvalidSourceError as e:
+            raise InvalidSourceError(f"speculative.draft: {e}") from None
+        if self.draft_check is None:
+            return
+        problem = self.draft_check(
+            folder, self.materialise(self.get_version(ref.name, ref.version))
+        )
+        if problem is not None:
+            raise InvalidSourceError(f"speculative.draft {draft!r} cannot draft for it: {problem}")
 
     def _check_config(self, kind: str, config: Mapping[str, Any]) -> None:
         if self.check_config is None:

@@ -41,7 +41,7 @@ from backends.base import Backend, BackendContext, ModelKind, checked_config
 from backends.errors import BackendClosedError, ContextLengthError, InputError, LoadError
 from backends.llm.async_engine import AsyncLLMEngine, RequestStream
 from backends.llm.config import EngineConfig, kv_cache_reservation, llm_config
-from backends.llm.context import grammar_pool, kernel_settings
+from backends.llm.context import draft_dir, grammar_pool, kernel_settings
 from backends.llm.detokenizer import token_bytes
 from backends.llm.engine import LLMEngine, RequestOutput
 from backends.llm.fused.decoder import predicted_scratch_bytes
@@ -50,6 +50,7 @@ from backends.llm.metrics import EngineMetrics
 from backends.llm.model_runner import ModelRunner, kv_bytes_per_block
 from backends.llm.quantization import WeightQuantizer
 from backends.llm.sampling_params import SamplingParams
+from backends.llm.speculative.resident import ResidentDraft, load_draft
 from backends.llm.structured.limits import GrammarLimits
 from backends.llm.structured.metrics import GrammarMetrics
 from backends.llm.structured.pool import CompilePool
@@ -128,6 +129,8 @@ class LLMBackend(Backend):
         self.tokenizer: Any = None
         self._prompt_bound = CharBound(0, MIN_CHARS_PER_TOKEN)  # set by load()
         self._runner: ModelRunner | None = None
+        # A `speculative.draft` model, loaded, charged and moved with this one.
+        self._draft: ResidentDraft | None = None
         self._engine: AsyncLLMEngine | None = None
         self._metrics = EngineMetrics.disabled()
         self._parked: ParkedWeights | None = None
@@ -191,9 +194,21 @@ class LLMBackend(Backend):
             quantization=self.config.quantization_method(),
             group_size=self.config.quantization_group_size,
         )
+        spec = config.speculative
+        if spec is not None and spec.draft is not None:
+            try:
+                self._draft = load_draft(
+                    draft_dir(ctx), spec.draft, tokenizer, runner, config, device, dtype,
+                    kernels=kernel_settings(ctx),
+                )  # fmt: skip
+            except Exception:
+                runner.release_kv_cache()
+                release(runner.model)  # the target goes too: no half-loaded model
+                raise
         self._metrics = EngineMetrics(ctx.metrics_registry, ctx.model, ctx.version)
         grammar_metrics = GrammarMetrics(ctx.metrics_registry, ctx.model, ctx.version)
-        engine = LLMEngine(config, runner, tokenizer, self._metrics, grammar_metrics)
+        proposer = self._draft.draft if self._draft is not None else None
+        engine = LLMEngine(config, runner, tokenizer, self._metrics, grammar_metrics, proposer)
         self.tokenizer = tokenizer
         self._artifact_dir = artifact_dir
         # Prompts longer than this many characters cannot fit the context: refused before
@@ -367,11 +382,14 @@ class LLMBackend(Backend):
             return 0
         runner = self._runner
         fused = runner.fused.scratch_bytes
-        return module_bytes(runner.model) + runner.kv_cache_bytes() + fused + runner.graph_bytes()
+        draft = self._draft.memory_bytes() if self._draft is not None else 0
+        weights = module_bytes(runner.model)
+        return weights + runner.kv_cache_bytes() + fused + runner.graph_bytes() + draft
 
     def offload_bytes(self) -> int:
         """Host bytes an offload keeps: the weights only (the KV cache is dropped)."""
-        return module_bytes(self._require_runner().model)
+        draft = self._draft.offload_bytes() if self._draft is not None else 0
+        return module_bytes(self._require_runner().model) + draft
 
     def offload(self) -> None:
         runner = self._require_runner()
@@ -382,6 +400,8 @@ class LLMBackend(Backend):
         runner.release_kv_cache()
         runner.lora.move_to(torch.device("cpu"))  # adapter slots refill on demand
         self._parked = park(runner.model)
+        if self._draft is not None:
+            self._draft.offload()
         self._device = "cpu"
         self._metrics.reset_gauges()
         _release_device_memory()
@@ -401,6 +421,8 @@ class LLMBackend(Backend):
             runner.to(device)  # a cache it holds comes along, allocated anew
         if not runner.kv_caches:
             runner.allocate_kv_cache()
+        if self._draft is not None:
+            self._draft.restore(device)
         self._loaded_engine().engine.cache_replaced()
         self._device = device
 
@@ -424,6 +446,9 @@ class LLMBackend(Backend):
         elif self._runner is not None:
             self._runner.release_kv_cache()
             release(self._runner.model)  # frees the weights now, cycles in the model or not
+        if self._draft is not None:
+            self._draft.unload()
+        self._draft = None
         self._parked = None
         self._engine = None
         self._runner = None

@@ -25,6 +25,7 @@ read by the loader; `keep_alive`, `pin`, `device`, read by the hub) are left to 
 | `max_lora_rank` | 64 | largest LoRA rank an adapter may have |
 | `fused_step` | true | float32 Llama-family models (Phi-3 too) on a CPU: steps in one native call |
 | `cuda_graphs` | auto | decode steps on CUDA replay captured graphs (`decode_graphs`); auto: on |
+| `speculative` | none | drafts verified in one step (`backends.llm.speculative`) |
 | `cuda_graph_mode` | capture | "compile": torch.compile(mode="reduce-overhead") makes them |
 """
 
@@ -35,7 +36,12 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from backends.errors import LoadError
-from backends.runtime_config import LLMConfig, RuntimeConfig, RuntimeConfigError
+from backends.runtime_config import (
+    LLMConfig,
+    RuntimeConfig,
+    RuntimeConfigError,
+    SpeculativeConfig,
+)
 
 DEFAULT_KV_CACHE_BYTES = 256 * 2**20
 _CONFIG = LLMConfig()  # the runtime config's defaults are the engine's
@@ -87,6 +93,8 @@ class EngineConfig:
     fused_step: bool = _CONFIG.fused_step
     cuda_graphs: bool | Literal["auto"] = _CONFIG.cuda_graphs
     cuda_graph_mode: Literal["capture", "compile"] = _CONFIG.cuda_graph_mode
+    # Speculative decoding; None: off.
+    speculative: SpeculativeConfig | None = None
 
     @classmethod
     def from_runtime_config(
@@ -116,4 +124,5 @@ class EngineConfig:
             fused_step=config.fused_step,
             cuda_graphs=config.cuda_graphs,
             cuda_graph_mode=config.cuda_graph_mode,
+            speculative=config.speculative,
         )

@@ -10,6 +10,10 @@
 counts as in flight for that adapter from `add_request` until it finishes or is aborted.
 Everything else belongs to the thread that calls `step`. The engine works on token ids;
 with a tokenizer it also produces text deltas and honours stop strings.
+
+With speculative decoding configured (`EngineConfig.speculative`), a `Speculator` drafts
+tokens for decoding sequences before each schedule; a step may then give a sequence several
+tokens, emitted as one output and cut at a stop string or a finished grammar.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from backends.llm.request_limits import RequestLimits, checked_max_tokens
 from backends.llm.sampling_params import MAX_COUNT, SamplingParams
 from backends.llm.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
 from backends.llm.sequence import ROOT_HASH, FinishReason, Logprob, Sequence
+from backends.llm.speculative.speculator import Proposer, Speculator
 from backends.llm.structured.compiler import GrammarCompiler
 from backends.llm.structured.guide import TokenGuide
 from backends.llm.structured.metrics import GrammarMetrics
@@ -106,7 +111,10 @@ class LLMEngine:
         tokenizer: Any | None = None,
         metrics: EngineMetrics | None = None,
         grammar_metrics: GrammarMetrics | None = None,
+        proposer: Proposer | None = None,
     ) -> None:
+        """`proposer` drafts tokens for speculative decoding (a draft model's); None: prompt
+        lookup where `config.speculative` asks for speculation."""
         self.config = config
         self.runner = runner
         self.tokenizer = tokenizer
@@ -141,6 +149,9 @@ class LLMEngine:
             )
             if tokenizer is not None
             else None
+        )
+        self.speculator = (
+            Speculator(config.speculative, proposer) if config.speculative is not None else None
         )
         self.reset_cache()
 
@@ -264,6 +275,8 @@ class LLMEngine:
         lora = self.runner.lora
         slot_loads = lora.slot_loads
         started, waited = time.monotonic(), len(scheduler.waiting)
+        if self.speculator is not None:
+            self.speculator.propose(scheduler.running)
         output = scheduler.schedule()
         scheduled_at = time.monotonic()
         try:
@@ -271,16 +284,20 @@ class LLMEngine:
         except Exception as e:
             raise self._recover(output, e) from e
         updated = scheduler.update(output, sampled.token_ids)
-        for seq, _ in updated:
-            if seq.guide is not None and not seq.is_finished:
-                self._advance_guide(seq, seq.guide)
+        for proposed, accepted, emitted in scheduler.verified:
+            self.metrics.speculation.observe(proposed, accepted, emitted)
+        for i, (seq, rows) in enumerate(updated):
+            if seq.guide is not None:
+                updated[i] = (seq, self._advance_guide(seq, seq.guide, rows))
         now = time.monotonic()
         for item in output.scheduled:
             request = self._requests.get(item.seq.request_id)
             if request is not None and request.scheduled_time is None:
                 request.scheduled_time = scheduled_at
                 self.metrics.observe_latency("queue", scheduled_at - request.arrival_time)
-        outputs = [self._emit(seq, sampled.logprobs[row], now) for seq, row in updated]
+        outputs = [
+            self._emit(seq, [sampled.logprobs[row] for row in rows], now) for seq, rows in updated
+        ]
         if waited:
             self._queued_s += now - started
             admitted = waited - len(scheduler.waiting)  # preempted ones count against it
@@ -293,7 +310,7 @@ class LLMEngine:
             kv_usage=self.kv_cache.usage,
             prefix_queries=self.kv_cache.prefix_queries - queries,
             prefix_hits=self.kv_cache.prefix_hits - hits,
-            generated=len(updated),
+            generated=sum(len(rows) for _, rows in updated),
             preempted=output.num_preempted,
             lora_slots=lora.slots_in_use,
             lora_slot_loads=lora.slot_loads - slot_loads,
@@ -328,24 +345,49 @@ class LLMEngine:
             for seq in request.seqs:
                 self.scheduler.finish(seq, FinishReason.ABORT)
 
-    def _advance_guide(self, seq: Sequence, guide: TokenGuide) -> None:
-        """Feed the sampled token to the sequence's grammar; a complete grammar ends it."""
-        if not guide.accept(seq.token_ids[-1]):
-            # Only a bug lets a masked-out token through; end the sequence, not the engine.
-            log.error("request %s left its grammar: %s", seq.request_id, guide.error)
-            self.scheduler.finish(seq, FinishReason.STOP)
-        elif guide.is_done:
-            self.scheduler.finish(seq, FinishReason.STOP)
+    def _advance_guide(self, seq: Sequence, guide: TokenGuide, rows: list[int]) -> list[int]:
+        """Feed the step's tokens (one per row of `rows`) to the sequence's grammar; a
+        complete grammar ends it, and tokens after that are dropped. A token that finished
+        the sequence otherwise (eos, a stop token) is not fed. Returns the rows kept."""
+        start = seq.num_tokens - len(rows)
+        for i in range(len(rows)):
+            if seq.is_finished and start + i == seq.num_tokens - 1:
+                break
+            if not guide.accept(seq.token_ids[start + i]):
+                # Only a bug lets a masked-out token through; end the sequence, not the engine.
+                log.error("request %s left its grammar: %s", seq.request_id, guide.error)
+            elif not guide.is_done:
+                continue
+            self._truncate(seq, start + i + 1, FinishReason.STOP, None)
+            return rows[: i + 1]
+        return rows
 
-    def _emit(self, seq: Sequence, logprob: Logprob | None, now: float) -> RequestOutput:
+    def _truncate(
+        self, seq: Sequence, num_tokens: int, reason: FinishReason, stop: str | None
+    ) -> None:
+        """End `seq` with its first `num_tokens` tokens (drafts accepted past a stop point
+        are dropped)."""
+        self.scheduler.finish(seq, reason, stop)
+        seq.finish(reason, stop)  # where an earlier token than the one that ended it stops
+        del seq.token_ids[num_tokens:]
+
+    def _emit(self, seq: Sequence, logprobs: list[Logprob | None], now: float) -> RequestOutput:
+        """The output of the step's tokens of `seq` (the last `len(logprobs)`), cut at the
+        first stop string."""
         request = self._requests[seq.request_id]
-        token = seq.token_ids[-1]
+        start = seq.num_tokens - len(logprobs)
+        tokens = seq.token_ids[start:]
         text = ""
         detokenizer = request.detokenizers[seq.index]
         if detokenizer is not None:
-            text, stop = detokenizer.push([token])
-            if stop is not None and not seq.is_finished:
-                self.scheduler.finish(seq, FinishReason.STOP, stop)
+            for i, token in enumerate(tokens):
+                piece, stop = detokenizer.push([token])
+                text += piece
+                if stop is not None:
+                    if i + 1 < len(tokens) or not seq.is_finished:
+                        self._truncate(seq, start + i + 1, FinishReason.STOP, stop)
+                        tokens, logprobs = tokens[: i + 1], logprobs[: i + 1]
+                    break
             if seq.is_finished:
                 text += detokenizer.flush()
         if seq.num_output_tokens > 1:
@@ -362,9 +404,9 @@ class LLMEngine:
         return RequestOutput(
             request_id=seq.request_id,
             index=seq.index,
-            token_ids=[token],
+            token_ids=tokens,
             text=text,
-            logprobs=[logprob] if logprob is not None else [],
+            logprobs=[lp for lp in logprobs if lp is not None],
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
             num_prompt_tokens=seq.num_prompt_tokens,

@@ -53,16 +53,23 @@ class KVCacheManager:
         return hits
 
     def allocate_slots(
-        self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] | None = None
+        self,
+        seq: Sequence,
+        num_new_tokens: int,
+        cached_blocks: list[int] | None = None,
+        *,
+        num_lookahead: int = 0,
     ) -> bool:
         """Give `seq` room for `num_new_tokens` more tokens after its computed ones (and after
-        `cached_blocks`, a prefix hit taken on admission). On success the cached blocks are
-        in the block table and counted as computed; on failure nothing changed."""
+        `cached_blocks`, a prefix hit taken on admission), plus `num_lookahead` draft tokens
+        after those (speculative decoding: never registered in the prefix cache, see
+        `rollback`). On success the cached blocks are in the block table and counted as
+        computed; on failure nothing changed."""
         cached = cached_blocks or []
         num_cached_tokens = len(cached) * self.block_size
         computed = seq.num_computed_tokens + num_cached_tokens
         total = computed + num_new_tokens
-        needed = self.blocks_for(total) - len(seq.block_ids) - len(cached)
+        needed = self.blocks_for(total + num_lookahead) - len(seq.block_ids) - len(cached)
         # Cached blocks nobody holds sit in the free queue; sharing them shrinks it.
         reclaimed = sum(1 for b in cached if self.pool.blocks[b].ref_count == 0)
         if needed > self.pool.num_free_blocks - reclaimed:
@@ -90,6 +97,18 @@ class KVCacheManager:
             self.pool.forget_if_private(block_id)
         self.pool.free(reversed(seq.block_ids))
         seq.block_ids = []
+
+    def rollback(self, seq: Sequence, verified_from: int) -> None:
+        """After a step that verified drafts from position `verified_from` on: keep the blocks
+        that hold `seq`'s computed tokens, free the ones only rejected drafts wrote, and
+        register the blocks that accepted drafts filled. A rejected draft's KV left in a kept
+        block sits past the computed tokens, where nothing reads it before it is written."""
+        keep = self.blocks_for(seq.num_computed_tokens)
+        extra = seq.block_ids[keep:]
+        if extra:
+            self.pool.free(reversed(extra))
+            del seq.block_ids[keep:]
+        self._register_full_blocks(seq, verified_from, seq.num_computed_tokens)
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()

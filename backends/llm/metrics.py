@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from backends.llm.speculative.metrics import SpeculationMetrics
 from backends.shed_metrics import ShedMetrics
 
 # Token latencies on CPU range from milliseconds to seconds.
@@ -105,6 +106,8 @@ class EngineMetrics:
 
     def __init__(self, registry: CollectorRegistry | None, model: str, version: str) -> None:
         self.enabled = registry is not None
+        # Speculative decoding: proposed, accepted, by position, tokens per target step.
+        self.speculation = SpeculationMetrics(registry, model, version)
         if registry is None:
             return
         s = _series(registry)

@@ -9,6 +9,11 @@ KV-cache tensors (per layer, keys and values: `(2, blocks, block_size, kv_heads,
 and knows nothing about requests, text or HTTP. Its `lora` manager holds the LoRA adapters
 loaded on the model; a step's tokens run with their sequence's adapter (`seq.adapter`).
 
+A step that verifies speculative drafts (`backends.llm.speculative`) runs here, packed: each
+sequence with drafts is a chunk of its last token and its drafts, with logits at each of
+them; the fused CPU step and the static decode path take no such chunk, so those steps
+leave them.
+
 A step of single-token decodes only, without adapters, runs over static buffers padded to a
 batch-size bucket (`backends.llm.decode_graphs`): replayed as a captured CUDA graph on a GPU
 (`cuda_graphs`), eagerly on a CPU where asked (`static_decode=True`). Its padding rows write
@@ -44,6 +49,7 @@ from backends.llm.quantization import WeightQuantizer, float32_reference
 from backends.llm.sampler import Sampler, SamplerOutput
 from backends.llm.scheduler import ScheduledSequence, SchedulerOutput
 from backends.llm.sequence import Sequence
+from backends.llm.speculative.verify import sampling_rows
 from backends.llm.static_path import StaticPath
 from backends.load_cancel import check_cancelled
 
@@ -263,6 +269,8 @@ class ModelRunner:
         self.sampler.forget(output.finished_seq_ids)
         if output.is_empty:
             return SamplerOutput([], [])
+        if any(item.drafts for item in output.scheduled):
+            return self._execute_packed(output)
         fused = self.fused.decoder_for(output, self.kv_caches)
         if fused is not None:
             step = fused_rows(output.scheduled, self.block_size)
@@ -280,6 +288,10 @@ class ModelRunner:
             if len(sampling) < len(output.scheduled):
                 rows = [i for i, item in enumerate(output.scheduled) if item.sample]
             return self.sampler(logits, sampling, rows)
+        return self._execute_packed(output)
+
+    def _execute_packed(self, output: SchedulerOutput) -> SamplerOutput:
+        """The step through the transformers modules, every token in one packed row."""
         inputs = self._prepare(output)
         self.sampler.prepare(inputs.sampling_seqs)  # grammar masks fill during the forward
         self.lora.begin_step(inputs.adapter_segments)
@@ -379,6 +391,7 @@ class ModelRunner:
             t0 = len(token_ids)
             table = seq.block_ids
             token_ids.extend(seq.token_ids[start:end])
+            token_ids.extend(item.drafts)  # past the sequence's tokens: the chunk's end
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             last_token[seq.seq_id] = len(token_ids) - 1
@@ -419,7 +432,12 @@ class ModelRunner:
         elif decode_lens:  # the torch path reads each decode's own table
             decode_tables = list(all_tables.split(decode_widths))
 
-        sampling = [item.seq for item in output.scheduled if item.sample]
+        sampling = sampling_rows(output.scheduled)
+        logits_indices: list[int] = []
+        for item in output.scheduled:
+            if item.sample:  # a row at the last token, and one at each draft after it
+                last = last_token[item.seq.seq_id]
+                logits_indices.extend(range(last - len(item.drafts), last + 1))
         # The scheduler's order (single tokens first, then the chunks) is the packing order.
         segments = [(item.seq.adapter, item.num_tokens) for item in output.scheduled]
         metadata = PagedAttentionMetadata(
@@ -437,9 +455,7 @@ class ModelRunner:
         return _StepInputs(
             input_ids=torch.tensor([token_ids], dtype=torch.long, device=device),
             positions=torch.tensor([positions], dtype=torch.long, device=device),
-            logits_indices=torch.tensor(
-                [last_token[seq.seq_id] for seq in sampling], dtype=torch.long, device=device
-            ),
+            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=device),
             metadata=metadata,
             sampling_seqs=sampling,
             adapter_segments=segments,

@@ -49,6 +49,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # A grammar the output must follow (JSON schema, regex, choice, Lark); None: free text.
     structured: StructuredOutput | None = None
+    # False: never speculate for this request, even where the model is configured to.
+    speculative: bool = True
 
     @property
     def greedy(self) -> bool:

@@ -23,6 +23,13 @@ wait for them: on admission, the lowest running sequence it outranks gives up it
 `max_num_seqs`) or its blocks (when the pool is short), and outranked prompt chunks give up
 the step's tokens, so the waiting sequence starts at this step with the budget an idle
 engine would give it. The victim keeps its waiting age, so it comes back in turn.
+
+A decoding sequence may carry drafts (`seq.draft_token_ids`, proposed by the engine's
+speculator just before `schedule`): it is then scheduled as a chunk of its last token and
+as many drafts as fit (the step's token budget, its `max_tokens`, the context, free blocks;
+drafts never cause a preemption). `update` gets one sampled token per position of that chunk
+and keeps the drafts the target agreed with, then the target's own token; the KV slots of
+the rejected drafts are given back (`KVCacheManager.rollback`).
 """
 
 from __future__ import annotations
@@ -43,6 +50,14 @@ class ScheduledSequence:
     num_tokens: int
     # The chunk ends at the sequence's last token, so the step samples its next token.
     sample: bool
+    # Draft tokens following the sequence's last token in this chunk (they are counted in
+    # `num_tokens`); the step samples a token at every position from the last token on.
+    drafts: tuple[int, ...] = ()
+
+    @property
+    def num_samples(self) -> int:
+        """Sampled rows this entry takes: one per draft plus one, none if it does not sample."""
+        return (len(self.drafts) + 1) if self.sample else 0
 
 
 @dataclass(frozen=True)
@@ -95,6 +110,8 @@ class Scheduler:
         # its current wait began (waiting sequences only). Only waiting ages a sequence.
         self._waited: dict[int, int] = {}
         self._waiting_since: dict[int, int] = {}
+        # Per entry of the last `update` that verified drafts: (proposed, accepted, emitted).
+        self.verified: list[tuple[int, int, int]] = []
 
     # ---- queue ------------------------------------------------------------------------
     @property
@@ -147,6 +164,13 @@ class Scheduler:
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if num_new <= 0:
                 continue
+            drafts = self._fitting_drafts(seq, budget) if num_new == 1 else ()
+            if drafts and self.kv_cache.allocate_slots(seq, 1, num_lookahead=len(drafts)):
+                chosen[seq.seq_id] = ScheduledSequence(
+                    seq, seq.num_computed_tokens, 1 + len(drafts), True, drafts
+                )
+                budget -= 1 + len(drafts)
+                continue
             while not self.kv_cache.allocate_slots(seq, num_new):
                 victim = self.running[-1]
                 refund = chosen.pop(victim.seq_id, None)
@@ -170,6 +194,8 @@ class Scheduler:
         if not preempted:
             budget, preempted = self._admit(chosen, budget)
 
+        for seq in self.running:
+            seq.draft_token_ids = []  # proposed for this step only
         scheduled = sorted(chosen.values(), key=lambda s: s.num_tokens > 1)
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(
@@ -179,28 +205,55 @@ class Scheduler:
             num_preempted=preempted,
         )
 
-    def update(self, output: SchedulerOutput, sampled: list[int]) -> list[tuple[Sequence, int]]:
+    def update(
+        self, output: SchedulerOutput, sampled: list[int]
+    ) -> list[tuple[Sequence, list[int]]]:
         """Record the step's progress and the tokens sampled for entries with `sample` set,
-        in order. Returns `(sequence, row in sampled)` for each sequence that got a token;
-        those that finished are freed."""
-        row = -1
+        in order (`num_samples` rows each). Returns `(sequence, rows of sampled)` for each
+        sequence that got tokens, one row per token appended (more than one where drafts were
+        accepted); those that finished are freed."""
+        row = 0
         updated = []
+        self.verified = []
         for item in output.scheduled:
             seq = item.seq
-            if item.sample:
-                row += 1
+            first, row = row, row + item.num_samples
             if seq.is_finished:
                 continue  # aborted while the step ran
-            seq.num_computed_tokens = item.start + item.num_tokens
             if not item.sample:
+                seq.num_computed_tokens = item.start + item.num_tokens
                 continue
-            token = sampled[row]
-            seq.append_token(token)
-            updated.append((seq, row))
-            self._check_stop(seq, token)
+            accepted = _agreeing(item.drafts, sampled[first:row])
+            seq.num_computed_tokens = item.start + item.num_tokens - len(item.drafts) + accepted
+            rows = []
+            for r in range(first, first + accepted + 1):
+                seq.append_token(sampled[r])
+                rows.append(r)
+                self._check_stop(seq, sampled[r])
+                if seq.is_finished:
+                    break
+            if item.drafts:
+                seq.spec_proposed += len(item.drafts)
+                seq.spec_accepted += accepted
+                self.verified.append((len(item.drafts), accepted, len(rows)))
+                if not seq.is_finished:
+                    self.kv_cache.rollback(seq, item.start)
+            updated.append((seq, rows))
         return updated
 
     # ---- helpers ----------------------------------------------------------------------
+    def _fitting_drafts(self, seq: Sequence, budget: int) -> tuple[int, ...]:
+        """The sequence's drafts that fit this step: its token budget, and room for every
+        draft plus the target's own token within `max_tokens` and the context."""
+        if not seq.draft_token_ids:
+            return ()
+        room = min(
+            budget - 1,
+            seq.max_tokens - seq.num_output_tokens - 1,
+            self.limits.max_model_len - seq.num_tokens - 1,
+        )
+        return tuple(seq.draft_token_ids[: max(room, 0)])
+
     def _admit(self, chosen: dict[int, ScheduledSequence], budget: int) -> tuple[int, int]:
         """Admit waiting sequences in precedence order; one that outranks running sequences
         by a level preempts them for a seat, tokens or blocks. Returns the budget left and
@@ -286,6 +339,7 @@ class Scheduler:
         self.running.remove(seq)
         self.kv_cache.free(seq)
         seq.num_computed_tokens = 0
+        seq.draft_token_ids = []
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
@@ -315,3 +369,13 @@ class Scheduler:
                 return
         if produced >= seq.max_tokens or seq.num_tokens >= self.limits.max_model_len:
             self.finish(seq, FinishReason.LENGTH)
+
+
+def _agreeing(drafts: tuple[int, ...], sampled: list[int]) -> int:
+    """How many leading drafts equal the token the target sampled at their position."""
+    accepted = 0
+    for draft, token in zip(drafts, sampled, strict=False):
+        if draft != token:
+            break
+        accepted += 1
+    return accepted

@@ -60,6 +60,7 @@ class Sequence:
         "block_hashes",
         "block_ids",
         "block_size",
+        "draft_token_ids",
         "finish_reason",
         "guide",
         "index",
@@ -73,6 +74,8 @@ class Sequence:
         "request_id",
         "root_hash",
         "seq_id",
+        "spec_accepted",
+        "spec_proposed",
         "status",
         "stop_reason",
         "token_ids",
@@ -121,6 +124,11 @@ class Sequence:
         # The grammar state of a structured request; it follows `token_ids`, so preemption
         # (which keeps the tokens and recomputes their KV) leaves it as it is.
         self.guide: TokenGuide | None = None
+        # Speculative decoding: tokens proposed for the next step (taken by the scheduler),
+        # and how many were proposed and accepted so far (backends.llm.speculative).
+        self.draft_token_ids: list[int] = []
+        self.spec_proposed = 0
+        self.spec_accepted = 0
         self._hash_full_blocks()
 
     @property

@@ -61,6 +61,8 @@ class SamplingFields(StructuredFields):
     # (hub/api/priority.py); None: the key's class.
     priority: RequestedPriority = None
     keep_alive: KeepAlive = None
+    # False: no speculative decoding for this request, where the model has it configured.
+    speculative: bool = True
 
     @field_validator("logit_bias")
     @classmethod
@@ -103,6 +105,7 @@ class SamplingFields(StructuredFields):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             structured=self.structured_output(),
+            speculative=self.speculative,
         )
 
 

@@ -11,6 +11,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from backends.base import Backend, BackendContext, ModelKind, checked_config
+from backends.errors import LoadError
 from backends.kinds import backend_class
 from backends.llm.context import LLMContext
 from backends.llm.kernel_settings import KernelSettings
@@ -33,6 +34,8 @@ class PreparedVersion:
     config: RuntimeConfig
     # A LoRA adapter's base version: it is attached to that model's backend, not loaded.
     base: ModelKey | None = None
+    # The local folder of an LLM's `speculative.draft` model, loaded inside its backend.
+    draft_dir: Path | None = None
 
     def predict_memory(
         self, device_budget_bytes: int | None = None, device: str | None = None
@@ -47,7 +50,10 @@ class PreparedVersion:
             kwargs["device_budget_bytes"] = device_budget_bytes
         if device is not None and takes_device(self.backend_cls):
             kwargs["device"] = device
-        return predict(self.artifact_dir, self.config, **kwargs)
+        total = predict(self.artifact_dir, self.config, **kwargs)
+        if self.draft_dir is not None:  # the draft is charged with its target
+            total += predict(self.draft_dir, self.config, **kwargs)
+        return total
 
 
 @functools.cache
@@ -98,7 +104,23 @@ class VersionLoader:
 
             base = ModelKey(view.base.name, view.base.version)
             return PreparedVersion(view, artifact_dir, AdapterBackend, config, base)
-        return PreparedVersion(view, artifact_dir, backend_class(view.kind), config)
+        draft = getattr(config, "speculative", None)
+        draft_dir = self._draft_dir(draft.draft) if draft and draft.draft else None
+        return PreparedVersion(
+            view, artifact_dir, backend_class(view.kind), config, None, draft_dir
+        )
+
+    def _draft_dir(self, reference: str) -> Path:
+        """The verified folder of the registered LLM `reference` (`name@version-or-alias`)
+        names; LoadError naming the reference when it names none."""
+        from registry.adapters import resolve_base
+        from registry.errors import InvalidSourceError
+
+        try:
+            ref = resolve_base(reference, self.registry.get_model)
+        except InvalidSourceError as e:
+            raise LoadError(f"speculative.draft {reference!r}: {e}") from e
+        return self.registry.materialise(self.registry.get_version(ref.name, ref.version))
 
     def attach(self, prepared: PreparedVersion, base: Backend) -> Backend:
         """Attach a LoRA adapter version to its loaded base's backend (milliseconds: the
@@ -133,7 +155,7 @@ class VersionLoader:
             device_budget_bytes=device_budget,
         )
         if prepared.backend_cls.kind is ModelKind.LLM:  # only the LLM engine builds kernels
-            return LLMContext.of(context, self.kernels, self.grammar_pool)
+            return LLMContext.of(context, self.kernels, self.grammar_pool, prepared.draft_dir)
         return context
 
 

@@ -1,0 +1,166 @@
+"""A draft model: a small LLM with the target's tokenizer proposes its greedy continuation.
+
+The draft runs its own `ModelRunner` over its own paged KV cache. For each target sequence
+it keeps a mirror `Sequence` (the target's tokens, then the drafts it proposed last) whose
+KV is in the draft's cache. Before proposing, the mirror is brought in step with the target:
+its tokens become the target's, and its computed tokens are cut back to the prefix both
+share, which drops the rejected drafts' KV (blocks past it go back to the draft's pool).
+Then one step catches the draft up on the tokens it has not seen (the prompt, the accepted
+drafts, the target's own token: usually two or three tokens, chunked by the draft's token
+budget) and samples the first draft; `num_tokens - 1` single-token steps sample the rest.
+Every step batches all proposing sequences.
+
+Drafts are the draft model's argmax (with the request's logit bias), point masses, so the
+target's acceptance rule keeps its distribution exactly (`backends.llm.speculative.verify`).
+A mirror whose blocks do not fit in the draft's cache, or whose tokens would pass the
+draft's context, proposes nothing that step.
+"""
+
+from __future__ import annotations
+
+from backends.errors import InputError
+from backends.llm.kv_cache_manager import KVCacheManager
+from backends.llm.model_runner import ModelRunner
+from backends.llm.sampling_params import SamplingParams
+from backends.llm.scheduler import ScheduledSequence, SchedulerOutput
+from backends.llm.sequence import Sequence
+
+
+class DraftModel:
+    """Proposes drafts with `runner` (the draft LLM); a `Proposer` for the `Speculator`.
+    `max_num_batched_tokens` bounds the tokens of one draft step."""
+
+    def __init__(self, runner: ModelRunner, block_size: int, max_num_batched_tokens: int) -> None:
+        self.runner = runner
+        self.block_size = block_size
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.kv_cache = KVCacheManager(runner.num_blocks, block_size, enable_prefix_caching=False)
+        self._mirrors: dict[int, Sequence] = {}
+        # Per mirror: how many of its leading tokens are known to be the target's.
+        self._synced: dict[int, int] = {}
+        # Draft steps run so far (each a forward pass of the draft model).
+        self.steps = 0
+
+    def check_vocab(self, target_vocab_size: int) -> None:
+        """InputError when the draft's head does not score the target's vocabulary."""
+        if self.runner.vocab_size != target_vocab_size:
+            raise InputError(
+                f"the draft model scores {self.runner.vocab_size} tokens and the target "
+                f"{target_vocab_size}; speculative decoding needs the same tokenizer",
+                param="speculative.draft",
+            )
+
+    def reset(self) -> None:
+        """Forget every mirror (the draft's KV cache was released or allocated anew)."""
+        self.kv_cache = KVCacheManager(
+            self.runner.num_blocks, self.block_size, enable_prefix_caching=False
+        )
+        self._mirrors.clear()
+        self._synced.clear()
+
+    # ---- Proposer --------------------------------------------------------------------------
+    def keep_only(self, seq_ids: set[int]) -> None:
+        for seq_id in [i for i in self._mirrors if i not in seq_ids]:
+            self._drop(seq_id)
+
+    def propose(self, seqs: list[Sequence], num_tokens: int) -> list[list[int]]:
+        mirrors = [self._synced_mirror(seq, num_tokens) for seq in seqs]
+        live = [m for m in mirrors if m is not None]
+        if live:
+            self._catch_up(live)
+            for _ in range(num_tokens - 1):
+                self._decode(live)
+        return [
+            [] if m is None else m.token_ids[seq.num_tokens : seq.num_tokens + num_tokens]
+            for seq, m in zip(seqs, mirrors, strict=True)
+        ]
+
+    # ---- mirrors ---------------------------------------------------------------------------
+    def _synced_mirror(self, seq: Sequence, num_tokens: int) -> Sequence | None:
+        """`seq`'s mirror holding exactly its tokens, with room for `num_tokens` drafts."""
+        mirror = self._mirrors.get(seq.seq_id)
+        target = seq.token_ids
+        if len(target) + num_tokens > self.runner.max_model_len:
+            if mirror is not None:
+                self._drop(seq.seq_id)
+            return None  # past the draft's context
+        if mirror is None:
+            mirror = Sequence(
+                seq.seq_id,
+                seq.request_id,
+                target,
+                # Greedy (drafts are point masses), biased as the target's request asks.
+                SamplingParams(temperature=0.0, logit_bias=seq.params.logit_bias),
+                max_tokens=2**31 - 1,
+                block_size=self.block_size,
+            )
+            self._mirrors[seq.seq_id] = mirror
+        else:
+            tokens = mirror.token_ids
+            same = self._synced[seq.seq_id]
+            end = min(len(tokens), len(target))
+            while same < end and tokens[same] == target[same]:
+                same += 1
+            del tokens[same:]
+            del mirror.block_hashes[same // self.block_size :]
+            for token in target[same:]:
+                mirror.append_token(token)
+            # The last token runs again even when its KV is there: its logits give the
+            # first draft (a sequence the target did not step since the last proposal).
+            mirror.num_computed_tokens = min(mirror.num_computed_tokens, same, len(target) - 1)
+            self._trim(mirror)
+        self._synced[seq.seq_id] = len(target)
+        pending = mirror.num_tokens - mirror.num_computed_tokens
+        # KV for the pending tokens and every draft but the last (which is never fed back).
+        if not self.kv_cache.allocate_slots(mirror, pending + num_tokens - 1):
+            self._drop(seq.seq_id)
+            return None
+        return mirror
+
+    def _trim(self, mirror: Sequence) -> None:
+        keep = self.kv_cache.blocks_for(mirror.num_computed_tokens)
+        extra = mirror.block_ids[keep:]
+        if extra:
+            self.kv_cache.pool.free(reversed(extra))
+            del mirror.block_ids[keep:]
+
+    def _drop(self, seq_id: int) -> None:
+        mirror = self._mirrors.pop(seq_id)
+        self._synced.pop(seq_id, None)
+        self.kv_cache.free(mirror)
+        self.runner.sampler.forget([seq_id])
+
+    # ---- draft steps -------------------------------------------------------------------------
+    def _catch_up(self, mirrors: list[Sequence]) -> None:
+        """Run each mirror's unseen tokens through the draft and sample its first draft."""
+        waiting = list(mirrors)
+        while waiting:
+            budget = self.max_num_batched_tokens
+            items = []
+            for m in waiting:
+                pending = m.num_tokens - m.num_computed_tokens
+                n = min(pending, budget)
+                if n <= 0:
+                    break
+                items.append(ScheduledSequence(m, m.num_computed_tokens, n, n == pending))
+                budget -= n
+            if not items:
+                raise RuntimeError("a draft step with no tokens (the draft budget is 0)")
+            self._run(items)
+            sampled = {id(item.seq) for item in items if item.sample}
+            waiting = [m for m in waiting if id(m) not in sampled]
+
+    def _decode(self, mirrors: list[Sequence]) -> None:
+        self._run([ScheduledSequence(m, m.num_computed_tokens, 1, True) for m in mirrors])
+
+    def _run(self, items: list[ScheduledSequence]) -> None:
+        items.sort(key=lambda item: item.num_tokens > 1)  # single tokens first, as scheduled
+        output = SchedulerOutput(items, sum(item.num_tokens for item in items))
+        sampled = self.runner.execute(output).token_ids
+        self.steps += 1
+        row = 0
+        for item in items:
+            item.seq.num_computed_tokens = item.start + item.num_tokens
+            if item.sample:
+                item.seq.append_token(sampled[row])
+                row += 1

@@ -1,0 +1,88 @@
+"""Which sequences propose drafts this step, and how many tokens each.
+
+`Speculator.propose(running)` runs just before the scheduler: it sets `draft_token_ids` on
+the decoding sequences that should speculate (the scheduler trims them to what fits). A
+sequence does not speculate when its request opted out (`SamplingParams.speculative`), when
+its sampling keeps per-token state that drafts would advance (a seed, penalties), before its
+`min_tokens` are out, once its drafts have proved useless (after `min_proposed` proposed
+tokens, an accepted share below `min_acceptance`), or in a step with more decoding sequences
+than `max_batch`, where the step is bound by compute and verifying drafts costs more than it
+saves. A structured request's drafts are cut at the first one its grammar refuses.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from backends.llm.sequence import Sequence
+from backends.llm.speculative.ngram import propose_ngram
+from backends.runtime_config import SpeculativeConfig
+
+
+class Proposer(Protocol):
+    """Makes drafts: prompt lookup, or a draft model with state per sequence."""
+
+    def propose(self, seqs: list[Sequence], num_tokens: int) -> list[list[int]]:
+        """Up to `num_tokens` drafts for each of `seqs` (one list each, maybe empty)."""
+        ...
+
+    def keep_only(self, seq_ids: set[int]) -> None:
+        """Drop any state kept for sequences other than these (the running ones)."""
+        ...
+
+
+class PromptLookup:
+    """Drafts copied from the sequence's own tokens (`ngram`); keeps no state."""
+
+    def __init__(self, min_match: int, max_match: int) -> None:
+        self.min_match = min_match
+        self.max_match = max_match
+
+    def propose(self, seqs: list[Sequence], num_tokens: int) -> list[list[int]]:
+        return [
+            propose_ngram(s.token_ids, num_tokens, self.min_match, self.max_match) for s in seqs
+        ]
+
+    def keep_only(self, seq_ids: set[int]) -> None:
+        return None
+
+
+class Speculator:
+    """Sets a step's drafts; `proposer` makes them (prompt lookup when None)."""
+
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None) -> None:
+        self.config = config
+        self.proposer = proposer or PromptLookup(config.min_match, config.max_match)
+
+    def propose(self, running: list[Sequence]) -> int:
+        """Draft for the decoding sequences of `running` that should speculate; returns the
+        number of tokens proposed."""
+        self.proposer.keep_only({s.seq_id for s in running})
+        decoding = [s for s in running if s.num_tokens - s.num_computed_tokens == 1]
+        if not decoding or len(decoding) > self.config.max_batch:
+            return 0
+        chosen = [s for s in decoding if self.wants(s)]
+        if not chosen:
+            return 0
+        proposed = 0
+        drafted = self.proposer.propose(chosen, self.config.num_tokens)
+        for seq, drafts in zip(chosen, drafted, strict=True):
+            if drafts and seq.guide is not None:
+                drafts = drafts[: seq.guide.matcher.validate_tokens(drafts)]
+            seq.draft_token_ids = drafts
+            proposed += len(drafts)
+        return proposed
+
+    def wants(self, seq: Sequence) -> bool:
+        """Whether `seq` should propose drafts now (see the module docstring)."""
+        params = seq.params
+        if not params.speculative or params.seed is not None or params.needs_penalties:
+            return False
+        if seq.num_output_tokens < params.min_tokens:
+            return False
+        if seq.max_tokens - seq.num_output_tokens < 2:
+            return False  # room for the target's own token only
+        config = self.config
+        if seq.spec_proposed >= config.min_proposed:
+            return seq.spec_accepted >= config.min_acceptance * seq.spec_proposed
+        return True
