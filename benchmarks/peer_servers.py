@@ -18,7 +18,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -116,12 +116,15 @@ def _process(
 
 
 @contextlib.contextmanager
-def llama_server(binary: Path, gguf: Path, root: Path, threads: int) -> Iterator[Endpoint]:
-    """`llama-server` with continuous batching over 32 slots of 512 tokens each."""
+def llama_server(
+    binary: Path, gguf: Path, root: Path, threads: int, extra_args: Sequence[str] = ()
+) -> Iterator[Endpoint]:
+    """`llama-server` with continuous batching over 32 slots of 512 tokens each;
+    `extra_args` go on its command line (e.g. a draft model)."""
     port = free_port()
     argv = [str(binary), "-m", str(gguf), "-t", str(threads), "-tb", str(threads),
             "--parallel", "32", "--cont-batching", "-c", str(32 * 512),
-            "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+            "--host", "127.0.0.1", "--port", str(port), *extra_args]  # fmt: skip
     with _process("llama-server", argv, {}, "/health", root, port) as proc:
 
         def extra(n: int) -> dict[str, Any]:

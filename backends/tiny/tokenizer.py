@@ -23,6 +23,7 @@ import re
 import string
 import unicodedata
 from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
 
 from tokenizers import (
@@ -151,8 +152,9 @@ def _training_lines(vocab_size: int) -> list[str]:
     return lines
 
 
-def _train_bpe(vocab_size: int) -> Tokenizer:
-    """A byte-level BPE with the special tokens first, trained up to `vocab_size` tokens."""
+def _train_bpe(vocab_size: int, lines: Iterable[str]) -> Tokenizer:
+    """A byte-level BPE with the special tokens first, trained on `lines` up to `vocab_size`
+    tokens."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.normalizer = normalizers.NFC()
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
@@ -169,7 +171,7 @@ def _train_bpe(vocab_size: int) -> Tokenizer:
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    tokenizer.train_from_iterator(_training_lines(vocab_size), trainer=trainer)
+    tokenizer.train_from_iterator(lines, trainer=trainer)
     return tokenizer
 
 
@@ -183,8 +185,13 @@ def _fill_reserved(tokenizer: Tokenizer, vocab_size: int) -> None:
         tokenizer.add_special_tokens(reserved)
 
 
-def build_tokenizer(out_dir: Path, *, vocab_size: int = 512) -> PreTrainedTokenizerFast:
+def build_tokenizer(
+    out_dir: Path, *, vocab_size: int = 512, texts: Iterable[str] | None = None
+) -> PreTrainedTokenizerFast:
     """Train the byte-level BPE, save it into `out_dir` and return it.
+
+    It trains on the English text above (and made-up words), or on `texts` when given (the
+    trained pair's Python source); the special tokens and chat template are the same either way.
 
     The saved folder loads with `AutoTokenizer.from_pretrained(out_dir)`; the tokenizer has
     exactly `vocab_size` tokens, with ids 0, 1 and 2 for bos, eos and pad.
@@ -195,7 +202,8 @@ def build_tokenizer(out_dir: Path, *, vocab_size: int = 512) -> PreTrainedTokeni
             f"vocab_size={vocab_size} is too small for a byte-level BPE: it needs at least "
             f"{minimum} tokens (256 bytes and {len(SPECIAL_TOKENS)} special tokens)"
         )
-    raw = _train_bpe(vocab_size)
+    lines = _training_lines(vocab_size) if texts is None else texts
+    raw = _train_bpe(vocab_size, lines)
     _fill_reserved(raw, vocab_size)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=raw,
