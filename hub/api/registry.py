@@ -3,9 +3,9 @@ drift between MLflow and SQL."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, Depends, Path, Query
 from pydantic import BaseModel, ConfigDict, Field
 
 from backends.runtime_config import RuntimeConfigError, parse_runtime_config
@@ -21,6 +21,11 @@ from hub.errors import BadRequest
 from hub.validation import parse_eval_set
 from registry.aliases import STAGES
 from registry.views import EventView, VersionView
+
+# A version number as the registry's database stores it (a signed 64-bit integer): a larger
+# one is refused as the caller's mistake (400) rather than overflowing the SQL driver.
+MAX_VERSION = 2**63 - 1
+VersionNumber = Annotated[int, Field(ge=1, le=MAX_VERSION)]
 
 router = APIRouter(
     prefix="/admin/registry", tags=["registry"], dependencies=[Depends(require_admin)]
@@ -133,7 +138,7 @@ class RollbackBody(BaseModel):
 class AliasBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    version: int = Field(ge=1)
+    version: VersionNumber
     reason: str = ""
 
 
@@ -205,7 +210,11 @@ def _promotion(event: EventView) -> PromotionPublic:
     responses={422: {"description": "the validation gate failed; no alias moved"}},
 )
 async def promote_version(
-    name: str, version: int, body: PromoteBody, promoter: PromoterDep, actor: AdminActor
+    name: str,
+    version: Annotated[int, Path(ge=1, le=MAX_VERSION)],
+    body: PromoteBody,
+    promoter: PromoterDep,
+    actor: AdminActor,
 ) -> PromotionPublic:
     """Run the version through its validation gate, then move `to` (staging or production)."""
     promotion = await promoter.promote(name, version, body.to, actor=actor, reason=body.reason)

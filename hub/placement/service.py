@@ -255,13 +255,21 @@ class Placement:
         self, key: tuple[str, int], predicted: int, measured: int, rows: Iterable[ReplicaView]
     ) -> int | None:
         """Expected bytes on a device: what this replica measured or predicted, else what a
-        peer holding it reports, else the registered artifacts' size plus the load overhead."""
+        peer holding it reports (resident, or parked warm: its footprint on a device), else
+        the registered artifacts' size plus the load overhead. That last one is a floor (it
+        leaves out what a backend reserves at run time, often most of a small model's
+        charge): a version any replica ever loaded is sized by that replica's numbers, or
+        every full replica would look like it had room for it."""
         if measured or predicted:
             return max(measured, predicted)
         for row in rows:
             for m in row.models:
-                if _is(m, key) and m.get("state") in RESIDENT_STATES and m.get("bytes"):
+                if not _is(m, key):
+                    continue
+                if m.get("state") in RESIDENT_STATES and m.get("bytes"):
                     return int(m["bytes"])
+                if m.get("device_bytes"):
+                    return int(m["device_bytes"])
         model = self.catalog.snapshot.models.get(key[0])
         version = model.versions.get(key[1]) if model is not None else None
         if version is None or not version.total_bytes:

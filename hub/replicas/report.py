@@ -33,6 +33,9 @@ def held_models(models: Iterable[ModelStatus]) -> list[dict[str, object]]:
                 "state": m.state,
                 "device": None if warm else m.device,
                 "bytes": m.host_bytes if warm else max(m.measured_bytes, m.predicted_bytes),
+                # What it takes on a device, also while it is parked warm: a peer that never
+                # loaded this version sizes it by this before sending a load or restore here.
+                "device_bytes": max(m.measured_bytes, m.predicted_bytes),
                 "pinned": m.pinned,
                 "in_flight": m.in_flight,
             }

@@ -147,6 +147,11 @@ def test_bad_promotions_move_nothing(client: TestClient, tiny_embedder_dir: Path
     assert r.status_code == 404
     r = client.put("/admin/registry/models/emb/aliases/production", json={"version": 1})
     assert r.status_code == 400 and "only through promote" in r.json()["error"]["message"]
+    # A version past what the database stores is the caller's mistake, not a server error.
+    r = client.put("/admin/registry/models/emb/aliases/canary", json={"version": 2**63})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "version", r.text
+    r = promote(client, 2**63, "staging")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "path.version", r.text
     bad_eval = {"cases": [{"text": "x"}]}
     r = client.post(
         "/admin/registry/models",
