@@ -37,6 +37,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from backends.admission import device_work
 from backends.base import Backend, BackendContext, ModelKind, checked_config
 from backends.errors import BackendClosedError, ContextLengthError, InputError, LoadError
 from backends.llm.async_engine import AsyncLLMEngine, RequestStream
@@ -209,6 +210,9 @@ class LLMBackend(Backend):
         )
         self._tokenize_pool = ThreadPoolExecutor(1, f"tokenize {ctx.model}@{ctx.version}")
         self._device = device
+        # Its outstanding work counts in the device's, as the encoders' does: each model's
+        # admission sees what the others on the device have to do.
+        engine.work.count_on(device_work(device))
         log.info(
             "%s@%s: %d KV blocks of %d tokens, context %d tokens",
             ctx.model,
@@ -383,6 +387,7 @@ class LLMBackend(Backend):
         runner.lora.move_to(torch.device("cpu"))  # adapter slots refill on demand
         self._parked = park(runner.model)
         self._device = "cpu"
+        self._loaded_engine().engine.work.count_on(None)
         self._metrics.reset_gauges()
         _release_device_memory()
 
@@ -403,6 +408,7 @@ class LLMBackend(Backend):
             runner.allocate_kv_cache()
         self._loaded_engine().engine.cache_replaced()
         self._device = device
+        self._loaded_engine().engine.work.count_on(device_work(device))
 
     async def aclose(self) -> None:
         if self._engine is not None:
@@ -412,6 +418,7 @@ class LLMBackend(Backend):
     def unload(self) -> None:
         if self._engine is not None:
             self._engine.shutdown()
+            self._engine.engine.work.count_on(None)
         if self._tokenize_pool is not None:
             # A prompt still tokenizing finishes on its own; nobody waits for it.
             self._tokenize_pool.shutdown(wait=False, cancel_futures=True)

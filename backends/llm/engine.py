@@ -21,10 +21,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from backends.admission import QueueTimeAdmission
 from backends.errors import CapacityError, InputError, TransientError
 from backends.llm.config import EngineConfig
 from backends.llm.detokenizer import IncrementalDetokenizer
+from backends.llm.engine_work import EngineWork, tokens_left
 from backends.llm.isolation import RequestFailedError, blame_is_attributable, find_culprits
 from backends.llm.kv_cache_manager import KVCacheManager
 from backends.llm.metrics import EngineMetrics
@@ -128,12 +128,9 @@ class LLMEngine:
         self._aborts: collections.deque[str] = collections.deque()
         self._aborted_early: set[str] = set()
         self._requests: dict[str, _Request] = {}
-        # Sequences leave the waiting queue at a rate measured over the steps during which
-        # some waited (`_queued_s` accumulates those steps until one admits a sequence).
-        self.admission = QueueTimeAdmission(
-            config.max_queue_time_s, name="this LLM", unit="sequences"
-        )
-        self._queued_s = 0.0
+        # The measured step cost and the outstanding tokens: admission by queue time here,
+        # and this engine's share of its device's work (the backend counts it there).
+        self.work = EngineWork(config.max_queue_time_s, self._incoming_tokens)
         # Structured outputs need the tokenizer (a grammar speaks in text).
         self.grammars = (
             GrammarCompiler(
@@ -192,9 +189,8 @@ class LLMEngine:
             raise CapacityError(
                 f"{self.config.max_waiting} sequences are already queued or running; retry later"
             )
-        ahead = sum(len(r.seqs) for r in list(self._incoming)) + len(self.scheduler.waiting)
         try:
-            self.admission.check(ahead, params.n)
+            self.work.admit(params.n)
         except CapacityError:
             self.metrics.observe_shed("queue_time")
             raise
@@ -243,6 +239,11 @@ class LLMEngine:
             raise TransientError(f"adapter {adapter!r} was reloaded meanwhile; retry")
         self._incoming.append(request)
 
+    def _incoming_tokens(self) -> int:
+        """What the requests added since the last step will cost, in tokens (they are not
+        in the work the engine thread published yet)."""
+        return sum(tokens_left(seq) for r in list(self._incoming) for seq in r.seqs)
+
     def abort_request(self, request_id: str) -> None:
         """Finish the request's sequences at the next step boundary, freeing their blocks."""
         self._aborts.append(request_id)
@@ -263,7 +264,8 @@ class LLMEngine:
         queries, hits = self.kv_cache.prefix_queries, self.kv_cache.prefix_hits
         lora = self.runner.lora
         slot_loads = lora.slot_loads
-        started, waited = time.monotonic(), len(scheduler.waiting)
+        self.work.publish(itertools.chain(scheduler.waiting, scheduler.running))
+        started = time.monotonic()
         output = scheduler.schedule()
         scheduled_at = time.monotonic()
         try:
@@ -281,12 +283,8 @@ class LLMEngine:
                 request.scheduled_time = scheduled_at
                 self.metrics.observe_latency("queue", scheduled_at - request.arrival_time)
         outputs = [self._emit(seq, sampled.logprobs[row], now) for seq, row in updated]
-        if waited:
-            self._queued_s += now - started
-            admitted = waited - len(scheduler.waiting)  # preempted ones count against it
-            if admitted > 0:
-                self.admission.observe(admitted, self._queued_s)
-                self._queued_s = 0.0
+        self.work.observe_step(output.num_batched_tokens, now - started)
+        self.work.publish(itertools.chain(scheduler.waiting, scheduler.running))
         self.metrics.observe_step(
             running=len(scheduler.running),
             waiting=len(scheduler.waiting),
