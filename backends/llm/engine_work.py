@@ -28,6 +28,7 @@ only: any thread may call it (the other models' admission checks do, through `De
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
@@ -113,9 +114,19 @@ class EngineWork:
         if self._device is not None and self._token is not None:
             self._device.unregister(self._token)
         self._device, self._token = None, None
-        if device_work is not None:
-            self._token = device_work.register(self.outstanding_s)
-            self._device = device_work
+        if device_work is None:
+            return
+        # By weak reference: an engine dropped without an unload (a test's, a failed load's)
+        # leaves the device's count, and the device does not keep its weights alive.
+        ref = weakref.ref(self)
+
+        def outstanding_s() -> float:
+            work = ref()
+            return 0.0 if work is None else work.outstanding_s()
+
+        token = self._token = device_work.register(outstanding_s)
+        self._device = device_work
+        weakref.finalize(self, device_work.unregister, token)
 
     def admit(self, size: int) -> None:
         """Admit a request of `size` sequences, or raise CapacityError (naming the

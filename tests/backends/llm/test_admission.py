@@ -113,3 +113,15 @@ def test_max_queue_time_is_a_runtime_key_of_llms() -> None:
     config = EngineConfig.from_runtime_config({"max_queue_time_ms": 100}, 1 << 30)
     assert config.max_queue_time_s == 0.1
     assert EngineConfig.from_runtime_config({}, 1 << 30).max_queue_time_s is None
+
+
+def test_an_engine_dropped_without_an_unload_leaves_its_device(llama: Path) -> None:
+    import gc
+
+    engine, _ = _engine(llama, None)
+    device = DeviceWork("cpu")
+    engine.work.count_on(device)
+    assert len(device) == 1
+    del engine
+    gc.collect()
+    assert len(device) == 0
