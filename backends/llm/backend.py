@@ -39,7 +39,13 @@ import torch
 
 from backends.admission import device_work
 from backends.base import Backend, BackendContext, ModelKind, checked_config
-from backends.errors import BackendClosedError, ContextLengthError, InputError, LoadError
+from backends.errors import (
+    BackendClosedError,
+    CapacityError,
+    ContextLengthError,
+    InputError,
+    LoadError,
+)
 from backends.llm.async_engine import AsyncLLMEngine, RequestStream
 from backends.llm.config import EngineConfig, kv_cache_reservation, llm_config
 from backends.llm.context import grammar_pool, kernel_settings
@@ -266,12 +272,23 @@ class LLMBackend(Backend):
 
     async def tokenize(self, build: Callable[[], T]) -> T:
         """Run `build` (which tokenizes a request's prompts with `encode` / `encode_chat`) on
-        this model's tokenizer thread and return its result; the event loop stays free."""
+        this model's tokenizer thread and return its result; the event loop stays free.
+        CapacityError (503) first when the work on the model's device is over its bound:
+        a refused request costs no tokenizing (engine_work.EngineWork.reserve)."""
         pool = self._tokenize_pool
         if pool is None:
             raise BackendClosedError(f"LLM {self.context.model} is not loaded")
+        engine = self._require().engine
+        try:
+            engine.work.reserve()
+        except CapacityError:
+            engine.metrics.observe_shed("queue_time")
+            raise
         context = contextvars.copy_context()
-        return await asyncio.get_running_loop().run_in_executor(pool, context.run, build)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(pool, context.run, build)
+        finally:
+            engine.work.unreserve()
 
     def decode(self, token_ids: list[int]) -> str:
         text: str = self.tokenizer.decode(token_ids)

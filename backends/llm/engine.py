@@ -190,7 +190,7 @@ class LLMEngine:
                 f"{self.config.max_waiting} sequences are already queued or running; retry later"
             )
         try:
-            self.work.admit(params.n)
+            self.work.admit(params.n, params.n * (len(prompt_token_ids) + max_tokens))
         except CapacityError:
             self.metrics.observe_shed("queue_time")
             raise

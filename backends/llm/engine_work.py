@@ -14,11 +14,14 @@ request sets: a sequence that stops early frees its share sooner). The engine th
 publishes the count at its step boundaries (`publish`); requests added since are counted by
 the `incoming` callable the engine gives (what they will cost, read from its incoming queue).
 
-Contract: `admit(size)` raises `CapacityError` when the work ahead of a new
+Contract: `admit(size, tokens)` raises `CapacityError` when the work ahead of a new
 request on its device (this engine's outstanding work plus what the other models on the same
 device have outstanding, from `DeviceWork`) is over `max_queue_time_s`, naming the estimate,
 its parts and the bound, with a `retry_after` of about the time the excess needs and that
 time as `saturated_s` (the HTTP edge refuses the model's next requests at once until then).
+`reserve()` makes the same check before a request is tokenized and counts it until
+`unreserve()` (at the average admitted request's tokens), so that a burst is refused before
+its prompts are tokenized rather than after.
 Nothing is refused until a step was measured, and an engine with nothing outstanding admits
 a request whatever the others have (no model starves behind another's steady load), as the
 encoders' admission does (backends/admission.py). `outstanding_s()` reads published numbers
@@ -72,6 +75,10 @@ class EngineWork:
         # each, so a reader never sees half an update of one of them).
         self.tokens = 0
         self.sequences = 0
+        # Requests checked before tokenizing and not yet added (`reserve`), counted at the
+        # average admitted request's tokens; touched on the event loop only.
+        self.reserved = 0
+        self._request_tokens: float | None = None
         self._device: DeviceWork | None = None
         self._token: int | None = None
 
@@ -103,10 +110,15 @@ class EngineWork:
         return self._step_s / self._tokens_per_step
 
     # ---- the estimate (any thread) -----------------------------------------------------
+    def outstanding_tokens(self) -> int:
+        """The tokens of the work this engine holds: published, incoming and reserved."""
+        reserved = round(self.reserved * (self._request_tokens or 0.0))
+        return self.tokens + self._incoming() + reserved
+
     def outstanding_s(self) -> float:
         """Seconds this engine needs for the work it holds (0 until a step was measured)."""
         per_token = self.seconds_per_token
-        return 0.0 if per_token is None else (self.tokens + self._incoming()) * per_token
+        return 0.0 if per_token is None else self.outstanding_tokens() * per_token
 
     def count_on(self, device_work: DeviceWork | None) -> None:
         """Count this engine's work on `device_work` (the device it now runs on) instead of
@@ -128,14 +140,35 @@ class EngineWork:
         self._device = device_work
         weakref.finalize(self, device_work.unregister, token)
 
-    def admit(self, size: int) -> None:
-        """Admit a request of `size` sequences, or raise CapacityError (naming the
-        estimate) when the work ahead of it on its device is over the bound."""
+    def reserve(self) -> None:
+        """Check a request before it is tokenized (CapacityError as `admit`), and count it
+        at the average request's tokens until `unreserve`: tokenizing takes the request off
+        the event loop, and a burst's requests would otherwise all pass this check before
+        the first of them is added. Call on the event loop."""
+        self._check(1)
+        self.reserved += 1
+
+    def unreserve(self) -> None:
+        """A reserved request was tokenized (`admit` checks it again as it is added) or
+        failed."""
+        self.reserved = max(0, self.reserved - 1)
+
+    def admit(self, size: int, tokens: int) -> None:
+        """Admit a request of `size` sequences and `tokens` tokens (prompts and max_tokens),
+        or raise CapacityError (naming the estimate) when the work ahead of it on its device
+        is over the bound."""
+        self._check(size)
+        if self._request_tokens is None:
+            self._request_tokens = float(tokens)
+        else:
+            self._request_tokens += self._alpha * (tokens - self._request_tokens)
+
+    def _check(self, size: int) -> None:
         bound = self.max_queue_time_s
         per_token = self.seconds_per_token
         if bound is None or per_token is None:
             return
-        tokens = self.tokens + self._incoming()
+        tokens = self.outstanding_tokens()
         if tokens == 0:
             return
         own = tokens * per_token
@@ -147,10 +180,14 @@ class EngineWork:
             return
         retry_after = max(1.0, math.ceil(wait - bound))
         step_ms = (self._step_s or 0.0) * 1000
+        if self.reserved:
+            tokens_ahead = f"{tokens} tokens ({self.reserved} requests being tokenized among them)"
+        else:
+            tokens_ahead = f"{tokens} tokens"
         raise CapacityError(
             f"{self.name} is overloaded: an estimated {wait:.2f}s of work is ahead of this "
-            f"request ({size} sequences) on its device ({own:.2f}s of this LLM's: {tokens} "
-            f"tokens left to prefill or generate at the measured {self._tokens_per_step:.1f} "
+            f"request ({size} sequences) on its device ({own:.2f}s of this LLM's: {tokens_ahead} "
+            f"left to prefill or generate at the measured {self._tokens_per_step:.1f} "
             f"tokens per {step_ms:.1f} ms step; {elsewhere:.2f}s of other models' work), more "
             f"than its max_queue_time_ms ({bound * 1000:g}); retry after {retry_after:g}s or "
             "send fewer concurrent requests",

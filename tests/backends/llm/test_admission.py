@@ -125,3 +125,19 @@ def test_an_engine_dropped_without_an_unload_leaves_its_device(llama: Path) -> N
     del engine
     gc.collect()
     assert len(device) == 0
+
+
+def test_requests_being_tokenized_count_at_the_average_request(llama: Path) -> None:
+    engine, _ = _engine(llama, 0.025)
+    engine.work.observe_step(tokens=10, seconds=0.010)
+    assert _offer(engine, 1) == [None]  # 10 tokens of work; the average request's too
+    engine.work.reserve()  # meets 10 ms of work
+    engine.work.reserve()  # meets 20 ms
+    with pytest.raises(CapacityError) as refused:
+        engine.work.reserve()  # would meet 30 ms
+    assert "(2 requests being tokenized among them)" in str(refused.value)
+    assert engine.work.reserved == 2
+    engine.work.unreserve()
+    engine.work.unreserve()
+    assert engine.work.outstanding_tokens() == PROMPT + MAX_TOKENS
+    assert _finish(engine) == {"0"}
