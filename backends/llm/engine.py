@@ -24,7 +24,7 @@ from typing import Any
 from backends.errors import CapacityError, InputError, TransientError
 from backends.llm.config import EngineConfig
 from backends.llm.detokenizer import IncrementalDetokenizer
-from backends.llm.engine_work import EngineWork, tokens_left
+from backends.llm.engine_work import EngineWork
 from backends.llm.isolation import RequestFailedError, blame_is_attributable, find_culprits
 from backends.llm.kv_cache_manager import KVCacheManager
 from backends.llm.metrics import EngineMetrics
@@ -130,7 +130,12 @@ class LLMEngine:
         self._requests: dict[str, _Request] = {}
         # The measured step cost and the outstanding tokens: admission by queue time here,
         # and this engine's share of its device's work (the backend counts it there).
-        self.work = EngineWork(config.max_queue_time_s, self._incoming_tokens)
+        self.work = EngineWork(
+            config.max_queue_time_s,
+            self._incoming_sequences,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+        )
         # Structured outputs need the tokenizer (a grammar speaks in text).
         self.grammars = (
             GrammarCompiler(
@@ -190,7 +195,7 @@ class LLMEngine:
                 f"{self.config.max_waiting} sequences are already queued or running; retry later"
             )
         try:
-            self.work.admit(params.n, params.n * (len(prompt_token_ids) + max_tokens))
+            self.work.admit(params.n, len(prompt_token_ids), max_tokens)
         except CapacityError:
             self.metrics.observe_shed("queue_time")
             raise
@@ -239,10 +244,10 @@ class LLMEngine:
             raise TransientError(f"adapter {adapter!r} was reloaded meanwhile; retry")
         self._incoming.append(request)
 
-    def _incoming_tokens(self) -> int:
-        """What the requests added since the last step will cost, in tokens (they are not
-        in the work the engine thread published yet)."""
-        return sum(tokens_left(seq) for r in list(self._incoming) for seq in r.seqs)
+    def _incoming_sequences(self) -> list[Sequence]:
+        """The sequences of the requests added since the last step (not in the work the
+        engine thread published yet)."""
+        return [seq for r in list(self._incoming) for seq in r.seqs]
 
     def abort_request(self, request_id: str) -> None:
         """Finish the request's sequences at the next step boundary, freeing their blocks."""

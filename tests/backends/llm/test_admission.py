@@ -1,5 +1,5 @@
 """The engine's admission by the work on its device: with a measured step cost, a request
-whose estimated wait (the tokens the engine's sequences have left, priced at that cost, plus
+whose estimated wait (the steps the engine's sequences need, priced at that cost, plus
 the other models' outstanding work on the device) is over `max_queue_time_s` is refused at
 once and counted, the admitted ones all complete; with no bound none is refused; the cost is
 measured from the steps and the published work drains to nothing."""
@@ -18,7 +18,7 @@ from backends.llm.metrics import EngineMetrics
 from backends.llm.sampling_params import SamplingParams
 from tests.backends.llm.support import build_model, kv_bytes, make_engine, random_prompts
 
-# Each offered request: a 7-token prompt and 3 tokens to generate, 10 tokens of work.
+# Each offered request: a 7-token prompt and 3 tokens to generate.
 PROMPT, MAX_TOKENS = 7, 3
 
 
@@ -65,32 +65,37 @@ def _shed(registry: CollectorRegistry) -> float:
 
 
 def test_requests_beyond_the_queue_time_are_refused_and_the_rest_complete(llama: Path) -> None:
-    engine, registry = _engine(llama, 0.025)
-    engine.work.observe_step(tokens=10, seconds=0.010)  # 1 ms a token
+    engine, registry = _engine(llama, 0.040)
+    engine.work.observe_step(tokens=1, seconds=0.010)  # 10 ms a step
     outcomes = _offer(engine, 8)
-    # 0, 10 and 20 ms of tokens ahead fit 25 ms; 30 ms does not.
+    # Two sequences decode together (max_num_seqs 2), 64 prompt tokens fill a step: one or
+    # two requests ahead are 3 steps of decodes and 7 or 14 prompt tokens (31 and 32 ms);
+    # three are 4.5 steps of decodes and 21 prompt tokens (48 ms), over 40 ms.
     assert outcomes[:3] == [None, None, None]
     refused = outcomes[3:]
     assert all(isinstance(e, CapacityError) and e.retry_after >= 1 for e in refused)
     message = str(refused[0])
-    assert "30 tokens left" in message and "max_queue_time_ms (25)" in message
+    assert "3 sequences, 9 tokens to generate, at most 3 in one, and 21 prompt tokens" in message
+    assert "4.8 steps at the measured 10.0 ms" in message
+    assert "max_queue_time_ms (40)" in message
     assert _shed(registry) == 5
     assert _finish(engine) == {"0", "1", "2"}
 
 
 def test_other_models_work_on_the_device_counts(llama: Path) -> None:
-    engine, _ = _engine(llama, 0.025)
-    engine.work.observe_step(tokens=10, seconds=0.010)
+    engine, _ = _engine(llama, 0.040)
+    engine.work.observe_step(tokens=1, seconds=0.010)
     device = DeviceWork("cpu")
     device.register(lambda: 0.020)  # an encoder with 20 ms of passes to run
     engine.work.count_on(device)
     # The first request starts whatever the device holds (nothing of this engine's is
-    # outstanding); the second would wait 10 ms of its own and 20 ms of the encoder's.
+    # outstanding); the second would wait 31 ms of its own and 20 ms of the encoder's.
     outcomes = _offer(engine, 2)
     assert outcomes[0] is None and isinstance(outcomes[1], CapacityError)
     assert "0.02s of other models' work" in str(outcomes[1])
     # The device sees this engine's outstanding work beside the encoder's.
-    assert device.outstanding_s() == pytest.approx(0.020 + (PROMPT + MAX_TOKENS) * 0.001)
+    one_request_s = (MAX_TOKENS + PROMPT / 64) * 0.010
+    assert device.outstanding_s() == pytest.approx(0.020 + one_request_s)
     assert _finish(engine) == {"0"}
     assert device.outstanding_s() == pytest.approx(0.020)
     engine.work.count_on(None)
@@ -99,11 +104,11 @@ def test_other_models_work_on_the_device_counts(llama: Path) -> None:
 
 def test_with_no_bound_every_request_is_queued_and_the_cost_is_measured(llama: Path) -> None:
     engine, registry = _engine(llama, None)
-    assert engine.work.seconds_per_token is None
+    assert engine.work.step_s is None
     assert _offer(engine, 8) == [None] * 8
     assert _finish(engine) == {str(i) for i in range(8)}
-    assert (engine.work.seconds_per_token or 0) > 0
-    assert engine.work.tokens == 0 and engine.work.outstanding_s() == 0
+    assert (engine.work.step_s or 0) > 0
+    assert not engine.work.published and engine.work.outstanding_s() == 0
     assert _shed(registry) == 0
 
 
@@ -127,17 +132,17 @@ def test_an_engine_dropped_without_an_unload_leaves_its_device(llama: Path) -> N
     assert len(device) == 0
 
 
-def test_requests_being_tokenized_count_at_the_average_request(llama: Path) -> None:
-    engine, _ = _engine(llama, 0.025)
-    engine.work.observe_step(tokens=10, seconds=0.010)
-    assert _offer(engine, 1) == [None]  # 10 tokens of work; the average request's too
-    engine.work.reserve()  # meets 10 ms of work
-    engine.work.reserve()  # meets 20 ms
+def test_requests_being_tokenized_count_as_the_average_request(llama: Path) -> None:
+    engine, _ = _engine(llama, 0.040)
+    engine.work.observe_step(tokens=1, seconds=0.010)
+    assert _offer(engine, 1) == [None]  # the average request: 7 prompt tokens, 3 to generate
+    engine.work.reserve()  # meets one request's work: 31 ms
+    engine.work.reserve()  # two: 32 ms
     with pytest.raises(CapacityError) as refused:
-        engine.work.reserve()  # would meet 30 ms
-    assert "(2 requests being tokenized among them)" in str(refused.value)
+        engine.work.reserve()  # three: 48 ms
+    assert "3 sequences, 2 being tokenized" in str(refused.value)
     assert engine.work.reserved == 2
     engine.work.unreserve()
     engine.work.unreserve()
-    assert engine.work.outstanding_tokens() == PROMPT + MAX_TOKENS
+    assert engine.work.outstanding().sequences == 1
     assert _finish(engine) == {"0"}

@@ -1,6 +1,6 @@
 """A burst of chat completions against an LLM is shed by the work on its device: with the
 hub's `max_queue_time_ms` (the LLM's runtime config leaves the key out), requests whose
-estimated wait (the tokens the engine holds, at its measured step cost) is over the bound get
+estimated wait (the steps the engine's work needs, at its measured step cost) is over the bound get
 503 + Retry-After in OpenAI's error shape naming the estimate and the bound, while the
 admitted ones complete. The engine's first step is held while the burst arrives and its step
 cost is set, so the work each request meets is known exactly (no timing in assertions)."""
@@ -36,7 +36,7 @@ async def test_a_chat_burst_over_the_estimated_wait_is_shed_and_the_rest_served(
 ) -> None:
     app, client = app_client
     body = {"name": "tiny", "kind": "llm", "source": str(tiny_llm_dir),
-            "config": {"kv_cache_bytes": "8MiB", "max_num_seqs": 4}}  # fmt: skip
+            "config": {"kv_cache_bytes": "8MiB", "max_num_seqs": 1}}  # fmt: skip
     assert (await client.post("/admin/registry/models", json=body)).status_code == 201
     async with app.state.hub.manager.acquire("tiny", 1) as backend:
         work = backend.engine.work
@@ -55,12 +55,12 @@ async def test_a_chat_burst_over_the_estimated_wait_is_shed_and_the_rest_served(
         try:
             first = asyncio.create_task(client.post("/v1/chat/completions", json=BODY))
             assert await asyncio.to_thread(held.wait, 30)
-            # Every request is the same: its tokens are what the first one published.
-            tokens = work.tokens
-            assert tokens > BODY["max_tokens"]
-            # A step costs what makes the first request's work 40% of the bound: requests
-            # meeting one or two requests' work are admitted, one meeting three is not.
-            work.observe_step(tokens=tokens, seconds=0.4 * BOUND_MS / 1000)
+            # One sequence runs at a time (max_num_seqs 1): k requests ahead are 4k steps
+            # of decodes and a fraction of one of prompt tokens. At a step of a tenth of the
+            # bound, requests meeting one or two requests' work are admitted, one meeting
+            # three is not.
+            assert work.published.sequences == 1
+            work.observe_step(tokens=1, seconds=BOUND_MS / 1000 / 10)
             burst = [
                 asyncio.create_task(client.post("/v1/chat/completions", json=BODY))
                 for _ in range(BURST)
