@@ -216,8 +216,8 @@ class LLMConfig(RuntimeConfig):
     max_logprobs: Count = 20
     max_waiting: Count = 1024
     # Longest a new request may be estimated to wait behind the work on its device (the
-    # tokens its engine's sequences have left at the measured step cost, plus the other
-    # models' outstanding work there: backends/llm/engine_work.py); beyond it 503 +
+    # steps its engine's sequences need at the measured step cost, plus the other models'
+    # outstanding work there: backends/llm/engine_work.py); beyond it 503 +
     # Retry-After at once. None: no bound, only `max_waiting` (the hub's
     # `max_queue_time_ms` applies to a version that leaves the key out).
     max_queue_time_ms: Milliseconds | None = None
