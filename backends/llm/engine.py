@@ -128,7 +128,7 @@ class LLMEngine:
         self._aborts: collections.deque[str] = collections.deque()
         self._aborted_early: set[str] = set()
         self._requests: dict[str, _Request] = {}
-        # The measured step cost and the outstanding tokens: admission by queue time here,
+        # The measured step cost and the outstanding work: admission by queue time here,
         # and this engine's share of its device's work (the backend counts it there).
         self.work = EngineWork(
             config.max_queue_time_s,
