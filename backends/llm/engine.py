@@ -270,12 +270,14 @@ class LLMEngine:
         lora = self.runner.lora
         slot_loads = lora.slot_loads
         self.work.publish(itertools.chain(scheduler.waiting, scheduler.running))
+        self.work.step_started = self.work.clock()
         started = time.monotonic()
         output = scheduler.schedule()
         scheduled_at = time.monotonic()
         try:
             sampled = self.runner.execute(output)
         except Exception as e:
+            self.work.step_started = None
             raise self._recover(output, e) from e
         updated = scheduler.update(output, sampled.token_ids)
         for seq, _ in updated:
@@ -290,6 +292,7 @@ class LLMEngine:
         outputs = [self._emit(seq, sampled.logprobs[row], now) for seq, row in updated]
         self.work.observe_step(output.num_batched_tokens, now - started)
         self.work.publish(itertools.chain(scheduler.waiting, scheduler.running))
+        self.work.step_started = None
         self.metrics.observe_step(
             running=len(scheduler.running),
             waiting=len(scheduler.waiting),

@@ -10,7 +10,9 @@ generated one step after another. So the work is counted in steps,
             + prompt tokens to prefill / max_num_batched_tokens
 
 and priced at the measured seconds per step (`observe_step`, an exponentially weighted
-average: it grows as the batch grows, or as other work contends for the device). What a
+average: it grows as the batch grows, or as other work contends for the device), or at what
+the step in flight has taken so far when that is already well over the average (a burst
+contends for the device at once, long before the steps' end teaches the average). What a
 sequence may still generate is its `max_tokens` less what it generated: the bound its request
 set (a sequence that stops early frees its share sooner). The engine thread publishes its
 sequences' work at its step boundaries (`publish`); requests added since are read through
@@ -33,6 +35,7 @@ it (the other models' admission checks do, through `DeviceWork`).
 from __future__ import annotations
 
 import math
+import time
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -40,6 +43,10 @@ from typing import TYPE_CHECKING
 
 from backends.admission import EWMA_ALPHA, DeviceWork
 from backends.errors import CapacityError
+
+# A step in flight that has taken more than this many times the average reprices the work at
+# once (the device is contended now: the average learns it only as steps end).
+SLOW_STEP = 1.5
 
 if TYPE_CHECKING:
     from backends.llm.sequence import Sequence
@@ -96,6 +103,7 @@ class EngineWork:
         max_num_batched_tokens: int = 1,
         name: str = "this LLM",
         alpha: float = EWMA_ALPHA,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if max_queue_time_s is not None and max_queue_time_s < 0:
             raise ValueError("max_queue_time_s must be >= 0")
@@ -106,6 +114,10 @@ class EngineWork:
         self.name = name
         self._alpha = alpha
         self._step_s: float | None = None
+        self.clock = clock
+        # When the step in flight began (`clock`), None between steps; set by the engine
+        # thread, read by any.
+        self.step_started: float | None = None
         # Published by the engine thread, one object per publication; read by any thread.
         self.published = Work()
         # Requests checked before tokenizing and not yet added (`reserve`), counted as the
@@ -134,6 +146,15 @@ class EngineWork:
         """The measured seconds per step, or None before a step was measured."""
         return self._step_s
 
+    def step_cost(self) -> float | None:
+        """What a step costs now: the average, or what the step in flight has taken so far
+        where that is over SLOW_STEP times the average; None before a step was measured."""
+        average, started = self._step_s, self.step_started
+        if average is None or started is None:
+            return average
+        elapsed = self.clock() - started
+        return elapsed if elapsed > SLOW_STEP * average else average
+
     # ---- the estimate (any thread) -----------------------------------------------------
     def outstanding(self) -> Work:
         """The work this engine holds: published, incoming and reserved."""
@@ -155,7 +176,7 @@ class EngineWork:
 
     def outstanding_s(self) -> float:
         """Seconds this engine needs for the work it holds (0 until a step was measured)."""
-        step_s = self._step_s
+        step_s = self.step_cost()
         return 0.0 if step_s is None else self.steps(self.outstanding()) * step_s
 
     def count_on(self, device_work: DeviceWork | None) -> None:
@@ -211,7 +232,7 @@ class EngineWork:
 
     def _check(self, size: int) -> None:
         bound = self.max_queue_time_s
-        step_s = self._step_s
+        step_s = self.step_cost()
         if bound is None or step_s is None:
             return
         work = self.outstanding()
@@ -231,7 +252,7 @@ class EngineWork:
             f"request ({size} sequences) on its device ({own:.2f}s of this LLM's: "
             f"{work.sequences:.0f} sequences{tokenizing}, {work.generate:.0f} tokens to "
             f"generate, at most {work.longest:.0f} in one, and {work.prefill:.0f} prompt "
-            f"tokens, {self.steps(work):.1f} steps at the measured {step_s * 1000:.1f} ms; "
+            f"tokens, {self.steps(work):.1f} steps at {step_s * 1000:.1f} ms measured; "
             f"{elsewhere:.2f}s of other models' work), more than its max_queue_time_ms "
             f"({bound * 1000:g}); retry after {retry_after:g}s or send fewer concurrent "
             "requests",

@@ -76,7 +76,7 @@ def test_requests_beyond_the_queue_time_are_refused_and_the_rest_complete(llama:
     assert all(isinstance(e, CapacityError) and e.retry_after >= 1 for e in refused)
     message = str(refused[0])
     assert "3 sequences, 9 tokens to generate, at most 3 in one, and 21 prompt tokens" in message
-    assert "4.8 steps at the measured 10.0 ms" in message
+    assert "4.8 steps at 10.0 ms measured" in message
     assert "max_queue_time_ms (40)" in message
     assert _shed(registry) == 5
     assert _finish(engine) == {"0", "1", "2"}
@@ -146,3 +146,19 @@ def test_requests_being_tokenized_count_as_the_average_request(llama: Path) -> N
     engine.work.unreserve()
     assert engine.work.outstanding().sequences == 1
     assert _finish(engine) == {"0"}
+
+
+def test_a_step_in_flight_already_slow_reprices_the_work(llama: Path) -> None:
+    engine, _ = _engine(llama, 0.040)
+    engine.work.observe_step(tokens=1, seconds=0.010)
+    assert _offer(engine, 1) == [None]
+    # A step has been running 20 ms, twice the average (a burst contends for the device):
+    # one request's 3.1 steps ahead cost 62 ms now, not 31.
+    engine.work.clock = lambda: 100.0
+    engine.work.step_started = 99.980
+    with pytest.raises(CapacityError) as refused:
+        engine.work.admit(1, PROMPT, MAX_TOKENS)
+    assert "3.1 steps at 20.0 ms measured" in str(refused.value)
+    # At 1.2 times the average, the average stands.
+    engine.work.step_started = 99.988
+    engine.work.admit(1, PROMPT, MAX_TOKENS)
