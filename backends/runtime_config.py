@@ -141,7 +141,8 @@ class EncoderConfig(RuntimeConfig):
     max_queue: Count = 4096
     # Longest a request may be estimated to wait for a forward pass (inputs ahead x the
     # measured seconds per input); a request that would wait longer gets 503 + Retry-After at
-    # once (backends/admission.py). None: no bound, only `max_queue`.
+    # once (backends/admission.py). None: no bound, only `max_queue` (the hub's
+    # `max_queue_time_ms` applies to a version that leaves the key out).
     max_queue_time_ms: Milliseconds | None = None
     # The fixed cost of one pass in padded tokens; None: by device (small on a CPU).
     batch_overhead_tokens: NonNegative | None = None
@@ -256,9 +257,11 @@ class LLMConfig(RuntimeConfig):
     default_max_tokens: Count = 256
     max_logprobs: Count = 20
     max_waiting: Count = 1024
-    # Longest a new request may be estimated to wait before its sequences start (sequences
-    # waiting ahead x the measured seconds between admissions); beyond it 503 + Retry-After
-    # at once. None: no bound, only `max_waiting`.
+    # Longest a new request may be estimated to wait behind the work on its device (the
+    # steps its engine's sequences need at the measured step cost, plus the other models'
+    # outstanding work there: backends/llm/engine_work.py); beyond it 503 +
+    # Retry-After at once. None: no bound, only `max_waiting` (the hub's
+    # `max_queue_time_ms` applies to a version that leaves the key out).
     max_queue_time_ms: Milliseconds | None = None
     priority_aging_steps: Count = 256
     # The model's context length, recorded from its config.json at registration, for reading.

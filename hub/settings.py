@@ -415,6 +415,13 @@ class HubSettings(BaseSettings):
     # parsed) would refuse the requests behind it; hubs that take bursts set 250ms-1s.
     max_requests_in_progress: int = Field(default=256, ge=0)
     max_event_loop_lag: Seconds = Field(default=0.0, ge=0)
+    # Admission by the work on a model's device, for every kind: a request estimated to wait
+    # longer than this behind the work queued and running on its device (every model there
+    # counted) gets 503 + Retry-After, and the edge refuses that model's next requests at
+    # once while the estimate stays over it (hub/saturation.py). The `max_queue_time_ms` of
+    # each version that leaves the key out of its runtime config; None: no bound. Off by
+    # default: the right bound depends on the device and on how long answers are.
+    max_queue_time_ms: float | None = Field(default=None, ge=0, allow_inf_nan=False)
     # Under `hub serve`, CPU encoders whose runtime config leaves `forward_process` unset run
     # their forward passes in worker processes (backends/encoders/forward_process.py); false
     # keeps them in the hub's process (no fork server: a faster start, and cheaper loads).

@@ -130,6 +130,7 @@ class Hub:
             trust_remote_code=settings.trust_remote_code,
             kernels=settings.engine.kernel_settings(),
             grammar_pool=grammar_pool,
+            max_queue_time_ms=settings.max_queue_time_ms,
         )
         manager = ModelManager(
             settings.manager,

@@ -37,8 +37,15 @@ from typing import Any, TypeVar
 
 import torch
 
+from backends.admission import device_work
 from backends.base import Backend, BackendContext, ModelKind, checked_config
-from backends.errors import BackendClosedError, ContextLengthError, InputError, LoadError
+from backends.errors import (
+    BackendClosedError,
+    CapacityError,
+    ContextLengthError,
+    InputError,
+    LoadError,
+)
 from backends.llm.async_engine import AsyncLLMEngine, RequestStream
 from backends.llm.config import EngineConfig, kv_cache_reservation, llm_config
 from backends.llm.context import draft_dir, grammar_pool, kernel_settings
@@ -224,6 +231,9 @@ class LLMBackend(Backend):
         )
         self._tokenize_pool = ThreadPoolExecutor(1, f"tokenize {ctx.model}@{ctx.version}")
         self._device = device
+        # Its outstanding work counts in the device's, as the encoders' does: each model's
+        # admission sees what the others on the device have to do.
+        engine.work.count_on(device_work(device))
         log.info(
             "%s@%s: %d KV blocks of %d tokens, context %d tokens",
             ctx.model,
@@ -277,12 +287,23 @@ class LLMBackend(Backend):
 
     async def tokenize(self, build: Callable[[], T]) -> T:
         """Run `build` (which tokenizes a request's prompts with `encode` / `encode_chat`) on
-        this model's tokenizer thread and return its result; the event loop stays free."""
+        this model's tokenizer thread and return its result; the event loop stays free.
+        CapacityError (503) first when the work on the model's device is over its bound:
+        a refused request costs no tokenizing (engine_work.EngineWork.reserve)."""
         pool = self._tokenize_pool
         if pool is None:
             raise BackendClosedError(f"LLM {self.context.model} is not loaded")
+        engine = self._require().engine
+        try:
+            engine.work.reserve()
+        except CapacityError:
+            engine.metrics.observe_shed("queue_time")
+            raise
         context = contextvars.copy_context()
-        return await asyncio.get_running_loop().run_in_executor(pool, context.run, build)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(pool, context.run, build)
+        finally:
+            engine.work.unreserve()
 
     def decode(self, token_ids: list[int]) -> str:
         text: str = self.tokenizer.decode(token_ids)
@@ -403,6 +424,7 @@ class LLMBackend(Backend):
         if self._draft is not None:
             self._draft.offload()
         self._device = "cpu"
+        self._loaded_engine().engine.work.count_on(None)
         self._metrics.reset_gauges()
         _release_device_memory()
 
@@ -425,6 +447,7 @@ class LLMBackend(Backend):
             self._draft.restore(device)
         self._loaded_engine().engine.cache_replaced()
         self._device = device
+        self._loaded_engine().engine.work.count_on(device_work(device))
 
     async def aclose(self) -> None:
         if self._engine is not None:
@@ -434,6 +457,7 @@ class LLMBackend(Backend):
     def unload(self) -> None:
         if self._engine is not None:
             self._engine.shutdown()
+            self._engine.engine.work.count_on(None)
         if self._tokenize_pool is not None:
             # A prompt still tokenizing finishes on its own; nobody waits for it.
             self._tokenize_pool.shutdown(wait=False, cancel_futures=True)

@@ -19,7 +19,7 @@ read by the loader; `keep_alive`, `pin`, `device`, read by the hub) are left to 
 | `default_max_tokens` | 256 | `max_tokens` of a request that sets none (capped by the context) |
 | `max_logprobs` | 20 | largest `logprobs` / `top_logprobs` accepted |
 | `max_waiting` | 1024 | requests queued before new ones are refused with "retry later" |
-| `max_queue_time_ms` | none | longest estimated wait before a request starts; then 503 |
+| `max_queue_time_ms` | hub's | longest estimated work ahead of a request on its device; then 503 |
 | `priority_aging_steps` | 256 | a waiting request gains one priority level per this many steps |
 | `max_loras` | 8 | LoRA adapters on the device at once (slots; more take turns, LRU) |
 | `max_lora_rank` | 64 | largest LoRA rank an adapter may have |

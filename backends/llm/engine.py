@@ -25,10 +25,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from backends.admission import QueueTimeAdmission
 from backends.errors import CapacityError, InputError, TransientError
 from backends.llm.config import EngineConfig
 from backends.llm.detokenizer import IncrementalDetokenizer
+from backends.llm.engine_work import EngineWork
 from backends.llm.isolation import RequestFailedError, blame_is_attributable, find_culprits
 from backends.llm.kv_cache_manager import KVCacheManager
 from backends.llm.metrics import EngineMetrics
@@ -136,12 +136,14 @@ class LLMEngine:
         self._aborts: collections.deque[str] = collections.deque()
         self._aborted_early: set[str] = set()
         self._requests: dict[str, _Request] = {}
-        # Sequences leave the waiting queue at a rate measured over the steps during which
-        # some waited (`_queued_s` accumulates those steps until one admits a sequence).
-        self.admission = QueueTimeAdmission(
-            config.max_queue_time_s, name="this LLM", unit="sequences"
+        # The measured step cost and the outstanding work: admission by queue time here,
+        # and this engine's share of its device's work (the backend counts it there).
+        self.work = EngineWork(
+            config.max_queue_time_s,
+            self._incoming_sequences,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
         )
-        self._queued_s = 0.0
         # Structured outputs need the tokenizer (a grammar speaks in text).
         self.grammars = (
             GrammarCompiler(
@@ -203,9 +205,8 @@ class LLMEngine:
             raise CapacityError(
                 f"{self.config.max_waiting} sequences are already queued or running; retry later"
             )
-        ahead = sum(len(r.seqs) for r in list(self._incoming)) + len(self.scheduler.waiting)
         try:
-            self.admission.check(ahead, params.n)
+            self.work.admit(params.n, len(prompt_token_ids), max_tokens)
         except CapacityError:
             self.metrics.observe_shed("queue_time")
             raise
@@ -254,6 +255,11 @@ class LLMEngine:
             raise TransientError(f"adapter {adapter!r} was reloaded meanwhile; retry")
         self._incoming.append(request)
 
+    def _incoming_sequences(self) -> list[Sequence]:
+        """The sequences of the requests added since the last step (not in the work the
+        engine thread published yet)."""
+        return [seq for r in list(self._incoming) for seq in r.seqs]
+
     def abort_request(self, request_id: str) -> None:
         """Finish the request's sequences at the next step boundary, freeing their blocks."""
         self._aborts.append(request_id)
@@ -274,7 +280,9 @@ class LLMEngine:
         queries, hits = self.kv_cache.prefix_queries, self.kv_cache.prefix_hits
         lora = self.runner.lora
         slot_loads = lora.slot_loads
-        started, waited = time.monotonic(), len(scheduler.waiting)
+        self.work.publish(itertools.chain(scheduler.waiting, scheduler.running))
+        self.work.step_started = self.work.clock()
+        started = time.monotonic()
         if self.speculator is not None:
             self.speculator.propose(scheduler.running)
         output = scheduler.schedule()
@@ -282,6 +290,7 @@ class LLMEngine:
         try:
             sampled = self.runner.execute(output)
         except Exception as e:
+            self.work.step_started = None
             raise self._recover(output, e) from e
         updated = scheduler.update(output, sampled.token_ids)
         for proposed, accepted, emitted in scheduler.verified:
@@ -298,12 +307,9 @@ class LLMEngine:
         outputs = [
             self._emit(seq, [sampled.logprobs[row] for row in rows], now) for seq, rows in updated
         ]
-        if waited:
-            self._queued_s += now - started
-            admitted = waited - len(scheduler.waiting)  # preempted ones count against it
-            if admitted > 0:
-                self.admission.observe(admitted, self._queued_s)
-                self._queued_s = 0.0
+        self.work.observe_step(output.num_batched_tokens, now - started)
+        self.work.publish(itertools.chain(scheduler.waiting, scheduler.running))
+        self.work.step_started = None
         self.metrics.observe_step(
             running=len(scheduler.running),
             waiting=len(scheduler.waiting),

@@ -81,8 +81,11 @@ class VersionLoader:
         trust_remote_code: bool = False,
         kernels: KernelSettings | None = None,
         grammar_pool: CompilePool | None = None,
+        max_queue_time_ms: float | None = None,
     ) -> None:
         self.registry = registry
+        # The hub's `max_queue_time_ms`: that of every version whose config leaves it out.
+        self.max_queue_time_ms = max_queue_time_ms
         # The LLM engine's native kernels, as the hub's `engine:` settings say.
         self.kernels = kernels or KernelSettings()
         # Where the LLMs' grammars compile (one pool for all); None: each LLM its own.
@@ -98,6 +101,7 @@ class VersionLoader:
         config = checked_config(
             config_type(view.kind), view.runtime_config, f"{view.name} v{view.version}"
         )
+        config = with_queue_time(config, self.max_queue_time_ms)
         artifact_dir = self.registry.materialise(view)
         if view.base is not None:
             from hub.adapters.binding import AdapterBackend
@@ -157,6 +161,18 @@ class VersionLoader:
         if prepared.backend_cls.kind is ModelKind.LLM:  # only the LLM engine builds kernels
             return LLMContext.of(context, self.kernels, self.grammar_pool, prepared.draft_dir)
         return context
+
+
+def with_queue_time(config: RuntimeConfig, max_queue_time_ms: float | None) -> RuntimeConfig:
+    """`config` with the hub's `max_queue_time_ms` where its kind has the key and the
+    version's config leaves it out (a version that sets it, even to null, keeps its own)."""
+    if (
+        max_queue_time_ms is None
+        or "max_queue_time_ms" not in type(config).model_fields
+        or "max_queue_time_ms" in config.model_fields_set
+    ):
+        return config
+    return config.model_copy(update={"max_queue_time_ms": max_queue_time_ms})
 
 
 def _adapter_key(view: VersionView) -> str:
