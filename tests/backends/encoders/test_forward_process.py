@@ -237,14 +237,18 @@ def test_an_error_in_a_worker_comes_back_as_itself_or_says_what_it_was() -> None
 async def test_a_hung_worker_is_killed_after_the_pass_limit_and_replaced(
     tiny_embedder_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(forward_process, "PASS_TIMEOUT_S", 0.5)
+    limit = forward_process.PASS_TIMEOUT_S
     backend = embedder(tiny_embedder_dir, forward_process=True, forward_workers=1)
     try:
         (pid,) = backend.worker_pids()
         os.kill(pid, signal.SIGSTOP)  # hung: alive, never answers
+        monkeypatch.setattr(forward_process, "PASS_TIMEOUT_S", 0.5)
         with pytest.raises(TransientError, match=r"took longer than 0\.5s"):
             await asyncio.wait_for(backend.embed(["a pass that never ends"]), 30)
         assert gone([pid])
+        # The short limit was for the hung pass; the replacement's first pass (a fork and a
+        # warm-up) may take longer than that on a loaded machine, as in production.
+        monkeypatch.setattr(forward_process, "PASS_TIMEOUT_S", limit)
         assert (await backend.embed(["the next one"])).vectors.shape == (1, 32)
         assert backend.worker_pids() != [pid]
     finally:
