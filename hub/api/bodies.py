@@ -35,15 +35,17 @@ from registry.bounded_json import JsonTooDeep, loads_bounded, too_deep
 Body = TypeVar("Body", bound=BaseModel)
 
 
-async def read_user_body(request: Request, model: type[Body]) -> Body:
-    """The validated body of an inference request, after the user-key check."""
+def credentials(request: Request) -> tuple[str | None, str | None]:
+    """The request's `Authorization` and `X-API-Key` headers, as the ingress read them."""
     head = head_of(request.scope)
     if head is not None:
-        authorization, api_key = head.authorization, head.api_key
-    else:
-        authorization = request.headers.get("authorization")
-        api_key = request.headers.get("x-api-key")
-    await hub_of(request).auth.check(authorization, api_key, admin=False)
+        return head.authorization, head.api_key
+    return request.headers.get("authorization"), request.headers.get("x-api-key")
+
+
+async def read_user_body(request: Request, model: type[Body]) -> Body:
+    """The validated body of an inference request, after the user-key check."""
+    await hub_of(request).auth.check(*credentials(request), admin=False)
     raw = await request_body(request)
     if too_deep(raw):
         raise BadRequest(str(JsonTooDeep("the request body")), param="body")
