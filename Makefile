@@ -42,6 +42,10 @@ install-dev: $(VENV)/.installed-dev
 serve: $(VENV)/.installed $(KERNELS)
 	$(VENV)/bin/hub serve --config configs/demo.yaml
 
+# OpenMP's threads sleep while they wait (OMP_WAIT_POLICY=PASSIVE): two test workers, each with
+# an engine's threads, share the cores, and spinning waits would take them from each other.
+test: export OMP_WAIT_POLICY ?= PASSIVE
+
 ## Install the dev extras and run the whole test suite: everything but the `serial` tests on
 ## TEST_WORKERS processes (pytest-xdist, one module per worker at a time), then the `serial`
 ## ones (a cluster of PostgreSQL, MLflow and three hubs, timing-sensitive) alone. A pass that

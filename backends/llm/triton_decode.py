@@ -115,9 +115,9 @@ def paged_decode(
         keys.stride(2),
         BLOCK_SIZE=block_size,
         GROUP=group,
-        GROUP_P=max(2, _next_pow2(group)),
+        GROUP_P=max(2, next_pow2(group)),
         HEAD_DIM=head_dim,
-        HEAD_DIM_P=max(16, _next_pow2(head_dim)),
+        HEAD_DIM_P=max(16, next_pow2(head_dim)),
         TILE=TILE,
         HAS_WINDOW=sliding_window is not None,
         HAS_SOFTCAP=softcap is not None,
@@ -125,7 +125,8 @@ def paged_decode(
     )
 
 
-def _next_pow2(n: int) -> int:
+def next_pow2(n: int) -> int:
+    """The smallest power of two at least `n` (Triton block shapes are powers of two)."""
     return 1 << (n - 1).bit_length()
 
 

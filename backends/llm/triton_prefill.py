@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from backends.llm.triton_decode import next_pow2
+
 log = logging.getLogger(__name__)
 
 # Rows of a program's query tile (tokens x the KV head's query heads), and keys per
@@ -187,9 +189,9 @@ def paged_prefill(
     group = num_heads // num_kv_heads
     if query.stride(3) != 1:
         query = query.contiguous()
-    block_m = max(BLOCK_M, _next_pow2(group))
+    block_m = max(BLOCK_M, next_pow2(group))
     block_q = block_m // group  # tokens per query tile
-    head_dim_p = max(16, _next_pow2(head_dim))
+    head_dim_p = max(16, next_pow2(head_dim))
     block_n = BLOCK_N if head_dim_p <= 128 else BLOCK_N // 2
     keys, values = kv_cache[0], kv_cache[1]
     chunks = batch.tables.shape[0]
@@ -229,10 +231,6 @@ def paged_prefill(
         num_warps=4,
         num_stages=2,
     )
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
 
 
 @functools.cache

@@ -36,18 +36,22 @@ from registry.bounded_json import JsonTooDeep, loads_bounded, too_deep
 Body = TypeVar("Body", bound=BaseModel)
 
 
+def credentials(request: Request) -> tuple[str | None, str | None]:
+    """The request's `Authorization` and `X-API-Key` headers, as the ingress read them."""
+    head = head_of(request.scope)
+    if head is not None:
+        return head.authorization, head.api_key
+    return request.headers.get("authorization"), request.headers.get("x-api-key")
+
+
 async def read_user_body(request: Request, model: type[Body]) -> Body:
     """The validated body of an inference request, after the user-key check."""
     head = head_of(request.scope)
-    if head is None:
-        authorization = request.headers.get("authorization")
-        api_key = request.headers.get("x-api-key")
-        note_caller(await hub_of(request).auth.check(authorization, api_key, admin=False))
-    elif head.caller is None:  # the ingress found no valid key: this raises its 401
-        await hub_of(request).auth.check(head.authorization, head.api_key, admin=False)
-    else:
-        # The caller the rest of this request is metered under (hub.usage.caller).
+    if head is not None and head.caller is not None:
+        # The ingress checked the key: the caller this request is metered under (hub.usage).
         note_caller(head.caller)
+    else:  # no ingress, or it found no valid key: this check raises the 401
+        note_caller(await hub_of(request).auth.check(*credentials(request), admin=False))
     raw = await request_body(request)
     if too_deep(raw):
         raise BadRequest(str(JsonTooDeep("the request body")), param="body")

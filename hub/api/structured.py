@@ -18,8 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request
 
 from backends.llm.structured import StructuredOutput
+from hub.api.bodies import credentials
 from hub.api.deps import hub_of
-from hub.api.ingress import head_of
 from hub.errors import BadRequest
 
 
@@ -122,12 +122,6 @@ async def caller_of(request: Request) -> str:
     off the client's address. The key was checked already (`UserBody`): this is a cache hit."""
     hub = hub_of(request)
     if hub.settings.auth.enabled:
-        head = head_of(request.scope)
-        if head is not None:
-            authorization, api_key = head.authorization, head.api_key
-        else:
-            authorization = request.headers.get("authorization")
-            api_key = request.headers.get("x-api-key")
-        return (await hub.auth.check(authorization, api_key, admin=False)).name
+        return (await hub.auth.check(*credentials(request), admin=False)).name
     client = request.client
     return f"client {client.host}" if client is not None else "anonymous"
