@@ -131,7 +131,8 @@ class Authenticator:
         if self._reading is None or self._reading.done():
             self._reading = asyncio.ensure_future(self._watch_thread.run(self.keys.generation))
         try:
-            generation = await asyncio.wait_for(asyncio.shield(self._reading), GENERATION_TIMEOUT)
+            async with asyncio.timeout(GENERATION_TIMEOUT):  # never wait_for: see calls.py
+                generation = await asyncio.shield(self._reading)
         except asyncio.CancelledError:
             raise
         except Exception as e:

@@ -88,7 +88,8 @@ async def forwarded_route(hop: Hop, hub: Any) -> Route | None:
         # The forwarding replica knows a version this one has not read yet (it was
         # registered a moment ago): catch up with SQL once rather than answer 404.
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(hub.control.refresh(), timeout=5)
+            async with asyncio.timeout(5):
+                await hub.control.refresh()
         route = _named_route(hop.route, router)
     return route
 

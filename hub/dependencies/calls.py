@@ -84,8 +84,12 @@ class BoundedCalls:
             raise
         future.add_done_callback(_retrieve)
         try:
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for returns the result of a
+            # call that ends as the caller is cancelled and drops the cancellation (a loop
+            # being shut down then runs on).
             with outage_named(f"{self.dependency} ({what})"):
-                return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), limit)
+                async with asyncio.timeout(limit):
+                    return await asyncio.shield(asyncio.wrap_future(future))
         except TimeoutError:
             raise DependencyUnavailable(
                 f"{self.dependency} did not answer {what} within {limit:g}s; retry once it is back",

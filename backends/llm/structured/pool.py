@@ -100,7 +100,10 @@ class CompilePool:
         try:
             outcome = asyncio.wrap_future(job.future)
             outcome.add_done_callback(_retrieve)
-            result: T = await asyncio.wait_for(asyncio.shield(outcome), limit_s)
+            # asyncio.timeout, not wait_for, which on Python 3.11 can drop a cancellation
+            # arriving as the compile ends.
+            async with asyncio.timeout(limit_s):
+                result: T = await asyncio.shield(outcome)
             return result
         except TimeoutError:
             raise CapacityError(
