@@ -1,6 +1,7 @@
 """Building hub settings and apps for tests: every hub gets its own databases, MLflow store
-and cache under a temp folder. MLflow's schema migration costs seconds, so a migrated empty
-MLflow database is made once per session and copied."""
+and cache under a temp folder. Migrating MLflow's schema costs seconds and the hub's a tenth
+of one, and most tests start a hub: migrated empty databases of both are made once per
+session and copied."""
 
 from __future__ import annotations
 
@@ -21,12 +22,18 @@ from hub.settings import HubSettings
 
 
 def make_settings(root: Path, mlflow_template: Path | None = None, **overrides: Any) -> HubSettings:
+    """Settings for a hub under `root`; with `mlflow_template` (`make_mlflow_template`), its
+    MLflow database and, unless `database_url` is overridden, its hub database start as
+    copies of the migrated templates."""
     root.mkdir(parents=True, exist_ok=True)
-    mlflow_db = root / "mlflow.db"
+    mlflow_db, hub_db = root / "mlflow.db", root / "hub.db"
     if mlflow_template is not None and not mlflow_db.exists():
         shutil.copy(mlflow_template, mlflow_db)
+        hub_template = mlflow_template.with_name(HUB_TEMPLATE)
+        if "database_url" not in overrides and hub_template.exists() and not hub_db.exists():
+            shutil.copy(hub_template, hub_db)
     values: dict[str, Any] = {
-        "database_url": f"sqlite:///{root / 'hub.db'}",
+        "database_url": f"sqlite:///{hub_db}",
         "mlflow_tracking_uri": f"sqlite:///{mlflow_db}",
         "cache_dir": root / "cache",
         "demo_dir": root / "demo",
@@ -57,10 +64,17 @@ def auth_settings(root: Path, mlflow_template: Path | None = None) -> tuple[HubS
     return settings, user_key
 
 
+HUB_TEMPLATE = "hub-template.db"
+
+
 def make_mlflow_template(folder: Path) -> Path:
-    """A migrated, empty MLflow database, made in a child process so the file is complete."""
+    """A migrated, empty MLflow database, with a migrated, empty hub database beside it
+    (`HUB_TEMPLATE`), made in a child process so the files are complete."""
     db = folder / "mlflow-template.db"
-    code = f"from registry.mlflow_store import MlflowStore; MlflowStore('sqlite:///{db}').ping()"
+    code = (
+        f"from registry.mlflow_store import MlflowStore; MlflowStore('sqlite:///{db}').ping(); "
+        f"from registry.db import upgrade; upgrade('sqlite:///{folder / HUB_TEMPLATE}')"
+    )
     repo = str(Path(__file__).resolve().parents[2])
     env = {
         **os.environ,
