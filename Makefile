@@ -46,15 +46,23 @@ serve: $(VENV)/.installed $(KERNELS)
 # an engine's threads, share the cores, and spinning waits would take them from each other.
 test: export OMP_WAIT_POLICY ?= PASSIVE
 
-## Install the dev extras and run the whole test suite: everything but the `serial` tests on
-## TEST_WORKERS processes (pytest-xdist, one module per worker at a time), then the `serial`
-## ones (a cluster of PostgreSQL, MLflow and three hubs, timing-sensitive) alone. A pass that
-## PYTEST_ARGS leaves empty (exit status 5) is not a failure.
+## Install the dev extras and run the whole test suite in two passes: first everything but
+## the `serial` and `apart` tests on TEST_WORKERS processes (pytest-xdist, one module per worker
+## at a time); then two pytest processes side by side, one running the `serial` tests (a
+## cluster of PostgreSQL, MLflow and three hubs, timing-sensitive) and one the `apart` tests
+## (long tests of their own processes), whose output make prints whole as each ends. A pass
+## that PYTEST_ARGS leaves empty (exit status 5) is not a failure. A worker that dies (a test
+## past its timeout) ends the first pass with that test named rather than being replaced:
+## xdist's replacement worker can wait forever for work.
 TEST_WORKERS ?= 2
 test: $(VENV)/.installed-dev $(KERNELS)
-	$(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadscope -m "not serial" $(PYTEST_ARGS) \
-		|| [ $$? -eq 5 ]
-	$(VENV)/bin/python -m pytest -m serial $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadscope --max-worker-restart 0 \
+		-m "not serial and not apart" $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-serial test-apart
+
+.PHONY: test-serial test-apart
+test-serial test-apart: test-%:
+	$(VENV)/bin/python -m pytest -m $* $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 ## The pure layers (planner, scheduler, block pool, statistics) in a bare environment: no torch,
 ## FastAPI, SQLAlchemy or Prometheus installed, so an import of one of them fails the run.

@@ -21,6 +21,8 @@ from benchmarks.launch.process import REPO, free_port, hub_process
 from hub.cli import app
 from tests.hub.test_cli import last_json
 
+pytestmark = pytest.mark.apart
+
 runner = CliRunner()
 
 

@@ -25,6 +25,7 @@ SENTENCES = [
 
 
 @pytest.mark.slow
+@pytest.mark.apart
 def test_demo_serves_minilm_to_the_openai_client(tmp_path: Path, minilm_dir: Path) -> None:
     import openai
     from sentence_transformers import SentenceTransformer

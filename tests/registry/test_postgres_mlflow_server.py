@@ -25,6 +25,7 @@ def embed_version(base: str) -> str:
 
 @pytest.mark.slow
 @pytest.mark.postgres
+@pytest.mark.apart
 def test_flow_on_postgres_and_an_mlflow_server(
     tmp_path: Path, tiny_embedder_dir: Path, tiny_embedder_v2_dir: Path
 ) -> None:

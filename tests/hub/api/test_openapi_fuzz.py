@@ -126,6 +126,7 @@ def _phases_test(operation: Any, config: Any, test: Any) -> Any:
     )
 
 
+@pytest.mark.apart
 def test_every_operation_answers_as_documented(fuzzed: TestClient) -> None:
     config = SchemathesisConfig.from_dict(CONFIG)
     schema = schemathesis.openapi.from_dict(fuzzed.get("/openapi.json").json(), config=config)
