@@ -147,3 +147,18 @@ def test_a_configured_pin_follows_the_production_alias(
         r = client.post("/admin/registry/models/emb/versions/2/promote", json={"to": "production"})
         assert r.status_code == 200, r.text
         until(client, {1: False, 2: True})  # the pin moved with the serving version
+
+
+def test_a_second_start_reuses_the_configured_models_it_registered(
+    tmp_path: Path, mlflow_template: Path, tiny_embedder_dir: Path
+) -> None:
+    spec = {"name": "emb", "kind": "embedder", "source": str(tiny_embedder_dir),
+            "aliases": ["production"]}  # fmt: skip
+    settings = make_settings(tmp_path / "hub", mlflow_template, models=[spec])
+    for _ in range(2):
+        with TestClient(create_app(settings)) as client:
+            versions = client.get("/admin/registry/models/emb/versions").json()
+            assert [v["version"] for v in versions] == [1]
+            assert versions[0]["aliases"] == ["production"]
+            r = client.post("/v1/embeddings", json={"model": "emb", "input": "x"})
+            assert r.status_code == 200 and r.headers["X-Hub-Model-Version"] == "1", r.text
