@@ -50,6 +50,15 @@ BOOTSTRAP_ADMIN_KEY = "boot-secret"
 ADMIN = {"Authorization": f"Bearer {BOOTSTRAP_ADMIN_KEY}"}
 
 
+async def admin_register(
+    client: httpx.AsyncClient, name: str, kind: str, source: Path, **extra: Any
+) -> None:
+    """Register `source` as a new version of `name` with the bootstrap admin's key."""
+    body = {"name": name, "kind": kind, "source": str(source), **extra}
+    r = await client.post("/admin/registry/models", json=body, headers=ADMIN)
+    assert r.status_code == 201, r.text
+
+
 def auth_settings(root: Path, mlflow_template: Path | None = None) -> tuple[HubSettings, str]:
     """Settings with API keys required (`BOOTSTRAP_ADMIN_KEY` the bootstrap admin's) over a
     migrated database that holds one user key, "app"; returned with that key."""

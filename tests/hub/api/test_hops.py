@@ -22,18 +22,10 @@ from fastapi import FastAPI
 from hub.app import create_app
 from hub.placement.forwarding import FORWARDED_BY, ROUTE_HEADER, HopSigner, hop_headers
 from hub.settings import HubSettings, ReplicaSettings
-from tests.support.hubs import ADMIN, auth_settings, running_app
+from tests.support.hubs import ADMIN, admin_register, auth_settings, running_app
 from tests.support.traffic_hub import versions
 
 SECRET = "shared-by-every-replica"
-
-
-async def _register(
-    client: httpx.AsyncClient, name: str, kind: str, source: Path, **extra: Any
-) -> None:
-    body = {"name": name, "kind": kind, "source": str(source), **extra}
-    r = await client.post("/admin/registry/models", json=body, headers=ADMIN)
-    assert r.status_code == 201, r.text
 
 
 @pytest.fixture
@@ -49,9 +41,9 @@ async def hub(
     settings, user_key = auth_settings(tmp_path / "hub", mlflow_template)
     settings = settings.model_copy(update={"replica": ReplicaSettings(hop_secret=SECRET)})
     async with running_app(settings) as (app, client):
-        await _register(client, "emb", "embedder", tiny_embedder_dir, aliases=["production"])
-        await _register(client, "emb", "embedder", tiny_embedder_v2_dir)
-        await _register(client, "rr", "reranker", tiny_reranker_dir)
+        await admin_register(client, "emb", "embedder", tiny_embedder_dir, aliases=["production"])
+        await admin_register(client, "emb", "embedder", tiny_embedder_v2_dir)
+        await admin_register(client, "rr", "reranker", tiny_reranker_dir)
         yield app, client, {"Authorization": f"Bearer {user_key}"}
 
 
@@ -147,8 +139,8 @@ async def test_without_a_secret_no_hop_is_obeyed(
     assert settings.replica.hop_secret is None and settings.replica.placement
     user = {"Authorization": f"Bearer {user_key}"}
     async with running_app(settings) as (_, client):
-        await _register(client, "emb", "embedder", tiny_embedder_dir, aliases=["production"])
-        await _register(client, "emb", "embedder", tiny_embedder_v2_dir)
+        await admin_register(client, "emb", "embedder", tiny_embedder_dir, aliases=["production"])
+        await admin_register(client, "emb", "embedder", tiny_embedder_v2_dir)
         body = _body(model="emb")
         hop = hop_headers(HopSigner(SECRET), "POST", "/v1/embeddings", body, "peer", "emb@2")
         r = await client.post("/v1/embeddings", content=body, headers={**user, **hop})

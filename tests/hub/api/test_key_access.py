@@ -14,17 +14,9 @@ from fastapi import FastAPI
 from backends.errors import CapacityError
 from registry.db import Database
 from registry.keys import ApiKeys
-from tests.support.hubs import ADMIN, auth_settings, running_app
+from tests.support.hubs import admin_register, auth_settings, running_app
 
 Hub = tuple[FastAPI, httpx.AsyncClient, dict[str, dict[str, str]]]
-
-
-async def _register(
-    client: httpx.AsyncClient, name: str, kind: str, source: Path, **extra: Any
-) -> None:
-    body = {"name": name, "kind": kind, "source": str(source), **extra}
-    r = await client.post("/admin/registry/models", json=body, headers=ADMIN)
-    assert r.status_code == 201, r.text
 
 
 @pytest.fixture
@@ -46,9 +38,9 @@ async def hub(
         for name, key in [("app", user_key), ("emb", emb_key), ("emb2", emb2_key)]
     }
     async with running_app(settings) as (app, client):
-        await _register(client, "emb", "embedder", tiny_embedder_dir, aliases=["production"])
-        await _register(client, "emb", "embedder", tiny_embedder_v2_dir)
-        await _register(client, "rr", "reranker", tiny_reranker_dir)
+        await admin_register(client, "emb", "embedder", tiny_embedder_dir, aliases=["production"])
+        await admin_register(client, "emb", "embedder", tiny_embedder_v2_dir)
+        await admin_register(client, "rr", "reranker", tiny_reranker_dir)
         yield app, client, headers
 
 
