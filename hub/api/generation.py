@@ -194,7 +194,7 @@ async def start_generation(
         # compiles on the grammar pool (its own threads), given up if the client leaves.
         prompts, params = await backend.tokenize(lambda: build(backend))
         if params.structured is not None and request is not None:
-            caller = await caller_of(request)
+            caller = caller_of(request)
             async with cancelled_if_client_leaves(request):
                 await backend.compile_grammar(params, caller=caller)
         else:
