@@ -199,8 +199,6 @@ class Ingress:
     ) -> None:
         self.app = app
         self.edge = Edge(max_in_progress, max_lag)
-        # Per-key rate limits (hub.api.keys_limits), this replica's share of them.
-        self.limits = RateLimiter()
         self._bounded = BodyLimitMiddleware(InFlightMiddleware(self._decide), max_body_bytes)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -262,16 +260,16 @@ class Ingress:
         limits = caller.policy.limits
         if (limits.tokens_per_minute or limits.tokens_per_day) and head.body is None:
             await head.read(receive)  # its length and max_tokens are its cost
+        limiter: RateLimiter = hub.limits  # the fleet's buckets (hub.api.keys_limits)
         try:
-            admission = self.limits.admit(caller.name, limits, _replicas(hub), head.body)
+            admission = limiter.admit(caller.name, limits, _replicas(hub), head.body)
         except RateLimited as e:
             await answer_error(send, e)
             return
         try:
-            headers = self.limits.headers(admission.state)
-            await self._serve(hub, head, scope, receive, metered(send, admission, headers))
+            await self._serve(hub, head, scope, receive, metered(send, admission))
         finally:
-            self.limits.settle(admission)
+            limiter.settle(admission)
 
     async def _serve(
         self, hub: Any, head: Head, scope: Scope, receive: Receive, send: Send
@@ -328,7 +326,7 @@ def _may_name(caller: Caller | None, head: Head) -> bool:
 
 
 def _replicas(hub: Any) -> int:
-    """How many live replicas share each key's limits: this one and its peers."""
+    """How many live replicas share each key's `max_concurrent`: this one and its peers."""
     peers = {p.id for p in hub.replicas.peers}
     return len(peers | {hub.placement.id})
 
