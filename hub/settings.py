@@ -89,7 +89,7 @@ class AuthSettings(_Section):
     # Optional key accepted as an admin key, for bootstrapping before any key is created.
     bootstrap_admin_key: SecretStr | None = None
     # How often each replica writes what its rate-limited keys consumed to SQL and reads the
-    # other replicas' (hub/api/keys_limits_sync.py): together the replicas admit at most a
+    # other replicas' (hub/rate_limits/sync.py): together the replicas admit at most a
     # limit plus about this long's worth of requests.
     rate_limit_sync_interval: Seconds = Field(default=0.5, gt=0, le=60)
 

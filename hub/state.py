@@ -9,8 +9,6 @@ from dataclasses import dataclass, field
 
 from backends.llm.structured.pool import CompilePool
 from hub import gc_freeze
-from hub.api.keys_limits import RateLimiter
-from hub.api.keys_limits_sync import LimitSync
 from hub.auth import Authenticator
 from hub.catalog import Catalog
 from hub.control import Control, build_registry
@@ -20,6 +18,8 @@ from hub.manager import Device, ModelManager, VersionLoader
 from hub.metrics import HubMetrics
 from hub.placement.service import Placement
 from hub.promotion import Promoter
+from hub.rate_limits.limiter import RateLimiter
+from hub.rate_limits.sync import LimitSync
 from hub.reconciler import Reconciler
 from hub.replicas import Membership, replica_id
 from hub.routing import Router
@@ -84,8 +84,8 @@ class Hub:
     placement: Placement
     # Usage metering (None when `usage.enabled` is off).
     usage: UsageMeter | None = None
-    # Every limited key's buckets, the fleet's (hub.api.keys_limits), and their sync through
-    # SQL (None with auth off: no key has limits).
+    # Every limited key's buckets, the fleet's (hub.rate_limits), and their sync through SQL
+    # (None with auth off: no key has limits).
     limits: RateLimiter = field(default_factory=RateLimiter)
     limit_sync: LimitSync | None = None
     ready: bool = False

@@ -15,7 +15,7 @@ In order, for an HTTP request:
    saturation refusal (a model whose queue is over its bound, for a caller already verified
    whose key may use the model: hub.api.edge), the caller's key check (once: the route and
    the router read `Head.caller`, hub.api.keys_access), its key's rate limits (a 429 before
-   anything is routed: hub.api.keys_limits) and the placement decision
+   anything is routed: hub.rate_limits) and the placement decision
    (hub.api.placement), each from the head; for an admin call naming a replica
    (`?replica=<id>`), the admin key check and then the forwarding there;
 5. the route, with the head in the scope (`head_of`): it takes the body from the head
@@ -44,12 +44,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from hub.api.edge import EXEMPT_PREFIXES, Edge, answer_error
 from hub.api.header_limits import header_refusal
 from hub.api.keys_access import grants_of
-from hub.api.keys_limits import RateLimited, RateLimiter, metered
 from hub.api.limits import BodyLimitMiddleware
 from hub.api.placement import forwarded_route, place, tagged, to_replica
 from hub.auth import Caller
 from hub.errors import HubError
 from hub.placement.forwarding import Hop, claims_hop, incoming_hop
+from hub.rate_limits.limiter import RateLimited, RateLimiter, metered
 from hub.routing import Route
 from hub.traffic.in_flight import InFlightMiddleware
 
@@ -260,7 +260,7 @@ class Ingress:
         limits = caller.policy.limits
         if (limits.tokens_per_minute or limits.tokens_per_day) and head.body is None:
             await head.read(receive)  # its length and max_tokens are its cost
-        limiter: RateLimiter = hub.limits  # the fleet's buckets (hub.api.keys_limits)
+        limiter: RateLimiter = hub.limits  # the fleet's buckets (hub.rate_limits)
         try:
             admission = limiter.admit(caller.name, limits, _replicas(hub), head.body)
         except RateLimited as e:

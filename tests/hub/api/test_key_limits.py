@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from hub.api.keys_limits import RateLimited, RateLimiter, metered
+from hub.rate_limits.limiter import RateLimited, RateLimiter, metered
 from registry.db import Database
 from registry.keys import ApiKeys, KeyLimits
 from tests.support.hubs import ADMIN, auth_settings, running_app

@@ -11,8 +11,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 from sqlalchemy import func, select
 
-from hub.api.keys_limits import RateLimited, RateLimiter
-from hub.api.keys_limits_sync import LimitSync
+from hub.rate_limits.limiter import RateLimited, RateLimiter
+from hub.rate_limits.sync import LimitSync
 from hub.sql_worker import SqlWorker
 from registry.db import upgrade
 from registry.keys import KeyLimits

@@ -13,8 +13,8 @@ limited key carries OpenAI's `x-ratelimit-{limit,remaining,reset}-{requests,toke
 headers, counted over the whole fleet.
 
 The buckets are the fleet's: each is computed from what the key consumed on this replica
-and on the others (hub.api.keys_limits_ledger), the others' as of the last sync through SQL
-(hub.api.keys_limits_sync, every `auth.rate_limit_sync_interval`). No SQL runs on a
+and on the others (hub.rate_limits.ledger), the others' as of the last sync through SQL
+(hub.rate_limits.sync, every `auth.rate_limit_sync_interval`). No SQL runs on a
 request's path, so N replicas together admit at most the limit plus what they admit before
 the others hear of it: about one sync interval's worth. With the database down, each
 replica decides on what it knows (its own consumption and the last the others reported).
@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 
 from starlette.types import Message, Send
 
-from hub.api.keys_limits_ledger import DAY, MINUTE, REQUESTS, TOKENS, KeySpend, Ledger, Series
 from hub.errors import HubError
+from hub.rate_limits.ledger import DAY, MINUTE, REQUESTS, TOKENS, KeySpend, Ledger, Series
 from registry.keys import KeyLimits
 
 # Bytes of a request body per prompt token, for the estimate made before tokenizing.

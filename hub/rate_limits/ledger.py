@@ -5,7 +5,7 @@ A limit of C per period P is a token bucket of capacity C refilled at C/P a seco
 bucket is not kept as a level: it is computed from the consumption of the last period, in
 `SLOTS` slots a period (1 s for the per-minute limits, 24 min for the per-day one), replayed
 in order (a slot's consumption is taken at its start, then the slot's refill). So the other
-replicas' consumption, read from SQL every sync interval (hub.api.keys_limits_sync), is
+replicas' consumption, read from SQL every sync interval (hub.rate_limits.sync), is
 simply added slot by slot to this replica's own, and the bucket is the fleet's. The replay
 is exact while a bucket is being drawn down; it admits at most one slot's refill (a
 sixtieth of the limit) more when consumption arrives after the bucket filled up again.

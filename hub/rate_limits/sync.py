@@ -1,4 +1,4 @@
-"""Rate limits shared by every replica through SQL: the sync of hub.api.keys_limits' ledger.
+"""Rate limits shared by every replica through SQL: the sync of the limiter's ledger.
 
 Every `interval` (`auth.rate_limit_sync_interval`), at the same wall-clock instants on every
 replica (multiples of the interval), each one writes what its limited keys consumed since
@@ -24,7 +24,7 @@ import uuid
 
 from prometheus_client import CollectorRegistry, Counter
 
-from hub.api.keys_limits import RateLimiter
+from hub.rate_limits.limiter import RateLimiter
 from hub.sql_worker import SqlWorker, failure_reason
 from registry.rate_limits import RateLimitBook, SlotSpend
 
