@@ -98,10 +98,13 @@ class LimitSync:
             now = clock()
             instant = (math.floor(now / self.interval) + 1) * self.interval
             await asyncio.sleep(instant - now)
-            await self.write()
-            await asyncio.sleep(max(0.0, instant + self.read_delay - clock()))
-            await self.read()
-            self.limiter.prune()
+            try:
+                await self.write()
+                await asyncio.sleep(max(0.0, instant + self.read_delay - clock()))
+                await self.read()
+                self.limiter.prune()
+            except Exception:  # a bug here must not end the sharing for good
+                log.exception("the rate limits' sync failed; trying again next interval")
 
     async def write(self) -> bool:
         """Write this replica's consumption since the last write (and delete expired rows)."""

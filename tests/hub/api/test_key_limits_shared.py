@@ -5,6 +5,9 @@ its slots pass, and a database that fails leaves each replica limiting on what i
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -33,12 +36,16 @@ class Clock:
 
 
 def replica(
-    url: str, clock: Clock, name: str, metrics: CollectorRegistry | None = None
+    url: str,
+    clock: Callable[[], float],
+    name: str,
+    metrics: CollectorRegistry | None = None,
+    interval: float = 0.5,
 ) -> LimitSync:
     limiter = RateLimiter(clock)
     book = RateLimitBook(membership_engine(url, 2.0))
     sql = SqlWorker(2.0, name=f"limits-{name}")
-    return LimitSync(limiter, book, replica=name, interval=0.5, sql=sql,
+    return LimitSync(limiter, book, replica=name, interval=interval, sql=sql,
                      metrics=metrics or CollectorRegistry())  # fmt: skip
 
 
@@ -161,4 +168,31 @@ async def test_a_failing_database_leaves_each_replica_limiting_on_what_it_knows(
     assert await other.read()
     assert other.limiter.status("team", PER_MINUTE)["x-ratelimit-remaining-requests"] == "0"
     for sync in (a, broken, other):
+        sync.close()
+
+
+def others(sync: LimitSync) -> int:
+    """The requests of key "team" the replica knows the other replicas admitted."""
+    spend = sync.limiter.ledger.keys.get("team")
+    return sum(c[0] for c in spend.minute.others.values()) if spend is not None else 0
+
+
+async def test_the_background_sync_shares_consumption_and_writes_at_stop(url: str) -> None:
+    a = replica(url, time.time, "a", interval=0.1)
+    b = replica(url, time.time, "b", interval=0.1)
+    a.start()
+    b.start()
+    assert admitted(a, 10) == 10
+    for _ in range(400):  # a hang guard, not a timing claim
+        if others(b) == 10:
+            break
+        await asyncio.sleep(0.05)
+    assert others(b) == 10
+    await b.stop()
+    assert admitted(a, 5) == 5
+    await a.stop()  # its last write: the 5 admitted just before are in SQL
+    later = replica(url, time.time, "c")
+    assert await later.read()
+    assert others(later) == 15
+    for sync in (a, b, later):
         sync.close()
