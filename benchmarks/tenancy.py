@@ -16,12 +16,23 @@ in milliseconds; medians over requests, and the ratio loaded / idle of each (the
 the same prompts one at a time on the idle engine). Rounds alternate on and off; medians over
 `--rounds` (2). Results: `benchmarks/results/tenancy.json` (`priorities`).
 
+Admission section: what a key's rate limits cost a request at the ingress. One in-process
+hub with auth on (SQLite, the limits' sync running every 0.5 s) answers `--admission-requests`
+(2000) requests of each of two keys, alternately: one with every limit (requests and tokens
+per minute, tokens per day, max_concurrent: none ever reached), one with none. The model
+named is not registered, so each answer is a 404 right after admission: the request is
+little besides the ingress, and the limits' share of it shows. Per key, the p50 and p90 of
+a request's latency in the client; the difference of the p50s is the overhead
+(`admission`). A section left out by `--sections` keeps its previous result in the file.
+
     python benchmarks/tenancy.py [--quick] [--rounds N] [--interactive N]
+    python benchmarks/tenancy.py --sections admission
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import platform
@@ -33,6 +44,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -44,6 +56,10 @@ from backends.llm.model_runner import ModelRunner  # noqa: E402
 from backends.llm.sampling_params import SamplingParams  # noqa: E402
 from backends.priority import PriorityClass  # noqa: E402
 from backends.tiny import build_benchmark_llm, build_tiny_llm  # noqa: E402
+from hub.app import create_app  # noqa: E402
+from hub.settings import HubSettings  # noqa: E402
+from registry.db import Database, upgrade  # noqa: E402
+from registry.keys import ApiKeys, KeyLimits  # noqa: E402
 
 RESULTS = REPO_ROOT / "benchmarks" / "results"
 # Token ids below this are the tokenizer's special tokens; prompts avoid them.
@@ -190,6 +206,55 @@ def priorities(engine: LLMEngine, vocab: int, args: argparse.Namespace) -> dict[
     }
 
 
+async def admission_latencies(root: Path, requests: int) -> dict[str, list[float]]:
+    """Seconds per request of a key with every limit and of one with none, alternately."""
+    settings = HubSettings(
+        database_url=f"sqlite:///{root / 'hub.db'}",
+        mlflow_tracking_uri=f"sqlite:///{root / 'mlflow.db'}",
+        cache_dir=root / "cache",
+        devices=[{"name": "cpu", "memory_budget": "1GiB"}],
+        auth={"enabled": True, "bootstrap_admin_key": "bench-admin"},
+    )
+    upgrade(settings.database_url)
+    keys = ApiKeys(Database(settings.database_url))
+    big = 10**9
+    limited, _ = keys.create("limited", "user", limits=KeyLimits(big, big, big, 10**6))
+    unlimited, _ = keys.create("unlimited", "user")
+    body = {"model": "absent", "input": ["a short text to embed"]}
+    times: dict[str, list[float]] = {"limits_on": [], "limits_off": []}
+    app = create_app(settings)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://hub") as client:
+            pairs = (("limits_on", limited), ("limits_off", unlimited))
+            for i in range(requests + 100):  # the first 100 of each warm up
+                for label, key in pairs if i % 2 == 0 else pairs[::-1]:
+                    headers = {"Authorization": f"Bearer {key}"}
+                    start = time.perf_counter()
+                    r = await client.post("/v1/embeddings", json=body, headers=headers)
+                    elapsed = time.perf_counter() - start
+                    assert r.status_code == 404, r.text
+                    assert ("x-ratelimit-limit-requests" in r.headers) == (label == "limits_on")
+                    if i >= 100:
+                        times[label].append(elapsed)
+    return times
+
+
+def admission(args: argparse.Namespace) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        times = asyncio.run(admission_latencies(Path(tmp), args.admission_requests))
+
+    def ms(values: list[float], q: int) -> float:
+        return statistics.quantiles(values, n=100)[q - 1] * 1000
+
+    out: dict[str, Any] = {
+        label: {"p50_ms": ms(values, 50), "p90_ms": ms(values, 90), "requests": len(values)}
+        for label, values in times.items()
+    }
+    out["overhead_p50_ms"] = out["limits_on"]["p50_ms"] - out["limits_off"]["p50_ms"]
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the tiny model, one round")
@@ -200,10 +265,49 @@ def main() -> None:
     parser.add_argument("--interactive", type=int, default=6)
     parser.add_argument("--every", type=int, default=8, help="steps between interactive ones")
     parser.add_argument("--model-dir", type=Path, default=None)
+    parser.add_argument("--admission-requests", type=int, default=2000)
+    parser.add_argument("--sections", default="priorities,admission",
+                        help="comma-separated: priorities, admission")  # fmt: skip
     parser.add_argument("--out", type=Path, default=RESULTS / "tenancy.json")
     args = parser.parse_args()
+    sections = set(args.sections.split(","))
     if args.quick:
-        args.rounds, args.batch_tokens = 1, 32
+        args.rounds, args.batch_tokens, args.admission_requests = 1, 32, 300
+    previous = json.loads(args.out.read_text()) if args.out.is_file() else {}
+    result: dict[str, Any] = {**previous, "benchmark": "tenancy", "machine": {
+        "platform": platform.platform(), "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads()}}  # fmt: skip
+    if "priorities" in sections:
+        result.update(run_priorities(args))
+    if "admission" in sections:
+        before, started = os.getloadavg(), time.time()
+        result["admission"] = {
+            **admission(args),
+            "load_average_before": before,
+            "load_average_after": os.getloadavg(),
+            "seconds": time.time() - started,
+        }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    if "priorities" in sections:
+        p = result["priorities"]
+        on, off = p["classes_on"], p["classes_off"]
+        print(
+            f"interactive TTFT p50: idle {p['idle']['ttft_ms_p50']:.1f} ms; under "
+            f"{args.batch_requests} batch requests, classes on {on['ratio_ms_p50']:.2f}x idle "
+            f"({on['ratio_steps_p50']:.2f}x in steps), off {off['ratio_ms_p50']:.2f}x "
+            f"({off['ratio_steps_p50']:.2f}x)"
+        )
+    if "admission" in sections:
+        a = result["admission"]
+        print(
+            f"admission p50: limits on {a['limits_on']['p50_ms']:.3f} ms, off "
+            f"{a['limits_off']['p50_ms']:.3f} ms: overhead {a['overhead_p50_ms']:.3f} ms"
+        )
+
+
+def run_priorities(args: argparse.Namespace) -> dict[str, Any]:
+    """The priorities section and the fields of the file that describe its run."""
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model_dir or Path(tmp) / "model"
@@ -217,30 +321,16 @@ def main() -> None:
         engine = LLMEngine(config, runner)
         vocab = runner.vocab_size
         started = time.time()
-        result = {
-            "benchmark": "tenancy",
+        settings = {k: v for k, v in vars(args).items()
+                    if k not in ("out", "model_dir", "sections", "admission_requests")}  # fmt: skip
+        return {
             "model": "tiny llama" if args.quick else "benchmark llama (~25M, float32)",
-            "machine": {
-                "platform": platform.platform(),
-                "cpus": os.cpu_count(),
-                "torch_threads": torch.get_num_threads(),
-            },
             "load_average_before": os.getloadavg(),
-            "settings": {k: v for k, v in vars(args).items() if k not in ("out", "model_dir")},
+            "settings": settings,
             "priorities": priorities(engine, vocab, args),
             "load_average_after": os.getloadavg(),
             "seconds": time.time() - started,
         }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    p = result["priorities"]
-    on, off = p["classes_on"], p["classes_off"]
-    print(
-        f"interactive TTFT p50: idle {p['idle']['ttft_ms_p50']:.1f} ms; under "
-        f"{args.batch_requests} batch requests, classes on {on['ratio_ms_p50']:.2f}x idle "
-        f"({on['ratio_steps_p50']:.2f}x in steps), off {off['ratio_ms_p50']:.2f}x "
-        f"({off['ratio_steps_p50']:.2f}x)"
-    )
 
 
 if __name__ == "__main__":

@@ -88,6 +88,10 @@ class AuthSettings(_Section):
     enabled: bool = False
     # Optional key accepted as an admin key, for bootstrapping before any key is created.
     bootstrap_admin_key: SecretStr | None = None
+    # How often each replica writes what its rate-limited keys consumed to SQL and reads the
+    # other replicas' (hub/rate_limits/sync.py): together the replicas admit at most a
+    # limit plus about this long's worth of requests.
+    rate_limit_sync_interval: Seconds = Field(default=0.5, gt=0, le=60)
 
 
 class StructuredOutputSettings(_Section):

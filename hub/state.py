@@ -18,12 +18,15 @@ from hub.manager import Device, ModelManager, VersionLoader
 from hub.metrics import HubMetrics
 from hub.placement.service import Placement
 from hub.promotion import Promoter
+from hub.rate_limits.limiter import RateLimiter
+from hub.rate_limits.sync import LimitSync
 from hub.reconciler import Reconciler
 from hub.replicas import Membership, replica_id
 from hub.routing import Router
 from hub.saturation import Saturation
 from hub.serving import Serving
 from hub.settings import HubSettings
+from hub.sql_worker import SqlWorker
 from hub.traffic.service import TrafficService
 from hub.usage.meter import UsageMeter
 from hub.usage.metrics import UsageMetrics
@@ -32,6 +35,8 @@ from hub.webhooks import EVENTS, WebhookVerifier
 from registry.db import REGISTRATION_LOCK, Database, sqlite_path, upgrade
 from registry.keys import ApiKeys
 from registry.outage import dependency_down
+from registry.rate_limits import RateLimitBook
+from registry.replicas import membership_engine
 from registry.service import Registry
 from registry.usage import UsageBook, usage_engine
 
@@ -79,6 +84,10 @@ class Hub:
     placement: Placement
     # Usage metering (None when `usage.enabled` is off).
     usage: UsageMeter | None = None
+    # Every limited key's buckets, the fleet's (hub.rate_limits), and their sync through SQL
+    # (None with auth off: no key has limits).
+    limits: RateLimiter = field(default_factory=RateLimiter)
+    limit_sync: LimitSync | None = None
     ready: bool = False
     background: list[asyncio.Task[None]] = field(default_factory=list)
     # Configured models whose preload has not finished yet, and those whose preload failed.
@@ -170,6 +179,7 @@ class Hub:
         replicas = Membership.for_hub(settings, manager, metrics.registry)
         saturation = Saturation(lambda: catalog.snapshot)
         usage = _usage_meter(settings, metrics)
+        limits = RateLimiter()
         return cls(
             settings=settings,
             db=db,
@@ -191,6 +201,8 @@ class Hub:
             placement=Placement.for_hub(settings, replicas, manager, catalog, metrics.registry),
             grammar_pool=grammar_pool,
             usage=usage,
+            limits=limits,
+            limit_sync=_limit_sync(settings, limits, metrics),
         )
 
     async def start(self) -> None:
@@ -214,6 +226,8 @@ class Hub:
         self.manager.start()
         await self.replicas.start()
         self.placement.start()
+        if self.limit_sync is not None:
+            self.limit_sync.start()
         if self.settings.auth.enabled:  # revocations reach this replica within a second
             self.background.append(asyncio.create_task(self.auth.watch(), name="key-generation"))
         self.preloading = {m.name for m in self.settings.models if m.preload or m.pin}
@@ -266,6 +280,9 @@ class Hub:
         await _step("model manager", self.manager.close())
         if self.usage is not None:  # after the last request was served
             await _step("usage", self.usage.stop())
+        if self.limit_sync is not None:  # what the last requests consumed keeps counting
+            await _step("rate limits", self.limit_sync.stop())
+            self.limit_sync.close()
         if self.grammar_pool is not None:
             self.grammar_pool.close()
         await _step("dependency checks", self.dependencies.stop())
@@ -358,6 +375,24 @@ def _usage_meter(settings: HubSettings, metrics: HubMetrics) -> UsageMeter | Non
         commit_timeout=config.commit_timeout,
         retry_interval=config.retry_interval,
         sql_timeout=config.sql_timeout,
+    )
+
+
+def _limit_sync(
+    settings: HubSettings, limits: RateLimiter, metrics: HubMetrics
+) -> LimitSync | None:
+    """The rate limits' sync, on an engine of its own with short timeouts (as the traffic
+    statistics'); None with auth off, where no key and so no limit applies."""
+    if not settings.auth.enabled:
+        return None
+    timeout = settings.replica.sql_timeout
+    return LimitSync(
+        limits,
+        RateLimitBook(membership_engine(settings.database_url, timeout)),
+        replica=replica_id(settings),
+        interval=settings.auth.rate_limit_sync_interval,
+        sql=SqlWorker(timeout, name="rate-limits-sql"),
+        metrics=metrics.registry,
     )
 
 

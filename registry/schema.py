@@ -330,3 +330,25 @@ class UsageRow(Base):
     embedded_inputs: Mapped[int] = mapped_column(BigInteger, default=0)
     embedded_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     rerank_documents: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class RateLimitSpendRow(Base):
+    """What one hub process admitted for one rate-limited key in one time slot: requests and
+    tokens, cumulative for the slot and rewritten by that process every sync interval (so
+    replicas never write the same row). Every replica sums the other processes' rows to know
+    a key's consumption across the fleet; a process that died keeps counting until its rows
+    expire. `span` is the slot's length in seconds (one sixtieth of the limit's period) and
+    `slot` the slot's index since the Unix epoch (its start is `slot * span`)."""
+
+    __tablename__ = "hub_rate_limit_spend"
+
+    key_name: Mapped[str] = mapped_column(String(200), primary_key=True)
+    # Unique per process start, so a restarted replica never overwrites what it admitted.
+    incarnation: Mapped[str] = mapped_column(String(64), primary_key=True)
+    span: Mapped[int] = mapped_column(Integer, primary_key=True)
+    slot: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    replica: Mapped[str] = mapped_column(String(200))
+    requests: Mapped[int] = mapped_column(BigInteger, default=0)
+    tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    # Once the slot is older than the limit's period it no longer counts: deleted after.
+    expires_at: Mapped[dt.datetime] = mapped_column(index=True)

@@ -15,7 +15,7 @@ In order, for an HTTP request:
    saturation refusal (a model whose queue is over its bound, for a caller already verified
    whose key may use the model: hub.api.edge), the caller's key check (once: the route and
    the router read `Head.caller`, hub.api.keys_access), its key's rate limits (a 429 before
-   anything is routed: hub.api.keys_limits) and the placement decision
+   anything is routed: hub.rate_limits) and the placement decision
    (hub.api.placement), each from the head; for an admin call naming a replica
    (`?replica=<id>`), the admin key check and then the forwarding there;
 5. the route, with the head in the scope (`head_of`): it takes the body from the head
@@ -44,12 +44,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from hub.api.edge import EXEMPT_PREFIXES, Edge, answer_error
 from hub.api.header_limits import header_refusal
 from hub.api.keys_access import grants_of
-from hub.api.keys_limits import RateLimited, RateLimiter, metered
 from hub.api.limits import BodyLimitMiddleware
 from hub.api.placement import forwarded_route, place, tagged, to_replica
 from hub.auth import Caller
 from hub.errors import HubError
 from hub.placement.forwarding import Hop, claims_hop, incoming_hop
+from hub.rate_limits.limiter import RateLimited, RateLimiter, metered
 from hub.routing import Route
 from hub.traffic.in_flight import InFlightMiddleware
 
@@ -199,8 +199,6 @@ class Ingress:
     ) -> None:
         self.app = app
         self.edge = Edge(max_in_progress, max_lag)
-        # Per-key rate limits (hub.api.keys_limits), this replica's share of them.
-        self.limits = RateLimiter()
         self._bounded = BodyLimitMiddleware(InFlightMiddleware(self._decide), max_body_bytes)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -262,16 +260,16 @@ class Ingress:
         limits = caller.policy.limits
         if (limits.tokens_per_minute or limits.tokens_per_day) and head.body is None:
             await head.read(receive)  # its length and max_tokens are its cost
+        limiter: RateLimiter = hub.limits  # the fleet's buckets (hub.rate_limits)
         try:
-            admission = self.limits.admit(caller.name, limits, _replicas(hub), head.body)
+            admission = limiter.admit(caller.name, limits, _replicas(hub), head.body)
         except RateLimited as e:
             await answer_error(send, e)
             return
         try:
-            headers = self.limits.headers(admission.state)
-            await self._serve(hub, head, scope, receive, metered(send, admission, headers))
+            await self._serve(hub, head, scope, receive, metered(send, admission))
         finally:
-            self.limits.settle(admission)
+            limiter.settle(admission)
 
     async def _serve(
         self, hub: Any, head: Head, scope: Scope, receive: Receive, send: Send
@@ -328,7 +326,7 @@ def _may_name(caller: Caller | None, head: Head) -> bool:
 
 
 def _replicas(hub: Any) -> int:
-    """How many live replicas share each key's limits: this one and its peers."""
+    """How many live replicas share each key's `max_concurrent`: this one and its peers."""
     peers = {p.id for p in hub.replicas.peers}
     return len(peers | {hub.placement.id})
 

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from hub.api.keys_limits import RateLimited, RateLimiter, metered
+from hub.rate_limits.limiter import RateLimited, RateLimiter, metered
 from registry.db import Database
 from registry.keys import ApiKeys, KeyLimits
 from tests.support.hubs import ADMIN, auth_settings, running_app
@@ -90,11 +90,13 @@ def test_buckets_refill_with_time_and_bound_concurrency() -> None:
     assert refused.value.headers["Retry-After"] == "1"
     clock.now = 1.0  # one request's worth refilled
     limiter.admit("k", KeyLimits(requests_per_minute=60), 1, None)
-    # Two replicas share the limit: each admits half of it.
-    halves = [limiter.admit("shared", KeyLimits(requests_per_minute=4), 2, None) for _ in "ab"]
-    assert len(halves) == 2
-    with pytest.raises(RateLimited):
-        limiter.admit("shared", KeyLimits(requests_per_minute=4), 2, None)
+    # Two replicas share max_concurrent: each admits half of it at once.
+    limits = KeyLimits(max_concurrent=4)
+    halves = [limiter.admit("shared", limits, 2, None) for _ in "ab"]
+    with pytest.raises(RateLimited, match="share of max_concurrent 4"):
+        limiter.admit("shared", limits, 2, None)
+    limiter.settle(halves[0])
+    limiter.admit("shared", limits, 2, None)
 
 
 async def test_a_stream_is_charged_as_its_events_pass() -> None:
@@ -108,7 +110,7 @@ async def test_a_stream_is_charged_as_its_events_pass() -> None:
     async def send(message: dict) -> None:
         sent.append(message)
 
-    stream = metered(send, admission, {"x-ratelimit-limit-tokens": "1000"})
+    stream = metered(send, admission)
     await stream({"type": "http.response.start", "status": 200,
                   "headers": [(b"content-type", b"text/event-stream")]})  # fmt: skip
     events = b"".join(b'data: {"choices":[{"text":"t"}]}\n\n' for _ in range(7))
@@ -116,5 +118,15 @@ async def test_a_stream_is_charged_as_its_events_pass() -> None:
     assert (b"x-ratelimit-limit-tokens", b"1000") in sent[0]["headers"]
     assert admission.streamed == 7
     limiter.settle(admission)
-    tokens = limiter._keys["k"].tokens_minute
-    assert tokens is not None and tokens.level == 1000 - (admission.prompt + 7)
+    remaining = limiter.status("k", limits)["x-ratelimit-remaining-tokens"]
+    assert int(remaining) == 1000 - (admission.prompt + 7)
+
+    # Without max_tokens only the prompt is reserved: the tokens past it are charged as
+    # they pass, before the stream ends.
+    unbounded = limiter.admit("u", limits, 1, b'{"model": "m", "prompt": "hi"}')
+    stream = metered(send, unbounded)
+    await stream({"type": "http.response.start", "status": 200,
+                  "headers": [(b"content-type", b"text/event-stream")]})  # fmt: skip
+    await stream({"type": "http.response.body", "body": events, "more_body": True})
+    remaining = limiter.status("u", limits)["x-ratelimit-remaining-tokens"]
+    assert int(remaining) == 1000 - (unbounded.prompt + 7)

@@ -159,9 +159,11 @@ def test_one_analyst_runs_the_canary_and_another_takes_over(
     assert [e["action"] for e in production] == ["promote"]  # one gate, one promotion
     assert production[0]["validation"]["passed"] is True
     assert not [e for e in events if e["action"] == "rollback"]
-    # Usage is committed before each answer: the victim's survived it.
-    r = survivor.get("/admin/usage", params={"model": MODEL, "group_by": "model"})
+    # Usage is committed before each answer: the victim's survived it, per key and model
+    # (one caller here: auth is off in this cluster, every request is "anonymous"'s).
+    r = survivor.get("/admin/usage", params={"model": MODEL, "group_by": "key,model"})
     [metered] = ok(r)
+    assert (metered["key"], metered["model"]) == ("anonymous", MODEL)
     assert {k: metered[k] for k in TOLD} == TOLD
     victim.restart()
     wait_for(lambda: len(replica_ids(cluster)) == 3, "the killed replica never came back")

@@ -6,14 +6,20 @@ request, and as tokens its prompt (estimated from the body's length, about 4 byt
 plus the `max_tokens` it asks for. A request that could never fit (its tokens over a
 bucket's whole capacity) is refused as such; one that must wait is told how long. Once the
 answer is complete the tokens are settled: the `usage` it reports replaces the estimate
-(a stream's completion tokens are charged as its events pass, one a content event, unless
-it ends with a `usage` object). A refusal is 429 in OpenAI's error shape
-(`rate_limit_exceeded`) with `Retry-After`; every answer to a limited key carries OpenAI's
-`x-ratelimit-{limit,remaining,reset}-{requests,tokens}` headers.
+(a stream's completion tokens are charged as its events pass, one a content event, as soon
+as they go past what was reserved, unless it ends with a `usage` object). A refusal is 429
+in OpenAI's error shape (`rate_limit_exceeded`) with `Retry-After`; every answer to a
+limited key carries OpenAI's `x-ratelimit-{limit,remaining,reset}-{requests,tokens}`
+headers, counted over the whole fleet.
 
-Across replicas each one enforces its share of a limit (the limit divided by the live
-replicas, rounded up), so N replicas together admit at most the limit plus rounding, with
-no SQL on the request path.
+The buckets are the fleet's: each is computed from what the key consumed on this replica
+and on the others (hub.rate_limits.ledger), the others' as of the last sync through SQL
+(hub.rate_limits.sync, every `auth.rate_limit_sync_interval`). No SQL runs on a
+request's path, so N replicas together admit at most the limit plus what they admit before
+the others hear of it: about one sync interval's worth. With the database down, each
+replica decides on what it knows (its own consumption and the last the others reported).
+`max_concurrent` is split instead: each replica allows its share (the limit divided by the
+live replicas, rounded up).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from dataclasses import dataclass, field
 from starlette.types import Message, Send
 
 from hub.errors import HubError
+from hub.rate_limits.ledger import DAY, MINUTE, REQUESTS, TOKENS, KeySpend, Ledger, Series
 from registry.keys import KeyLimits
 
 # Bytes of a request body per prompt token, for the estimate made before tokenizing.
@@ -35,7 +42,6 @@ BYTES_PER_TOKEN = 4
 MAX_TOKEN_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 # The most of a JSON answer kept to read its `usage` (answers are small; embeddings aside).
 USAGE_SCAN_BYTES = 1 << 20
-MINUTE, DAY = 60.0, 86400.0
 
 
 class RateLimited(HubError):
@@ -47,21 +53,21 @@ class RateLimited(HubError):
 
 @dataclass
 class Bucket:
-    """`capacity` units refilled at `capacity / period` per second; its level may go below
-    zero when a request used more than it reserved (the debt delays the next ones)."""
+    """One of a key's limits at one moment: `capacity` of `kind` a `period`, of which the
+    fleet's consumption leaves `capacity - debt`."""
 
+    kind: str
+    count: int
     capacity: float
     period: float
-    level: float
-    stamp: float
+    debt: float
 
-    def refill(self, now: float) -> None:
-        rate = self.capacity / self.period
-        self.level = min(self.capacity, self.level + (now - self.stamp) * rate)
-        self.stamp = now
+    @property
+    def level(self) -> float:
+        return self.capacity - self.debt
 
     def wait(self, amount: float) -> float:
-        """Seconds until `amount` is available (after `refill`)."""
+        """Seconds until `amount` is available."""
         return max(0.0, (amount - self.level) * self.period / self.capacity)
 
     def reset(self) -> float:
@@ -70,130 +76,128 @@ class Bucket:
 
 
 @dataclass
-class KeyState:
-    """One key's buckets on this replica, for the limits (and share) they were made for."""
-
-    limits: KeyLimits
-    share: int
-    requests: Bucket | None
-    tokens_minute: Bucket | None
-    tokens_day: Bucket | None
-    in_flight: int = 0
-
-
-@dataclass
 class Admission:
-    """One admitted request: what it reserved, settled by `RateLimiter.settle`."""
+    """One admitted request: what it reserved and has been charged so far (settled by
+    `RateLimiter.settle`), and the headers its answer carries."""
 
-    state: KeyState
+    name: str
+    spend: KeySpend
+    clock: Callable[[], float]
     reserved: int
     prompt: int
+    headers: dict[str, str]
+    charged: int = 0
     streamed: int = 0
     usage: int | None = None
     stream: bool = False
     body: bytearray = field(default_factory=bytearray)
 
+    def charge_to(self, tokens: int) -> None:
+        """Charge the key so that this request has cost `tokens` in all."""
+        if tokens != self.charged:
+            self.spend.spend(self.clock(), 0, tokens - self.charged)
+            self.charged = tokens
+
 
 class RateLimiter:
-    """The buckets of every limited key on this replica; touched on the event loop only."""
+    """The fleet's buckets of every limited key, and this replica's requests in progress;
+    touched on the event loop only. `clock` is wall-clock time: slots are shared between
+    replicas (their clocks are assumed in step, as NTP keeps them)."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self.clock = clock
-        self._keys: dict[str, KeyState] = {}
+        self.ledger = Ledger()
+        self._in_flight: dict[str, int] = {}
 
     def admit(self, name: str, limits: KeyLimits, share: int, body: bytes | None) -> Admission:
         """Admit one request of key `name` or raise RateLimited; `share` is how many
-        replicas split the limits, `body` the request's bytes (None: not read)."""
-        state = self._state(name, limits, max(1, share))
+        replicas split `max_concurrent`, `body` the request's bytes (None: not read)."""
+        spend = self.ledger.key(name)
         now = self.clock()
         prompt, completion = estimate(body)
         tokens = prompt + completion
-        buckets = [("requests", state.requests, 1.0), ("tokens", state.tokens_minute, tokens),
-                   ("tokens", state.tokens_day, tokens)]  # fmt: skip
-        for _, bucket, _ in buckets:
-            if bucket is not None:
-                bucket.refill(now)
-        headers = self.headers(state)
-        for kind, bucket, amount in buckets:
-            if bucket is None or amount <= bucket.level:
+        buckets = _buckets(spend, limits, now)
+        for bucket in buckets:
+            amount = 1 if bucket.count == REQUESTS else tokens
+            if amount <= bucket.level:
                 continue
+            headers = _headers(buckets)
             if amount > bucket.capacity:
                 raise RateLimited(
-                    f"this request needs about {amount:.0f} {kind}, more than this key's "
-                    f"limit allows at once ({bucket.capacity:.0f} per "
-                    f"{_period(bucket.period)} on this replica): lower max_tokens or "
-                    "split the input",
+                    f"this request needs about {amount:.0f} {bucket.kind}, more than this "
+                    f"key's limit allows at once ({bucket.capacity:.0f} per "
+                    f"{_period(bucket.period)}): lower max_tokens or split the input",
                     code="rate_limit_exceeded",
                     headers={**headers, "Retry-After": str(math.ceil(bucket.period))},
                 )
             retry = max(1, math.ceil(bucket.wait(amount)))
             raise RateLimited(
-                f"rate limit of API key {name!r} reached: {bucket.capacity:.0f} {kind} per "
-                f"{_period(bucket.period)} on this replica; retry after {retry}s",
+                f"rate limit of API key {name!r} reached: {bucket.capacity:.0f} "
+                f"{bucket.kind} per {_period(bucket.period)}; retry after {retry}s",
                 code="rate_limit_exceeded",
                 headers={**headers, "Retry-After": str(retry)},
             )
+        in_flight = self._in_flight.get(name, 0)
         concurrent = limits.max_concurrent
-        if concurrent is not None and state.in_flight >= math.ceil(concurrent / state.share):
+        if concurrent is not None and in_flight >= math.ceil(concurrent / max(1, share)):
             raise RateLimited(
-                f"API key {name!r} has {state.in_flight} requests in progress on this "
-                f"replica, its limit (max_concurrent {concurrent}); retry when one finishes",
+                f"API key {name!r} has {in_flight} requests in progress on this replica, "
+                f"its share of max_concurrent {concurrent}; retry when one finishes",
                 code="rate_limit_exceeded",
-                headers={**headers, "Retry-After": "1"},
+                headers={**_headers(buckets), "Retry-After": "1"},
             )
-        for _, bucket, amount in buckets:
-            if bucket is not None:
-                bucket.level -= amount
-        state.in_flight += 1
-        return Admission(state, reserved=tokens, prompt=prompt)
+        spend.spend(now, 1, tokens)
+        for bucket in buckets:
+            bucket.debt += 1 if bucket.count == REQUESTS else tokens
+        self._in_flight[name] = in_flight + 1
+        return Admission(name, spend, self.clock, reserved=tokens, prompt=prompt,
+                         headers=_headers(buckets), charged=tokens)  # fmt: skip
 
     def settle(self, admission: Admission) -> None:
         """The request ended: charge the tokens it used instead of those it reserved."""
-        state = admission.state
-        state.in_flight -= 1
+        left = self._in_flight.get(admission.name, 1) - 1
+        if left > 0:
+            self._in_flight[admission.name] = left
+        else:
+            self._in_flight.pop(admission.name, None)
         used = admission.usage
         if used is None:
             used = admission.prompt + admission.streamed
-        refund = admission.reserved - used
-        for bucket in (state.tokens_minute, state.tokens_day):
-            if bucket is not None:
-                bucket.level = min(bucket.capacity, bucket.level + refund)
+        admission.charge_to(used)
 
-    def headers(self, state: KeyState) -> dict[str, str]:
-        """OpenAI's x-ratelimit-* headers for the key's buckets now (after a refill)."""
-        out: dict[str, str] = {}
-        for kind, bucket in (("requests", state.requests), ("tokens", state.tokens_minute)):
-            if bucket is None:
-                continue
-            out[f"x-ratelimit-limit-{kind}"] = str(round(bucket.capacity))
-            out[f"x-ratelimit-remaining-{kind}"] = str(max(0, math.floor(bucket.level)))
-            out[f"x-ratelimit-reset-{kind}"] = _duration(bucket.reset())
-        return out
+    def status(self, name: str, limits: KeyLimits) -> dict[str, str]:
+        """OpenAI's x-ratelimit-* headers for key `name` now, over the fleet."""
+        return _headers(_buckets(self.ledger.key(name), limits, self.clock()))
 
-    def _state(self, name: str, limits: KeyLimits, share: int) -> KeyState:
-        state = self._keys.get(name)
-        if state is not None and state.limits == limits and state.share == share:
-            return state
-        now = self.clock()
+    def prune(self) -> None:
+        """Forget consumption older than its period, and keys with none and none in flight."""
+        self.ledger.prune(self.clock(), busy=set(self._in_flight))
 
-        def bucket(limit: int | None, period: float) -> Bucket | None:
-            if limit is None:
-                return None
-            capacity = float(math.ceil(limit / share))
-            return Bucket(capacity, period, capacity, now)
 
-        fresh = KeyState(limits, share, bucket(limits.requests_per_minute, MINUTE),
-                         bucket(limits.tokens_per_minute, MINUTE),
-                         bucket(limits.tokens_per_day, DAY))  # fmt: skip
-        if state is not None:  # changed limits: keep what was used and what is in flight
-            fresh.in_flight = state.in_flight
-            for old, new in ((state.requests, fresh.requests),
-                             (state.tokens_minute, fresh.tokens_minute),
-                             (state.tokens_day, fresh.tokens_day)):  # fmt: skip
-                if old is not None and new is not None:
-                    new.level = min(new.capacity, old.level)
-        self._keys[name] = fresh
-        return fresh
+def _buckets(spend: KeySpend, limits: KeyLimits, now: float) -> list[Bucket]:
+    out = []
+    specs: list[tuple[str, int, int | None, Series]] = [
+        ("requests", REQUESTS, limits.requests_per_minute, spend.minute),
+        ("tokens", TOKENS, limits.tokens_per_minute, spend.minute),
+        ("tokens", TOKENS, limits.tokens_per_day, spend.day),
+    ]
+    for kind, count, limit, series in specs:
+        if limit is not None:
+            debt = series.debt(count, float(limit), now)
+            out.append(Bucket(kind, count, float(limit), series.period, debt))
+    return out
+
+
+def _headers(buckets: list[Bucket]) -> dict[str, str]:
+    """OpenAI's x-ratelimit-* headers of the per-minute buckets."""
+    out: dict[str, str] = {}
+    for bucket in buckets:
+        if bucket.period != MINUTE:
+            continue
+        out[f"x-ratelimit-limit-{bucket.kind}"] = str(round(bucket.capacity))
+        out[f"x-ratelimit-remaining-{bucket.kind}"] = str(max(0, math.floor(bucket.level)))
+        out[f"x-ratelimit-reset-{bucket.kind}"] = _duration(bucket.reset())
+    return out
 
 
 def estimate(body: bytes | None) -> tuple[int, int]:
@@ -218,8 +222,8 @@ def estimate(body: bytes | None) -> tuple[int, int]:
     return prompt, completion
 
 
-def metered(send: Send, admission: Admission, headers: dict[str, str]) -> Send:
-    """`send` that adds `headers` to the answer and counts what the answer used: the
+def metered(send: Send, admission: Admission) -> Send:
+    """`send` that adds the admission's headers to the answer and counts what it used: the
     `usage` of a JSON answer, or a stream's content events (and its final `usage`)."""
 
     async def sending(message: Message) -> None:
@@ -228,7 +232,7 @@ def metered(send: Send, admission: Admission, headers: dict[str, str]) -> Send:
             for name, value in raw:
                 if name == b"content-type":
                     admission.stream = value.startswith(b"text/event-stream")
-            raw += [(k.encode(), v.encode()) for k, v in headers.items()]
+            raw += [(k.encode(), v.encode()) for k, v in admission.headers.items()]
             message = {**message, "headers": raw}
         elif message["type"] == "http.response.body":
             chunk = message.get("body", b"")
@@ -252,6 +256,9 @@ def _count_events(admission: Admission, chunk: bytes) -> None:
             admission.usage = usage
         elif b'"choices":[]' not in line.replace(b" ", b""):
             admission.streamed += 1
+            # Past what it reserved, a stream is charged as it goes (the fleet sees it).
+            if admission.prompt + admission.streamed > admission.charged:
+                admission.charge_to(admission.prompt + admission.streamed)
 
 
 def _usage(raw: bytes) -> int | None:
@@ -273,7 +280,7 @@ def _usage(raw: bytes) -> int | None:
 
 
 def _period(seconds: float) -> str:
-    return "minute" if seconds == MINUTE else "day"
+    return "minute" if seconds == MINUTE else "day" if seconds == DAY else f"{seconds:g}s"
 
 
 def _duration(seconds: float) -> str:
