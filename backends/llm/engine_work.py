@@ -119,24 +119,18 @@ class Work:
         return cls(prefill, generate, longest, count, tuple(running), tuple(waiting))
 
 
-def steps_to_a_seat(
-    running: Iterable[float], waiting: Iterable[float], seats: int, limit: float
-) -> float:
+def steps_to_a_seat(running: Iterable[float], waiting: Iterable[float], seats: int) -> float:
     """Steps until one more sequence gets one of `seats`: each running sequence holds its
     seat for the tokens it has left (one a step), the waiting ones take the seats that free
-    in order and hold them for theirs. Stops counting past `limit` steps (the result is then
-    some number over `limit`)."""
+    in order and hold them for theirs."""
     ends = sorted(running)  # a sorted list is a heap
     free = seats - len(ends)
     for tokens in waiting:
         if free > 0:
             free -= 1
             heapq.heappush(ends, tokens)
-            continue
-        start = heapq.heappop(ends)
-        if start > limit:
-            return start
-        heapq.heappush(ends, start + tokens)
+        else:
+            heapq.heappush(ends, heapq.heappop(ends) + tokens)
     return 0.0 if free > 0 else ends[0]
 
 
@@ -263,7 +257,7 @@ class EngineWork:
         """(steps until a new sequence has a seat, steps of prompt tokens ahead of it): the
         prompt tokens of `work` over what the step's token budget leaves after the running
         sequences' decodes."""
-        seat = steps_to_a_seat(work.running, work.waiting, self.max_num_seqs, math.inf)
+        seat = steps_to_a_seat(work.running, work.waiting, self.max_num_seqs)
         decodes = min(len(work.running), self.max_num_seqs)
         return seat, work.prefill / max(1, self.max_num_batched_tokens - decodes)
 
