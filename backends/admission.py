@@ -13,7 +13,8 @@ as `saturated_s` (the HTTP edge refuses the model's next requests at once until 
 estimate is `ahead x seconds per input`, the seconds per input an exponentially weighted
 average of what the forward passes took (`observe`), divided by the forward workers running
 in parallel, plus what the caller says is left of its passes in flight (`running_s`) and
-what the other models on the same device have queued (`elsewhere_s`, from `DeviceWork`).
+the share of the device the other models there take meanwhile (`elsewhere_s`, from
+`DeviceWork`: each other model's outstanding work counted up to this model's own).
 Until a first pass has been measured nothing is refused (no rate is known), and a request to
 a model with nothing queued and nothing running is always admitted (so no model starves
 behind another's steady load), as is one that an idle forward worker can start at once (the
@@ -24,8 +25,12 @@ Why the passes in flight and the device count: a queue that only counts the inpu
 waiting empties every time a forward pass takes them, so under a burst each new pass let in
 another round of requests that then waited for it; and two models on one CPU each estimated
 their wait as if they had the cores alone. `DeviceWork` is the device-wide view: each model's
-batcher registers a lock-free reading of its outstanding seconds (queued plus what is left of
-its passes), and an admission check sums the others'.
+batcher (and each LLM engine) registers a lock-free reading of its outstanding seconds
+(queued plus what is left of its passes), and an admission check sums the others', each up
+to its own wait: models sharing a device slow each other only while both have work, so
+another model's backlog delays a request by at most as much as it waits for its own model's
+work. Counting the others' whole backlog as if it ran first refused an embedder's requests
+behind an LLM's generations, which run interleaved with everyone's work for many steps.
 """
 
 from __future__ import annotations
@@ -107,8 +112,9 @@ class QueueTimeAdmission:
     ) -> None:
         """Admit a request of `size` inputs behind `ahead` queued ones, or raise
         CapacityError naming the queue's state. `running_s`: what is left of this model's
-        passes in flight at the average cost; `elsewhere_s`: the work other models have
-        queued on its device; `pass_input_s` and `slow_running_s`: what an input costs one
+        passes in flight at the average cost; `elsewhere_s`: the share of its device the
+        other models take meanwhile (`DeviceWork.outstanding_s(within=...)`);
+        `pass_input_s` and `slow_running_s`: what an input costs one
         worker now and what is left of the passes at that cost, where the caller knows
         better than the average (a pass in flight is already much slower: the device is
         contended). A contended device is counted once: the estimate is the larger of this
@@ -175,11 +181,15 @@ class DeviceWork:
         with self._lock:
             return len(self._sources)
 
-    def outstanding_s(self, excluding: int | None = None) -> float:
-        """The sum of every source's outstanding seconds but `excluding`'s."""
+    def outstanding_s(self, excluding: int | None = None, within: float = math.inf) -> float:
+        """The sum of every source's outstanding seconds but `excluding`'s, each counted up
+        to `within`: the share of the device the others take from a model that has `within`
+        seconds of its own work to wait for (while both have work they share the device, so
+        another model's backlog delays it by at most as much again, however long that
+        backlog is)."""
         with self._lock:
             sources = [f for token, f in self._sources.items() if token != excluding]
-        return sum(max(0.0, source()) for source in sources)
+        return sum(min(max(0.0, source()), within) for source in sources)
 
 
 _DEVICES: dict[str, DeviceWork] = {}

@@ -8,8 +8,10 @@ asyncio HTTP client:
   with the demo's settings (the hub's `max_queue_time_ms`: every model admits a request by
   the work estimated ahead of it on its device, backends/admission.py and
   backends/llm/engine_work.py), then with that bound off (only the edge's
-  `max_requests_in_progress`, the previous behaviour). For each: the unloaded latency
-  (mixed requests one at a time), then the burst.
+  `max_requests_in_progress`, the previous behaviour). For each: WARM_UP requests one at a
+  time (not measured), the unloaded latency (`--probes` mixed requests one at a time: p50,
+  p90, p99, and how many took over 3x the p50, so that a stall shows as one), then the
+  burst; with the bound, the same burst naming models that do not exist (404s: the floor).
 - `encoders`: all-MiniLM-L6-v2 and a small cross-encoder (rerank, built on the spot), first
   with shedding on (`max_queue_time_ms` on both models and `--max-in-progress` at the HTTP
   edge), unloaded and burst; the same burst naming models that do not exist (404s: the
@@ -20,7 +22,10 @@ httpx's own CPU per request dominates what a burst measures (`--client httpx` to
 
 It reports, for each burst, how many were admitted (200) and shed (503), whether every shed
 answer carried `Retry-After`, how many got no answer at all (a connection error), and the
-p50/p99 latency of the admitted requests, against the unloaded p99. A request's latency runs
+p50/p99 latency of the admitted requests, against the unloaded p99, and the goodput: the
+admitted requests answered within 3x the unloaded p99 per second of the burst
+(`goodput_rps`, against the unloaded run's requests per second one at a time in
+`goodput_over_unloaded_rate`). A request's latency runs
 from the moment its bytes were written to the socket to its last byte back: 512 coroutines of
 one client opening their connections on the same two cores take some 80 ms before the first
 request is even written, time a fleet of real clients does not spend. The same percentiles
@@ -28,6 +33,12 @@ from the moment the client began each request are reported too (`p50_from_start_
 `p99_from_start_ms`). The goal: admitted p99 at most 3x the unloaded p99, every shed request
 a 503 with Retry-After, none lost. Results go to `benchmarks/results/overload_demo.json` and
 `.png` (`overload.json` and `.png` for `encoders`).
+
+The hubs run their compute threads on one torch thread each by default (`--compute-threads`,
+OMP_NUM_THREADS; 0: the hub's own count): on two cores shared with other work, a step of the
+tiny Llama on a team of two OpenMP threads waits at each barrier for a thread the kernel
+descheduled, and single chat completions then took 0.5-2.5 s instead of 20-50 ms, which is
+the machine's load, not the hub's admission.
 
     python benchmarks/overload.py                          # demo, a burst of 512
     python benchmarks/overload.py --scenario encoders      # embeddings + rerank
@@ -58,13 +69,21 @@ if str(REPO) not in sys.path:  # run as `python benchmarks/<name>.py` from anywh
 
 from benchmarks.embed_throughput import make_sentences  # noqa: E402
 from benchmarks.launch.process import hub_config, hub_process, read_log  # noqa: E402
-from benchmarks.overload_client import Request, run, shed_counters  # noqa: E402
+from benchmarks.overload_client import (  # noqa: E402
+    Request,
+    against,
+    goal_s,
+    run,
+    shed_counters,
+)
+from benchmarks.overload_plot import plot  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 DEMO_CONFIG = REPO / "configs" / "demo.yaml"
 EMBEDDER, RERANKER = "emb", "rr"
 DOCUMENTS = 8  # per rerank request
 CHAT_MAX_TOKENS = 16  # per chat completion of the demo scenario
+WARM_UP = 40  # mixed requests sent one at a time, unmeasured, before the unloaded run
 
 
 @dataclass(frozen=True)
@@ -117,12 +136,15 @@ def _demo_config(root: Path, max_queue_time_ms: float | None) -> Path:
 
 
 @contextmanager
-def hub_server(config: Path, root: Path, warm: list[Request]) -> Iterator[str]:
-    """`hub serve --config CONFIG` in `root`, answering each of `warm` with 200 before it is
-    handed over (each model loaded and run once); yields its base URL."""
+def hub_server(
+    config: Path, root: Path, warm: list[Request], env: dict[str, str] | None = None
+) -> Iterator[str]:
+    """`hub serve --config CONFIG` in `root` (`env` added to its environment), answering
+    each of `warm` with 200 before it is handed over (each model loaded and run once);
+    yields its base URL."""
     import httpx
 
-    with hub_process(config, cwd=root, timeout=300) as (base, _proc):
+    with hub_process(config, cwd=root, env=env, timeout=300) as (base, _proc):
         deadline = time.monotonic() + 300
         pending = list(warm)
         while pending:
@@ -166,10 +188,10 @@ def _demo_models() -> tuple[str, str]:
     return llm, embedder
 
 
-def _demo_mix(n: int, seed: int) -> list[Request]:
+def _demo_mix(n: int, seed: int, suffix: str = "") -> list[Request]:
     """`n` requests, chat completions and embeddings alternating, of sentences of mixed
-    length; each chat asks for CHAT_MAX_TOKENS tokens."""
-    llm, embedder = _demo_models()
+    length; each chat asks for CHAT_MAX_TOKENS tokens; `suffix` follows the model names."""
+    llm, embedder = (name + suffix for name in _demo_models())
     rng = random.Random(seed)
     sentences = make_sentences(1024, seed)
     out: list[Request] = []
@@ -206,15 +228,17 @@ def _encoders_phases(args: argparse.Namespace, burst: int, probes: int) -> dict[
         _freeze_heap()
         (root / "shedding").mkdir()
         config = _encoders_config(root / "shedding", reranker, shed, workers)
-        with hub_server(config, root / "shedding", warm) as base:
+        with hub_server(config, root / "shedding", warm, _env(args)) as base:
             bar.update()
+            asyncio.run(run(base, _encoders_mix(WARM_UP, "", 3), args.client, at_once=False))
             runs["unloaded"] = asyncio.run(
                 run(base, _encoders_mix(probes, "", seed=1), args.client, at_once=False)
             )
             bar.update()
             runs["shedding"] = asyncio.run(
-                run(base, _encoders_mix(burst, "", seed=2), args.client, at_once=True)
-            )
+                run(base, _encoders_mix(burst, "", seed=2), args.client, at_once=True,
+                    within_s=goal_s(runs["unloaded"]))
+            )  # fmt: skip
             runs["shed_metrics"] = shed_counters(base)
             bar.update()
             # The same burst naming a model nobody serves: every answer a 404 from the route
@@ -225,7 +249,7 @@ def _encoders_phases(args: argparse.Namespace, burst: int, probes: int) -> dict[
             bar.update()
         (root / "absorbing").mkdir()
         config = _encoders_config(root / "absorbing", reranker, None, workers)
-        with hub_server(config, root / "absorbing", warm) as base:
+        with hub_server(config, root / "absorbing", warm, _env(args)) as base:
             runs["absorbing"] = asyncio.run(
                 run(base, _encoders_mix(burst, "", seed=2), args.client, at_once=True)
             )
@@ -238,12 +262,13 @@ def _encoders_phases(args: argparse.Namespace, burst: int, probes: int) -> dict[
         "encoder_worker_processes": workers,
         **runs,
     }
-    report.update(_against(runs["unloaded"], runs["shedding"]))
+    report.update(against(runs["unloaded"], runs["shedding"]))
     return report
 
 
 def _demo_phases(args: argparse.Namespace, burst: int, probes: int) -> dict[str, Any]:
-    """Every measured run of the demo scenario: the demo's bound, then that bound off."""
+    """Every measured run of the demo scenario: the demo's bound, then that bound off. Each
+    hub is warmed up (WARM_UP requests one at a time) before its unloaded run."""
     from tqdm import tqdm
 
     llm, embedder = _demo_models()
@@ -252,7 +277,8 @@ def _demo_phases(args: argparse.Namespace, burst: int, probes: int) -> dict[str,
         bound = args.max_queue_time_ms
     warm = _demo_mix(8, seed=0)
     report: dict[str, Any] = {"scenario": "demo", "models": [llm, embedder],
-                              "chat_max_tokens": CHAT_MAX_TOKENS,
+                              "chat_max_tokens": CHAT_MAX_TOKENS, "warm_up": WARM_UP,
+                              "compute_threads": args.compute_threads,
                               "max_queue_time_ms": bound}  # fmt: skip
     with (
         tempfile.TemporaryDirectory(prefix="overload-bench-") as tmp,
@@ -262,36 +288,38 @@ def _demo_phases(args: argparse.Namespace, burst: int, probes: int) -> dict[str,
         for name, limit in (("admission", bound), ("previous", None)):
             root = Path(tmp) / name
             root.mkdir()
-            with hub_server(_demo_config(root, limit), root, warm) as base:
+            with hub_server(_demo_config(root, limit), root, warm, _env(args)) as base:
                 bar.update()
+                asyncio.run(run(base, _demo_mix(WARM_UP, seed=3), args.client, at_once=False))
                 unloaded = asyncio.run(
                     run(base, _demo_mix(probes, seed=1), args.client, at_once=False)
                 )
-                loaded = asyncio.run(run(base, _demo_mix(burst, seed=2), args.client, at_once=True))
+                loaded = asyncio.run(
+                    run(base, _demo_mix(burst, seed=2), args.client, at_once=True,
+                        within_s=goal_s(unloaded))
+                )  # fmt: skip
                 loaded["shed_metrics"] = shed_counters(base)
+                if limit is not None:
+                    # The same burst naming models nobody serves: every answer a 404 from
+                    # the route, no model involved: what HTTP and the event loop cost.
+                    report["http_floor"] = asyncio.run(
+                        run(base, _demo_mix(burst, 2, "-missing"), args.client, at_once=True)
+                    )
                 bar.update()
             report[name] = {
                 "max_queue_time_ms": limit,
                 "unloaded": unloaded,
                 "burst": loaded,
-                **_against(unloaded, loaded),
+                **against(unloaded, loaded),
             }
     return report
 
 
-def _against(unloaded: dict[str, Any], burst: dict[str, Any]) -> dict[str, Any]:
-    """The burst's admitted p99 over the unloaded p99, and the goal's three checks."""
-    ratio = None
-    if burst["p99_ms"] and unloaded["p99_ms"]:
-        ratio = round(burst["p99_ms"] / unloaded["p99_ms"], 2)
-    return {
-        "admitted_p99_over_unloaded_p99": ratio,
-        "goal": {
-            "admitted_p99_at_most_3x_unloaded": ratio is not None and ratio <= 3,
-            "every_shed_a_503_with_retry_after": burst["shed"] == burst["shed_with_retry_after"],
-            "none_lost": burst["lost"] == 0 and not burst["other_status"],
-        },
-    }
+def _env(args: argparse.Namespace) -> dict[str, str] | None:
+    """The hubs' environment: OMP_NUM_THREADS where `--compute-threads` asks for a count."""
+    if not args.compute_threads:
+        return None
+    return {"OMP_NUM_THREADS": str(args.compute_threads)}
 
 
 def _freeze_heap() -> None:
@@ -302,60 +330,12 @@ def _freeze_heap() -> None:
 
 
 # ---- the report ---------------------------------------------------------------------------
-def plot(report: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    if report["scenario"] == "demo":
-        on, off = report["admission"], report["previous"]
-        unloaded = on["unloaded"]
-        bursts = [(f"burst, max_queue_time_ms={report['max_queue_time_ms']:g}", on["burst"]),
-                  ("burst, bound off (previous)", off["burst"])]  # fmt: skip
-        runs = [("unloaded", unloaded), *bursts]
-        title = (f"A burst of {report['burst']} chat completions + embeddings on the demo "
-                 f"config ({report['client']} client)")  # fmt: skip
-    else:
-        unloaded = report["unloaded"]
-        bursts = [("burst, shedding", report["shedding"]),
-                  ("burst, no shedding", report["absorbing"])]  # fmt: skip
-        runs = [("unloaded", unloaded), *bursts, ("burst, all 404 (floor)", report["http_floor"])]
-        title = (f"A burst of {report['burst']} mixed requests (embeddings + rerank), "
-                 f"max_queue_time_ms={report['max_queue_time_ms']:g}, "
-                 f"max_requests_in_progress={report['max_requests_in_progress']}, "
-                 f"max_event_loop_lag={report['max_event_loop_lag']:g}s "
-                 f"({report['client']} client)")  # fmt: skip
-    fig, (lat, counts) = plt.subplots(1, 2, figsize=(13, 4.6))
-    xs = range(len(runs))
-    p50 = [r["p50_ms"] or r["answer_p50_ms"] or 0 for _, r in runs]
-    p99 = [r["p99_ms"] or r["answer_p99_ms"] or 0 for _, r in runs]
-    lat.bar([x - 0.2 for x in xs], p50, 0.4, label="p50")
-    lat.bar([x + 0.2 for x in xs], p99, 0.4, label="p99")
-    goal = 3 * (unloaded["p99_ms"] or 0)
-    lat.axhline(goal, color="grey", linestyle="--", label="3x unloaded p99")
-    lat.set_xticks(list(xs), [n for n, _ in runs], fontsize=8)
-    lat.set_yscale("log")
-    floor = "" if report["scenario"] == "demo" else "; floor: of the 404s"
-    lat.set_ylabel(f"latency of admitted requests (ms){floor}")
-    lat.legend()
-    bx = range(len(bursts))
-    counts.bar(bx, [r["admitted"] for _, r in bursts], label="admitted (200)")
-    counts.bar(bx, [r["shed"] for _, r in bursts], bottom=[r["admitted"] for _, r in bursts],
-               label="shed (503 + Retry-After)")  # fmt: skip
-    counts.set_xticks(list(bx), [n for n, _ in bursts], fontsize=8)
-    counts.set_ylabel("requests")
-    counts.legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scenario", choices=("demo", "encoders"), default="demo")
     parser.add_argument("--quick", action="store_true", help="a burst of 128, fewer probes")
     parser.add_argument("--burst", type=int, help="concurrent requests in the burst")
+    parser.add_argument("--probes", type=int, help="unloaded requests (default 200)")
     parser.add_argument(
         "--max-queue-time-ms", type=float,
         help="the bound of the hub that sheds (default: demo.yaml's; encoders: 50)",
@@ -373,10 +353,15 @@ def main() -> None:
         "--in-process", action="store_true",
         help="encoders: encoder_worker_processes false (the passes in the hub's process)",
     )  # fmt: skip
+    parser.add_argument(
+        "--compute-threads", type=int, default=1,
+        help="OMP_NUM_THREADS of the hubs: the torch threads of each compute thread (0: the "
+        "hub's own default, torch's count within the CPUs)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     burst = args.burst or (128 if args.quick else 512)
-    probes = 40 if args.quick else 100
+    probes = args.probes or (40 if args.quick else 200)
 
     phases = _demo_phases if args.scenario == "demo" else _encoders_phases
     report = {

@@ -80,14 +80,17 @@ class BatchWork:
         average = admission.seconds_per_pass_input
         if average is None:
             return
+        running_s = _left(running, average, self.clock()) / workers
         elsewhere_s = 0.0
         if self._device is not None:
-            elsewhere_s = self._device.outstanding_s(excluding=self._token)
+            # The others' work, each counted up to this model's own: their share.
+            own = queued * average / workers + running_s
+            elsewhere_s = self._device.outstanding_s(excluding=self._token, within=own)
         slow = self._slow_cost(average)
         admission.check(
             queued,
             size,
-            running_s=_left(running, average, self.clock()) / workers,
+            running_s=running_s,
             elsewhere_s=elsewhere_s,
             pass_input_s=None if slow is None else slow[0],
             slow_running_s=None if slow is None else slow[1] / workers,

@@ -1,26 +1,41 @@
-"""The work an LLM engine has outstanding, in seconds, as its admission and its device see it.
+"""The work an LLM engine has outstanding, as its admission and its device see it.
 
 An encoder's queue holds inputs of a known cost; an engine holds sequences, each with prompt
 tokens still to prefill and up to `max_tokens` still to generate, run together in steps.
-Decodes of different sequences share a step (up to `max_num_seqs` of them), prompt tokens
-fill a step's token budget (`max_num_batched_tokens`), and one sequence's tokens are
-generated one step after another. So the work is counted in steps,
+Decodes of different sequences share a step (up to `max_num_seqs` of them: its seats), prompt
+tokens fill what a step's token budget (`max_num_batched_tokens`) leaves after the decodes,
+and one sequence's tokens are generated one step after another (a sequence may generate up
+to its `max_tokens`: the bound its request set; one that stops early frees its seat sooner).
 
-    steps = max(longest generation left, tokens to generate / max_num_seqs)
-            + prompt tokens to prefill / max_num_batched_tokens
+With continuous batching a new request does not wait for the others' generations: it joins
+the running batch at the next step that has a seat and budget for it. So the wait that
+admission bounds (`max_queue_time_s`) is the time until the request's first step:
 
-and priced at the measured seconds per step (`observe_step`, an exponentially weighted
-average: it grows as the batch grows, or as other work contends for the device), or at what
-the step in flight has taken so far when that is already well over the average (a burst
-contends for the device at once, long before the steps' end teaches the average). What a
-sequence may still generate is its `max_tokens` less what it generated: the bound its request
-set (a sequence that stops early frees its share sooner). The engine thread publishes its
-sequences' work at its step boundaries (`publish`); requests added since are read through
-the `incoming` callable the engine gives (their sequences, from its incoming queue).
+    wait = what is left of the step in flight
+           + (steps until a seat is free + prompt tokens ahead / budget left by decodes)
+             x the measured seconds per step
 
-Contract: `admit(size, prompt_tokens, max_tokens)` raises `CapacityError` when the work
-ahead of a new request on its device (this engine's outstanding work plus what the other
-models on the same device have outstanding, from `DeviceWork`) is over `max_queue_time_s`,
+where a seat is free at once while fewer sequences than `max_num_seqs` run or wait ahead,
+and otherwise when the running sequences (one token a step each) and the waiting ones ahead
+(taking the seats in order) have finished enough of their generations. What joining costs
+the sequences already running is bounded separately: every step carries one more decode
+from then on, about `per_token_s` more (the measured cost of a token in a step: the slope of
+step time over step tokens), so the batch's longest generation is slowed by
+`per_token_s x (sequences sharing a step - 1) x its tokens` at most; admission refuses a
+request that would make that more than the same bound.
+
+The seconds per step are an exponentially weighted average of the measured steps
+(`observe_step`), or what the step in flight has taken so far when that is already well over
+the average (a burst contends for the device at once, long before the steps' end teaches the
+average). The engine thread publishes its sequences at its step boundaries (`publish`);
+requests added since are read through the `incoming` callable the engine gives (their
+sequences, from its incoming queue).
+
+Contract: `admit(size, prompt_tokens, max_tokens)` raises `CapacityError` when the wait of a
+new request on its device (as above, plus the other models' work there, each counted up to
+that wait: models on one device share it, so another model's backlog delays this request by
+at most as much as this request waits for its own engine's work) is over
+`max_queue_time_s`, or when its joining would slow the running batch by more than that,
 naming the estimate, its parts and the bound, with a `retry_after` of about the time the
 excess needs and that time as `saturated_s` (the HTTP edge refuses the model's next requests
 at once until then). `reserve()` makes the same check before a request is tokenized and
@@ -28,12 +43,14 @@ counts it until `unreserve()` (as the average admitted request), so that a burst
 before its prompts are tokenized rather than after. Nothing is refused until a step was
 measured, and an engine with nothing outstanding admits a request whatever the others have
 (no model starves behind another's steady load), as the encoders' admission does
-(backends/admission.py). `outstanding_s()` reads published numbers only: any thread may call
-it (the other models' admission checks do, through `DeviceWork`).
+(backends/admission.py). `outstanding_s()` (all the steps the engine's work needs, in
+seconds: what the other models on the device count) reads published numbers only: any
+thread may call it.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
 import weakref
@@ -43,10 +60,15 @@ from typing import TYPE_CHECKING
 
 from backends.admission import EWMA_ALPHA, DeviceWork
 from backends.errors import CapacityError
+from backends.llm.sequence import SequenceStatus
 
 # A step in flight that has taken more than this many times the average reprices the work at
 # once (the device is contended now: the average learns it only as steps end).
 SLOW_STEP = 1.5
+# Weight of the newest step in the slope of step time over step tokens: a slope needs steps
+# of different sizes, so it is averaged over more of them (about the last forty) than the
+# step cost is.
+SLOPE_ALPHA = 0.05
 
 if TYPE_CHECKING:
     from backends.llm.sequence import Sequence
@@ -55,12 +77,16 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Work:
     """Sequences' work: prompt tokens to prefill, tokens they may still generate (in all,
-    and the most one of them may), and how many sequences."""
+    and the most one of them may), how many sequences, and the tokens left to generate of
+    each running one (each holds a seat) and of each waiting one, in the order they take
+    seats."""
 
     prefill: float = 0.0
     generate: float = 0.0
     longest: float = 0.0
     sequences: float = 0.0
+    running: tuple[float, ...] = ()
+    waiting: tuple[float, ...] = ()
 
     def __add__(self, other: Work) -> Work:
         return Work(
@@ -68,6 +94,8 @@ class Work:
             self.generate + other.generate,
             max(self.longest, other.longest),
             self.sequences + other.sequences,
+            self.running + other.running,
+            self.waiting + other.waiting,
         )
 
     def __bool__(self) -> bool:
@@ -76,6 +104,8 @@ class Work:
     @classmethod
     def of(cls, sequences: Iterable[Sequence]) -> Work:
         prefill = generate = longest = count = 0
+        running: list[float] = []
+        waiting: list[float] = []
         for seq in sequences:
             # Once a token was sampled, the last one is computed by the next decode: only
             # the rest (what a preemption dropped) is prefilled.
@@ -85,7 +115,23 @@ class Work:
             generate += left
             longest = max(longest, left)
             count += 1
-        return cls(prefill, generate, longest, count)
+            (running if seq.status is SequenceStatus.RUNNING else waiting).append(left)
+        return cls(prefill, generate, longest, count, tuple(running), tuple(waiting))
+
+
+def steps_to_a_seat(running: Iterable[float], waiting: Iterable[float], seats: int) -> float:
+    """Steps until one more sequence gets one of `seats`: each running sequence holds its
+    seat for the tokens it has left (one a step), the waiting ones take the seats that free
+    in order and hold them for theirs."""
+    ends = sorted(running)  # a sorted list is a heap
+    free = seats - len(ends)
+    for tokens in waiting:
+        if free > 0:
+            free -= 1
+            heapq.heappush(ends, tokens)
+        else:
+            heapq.heappush(ends, heapq.heappop(ends) + tokens)
+    return 0.0 if free > 0 else ends[0]
 
 
 class EngineWork:
@@ -114,6 +160,9 @@ class EngineWork:
         self.name = name
         self._alpha = alpha
         self._step_s: float | None = None
+        # Exponentially weighted moments of (step tokens, step seconds): the slope.
+        self._tokens_mean = self._seconds_mean = 0.0
+        self._tokens_var = self._covariance = 0.0
         self.clock = clock
         # When the step in flight began (`clock`), None between steps; set by the engine
         # thread, read by any.
@@ -134,8 +183,15 @@ class EngineWork:
             return
         if self._step_s is None:
             self._step_s = seconds
-        else:
-            self._step_s += self._alpha * (seconds - self._step_s)
+            self._tokens_mean, self._seconds_mean = float(tokens), seconds
+            return
+        self._step_s += self._alpha * (seconds - self._step_s)
+        a = SLOPE_ALPHA
+        dt, ds = tokens - self._tokens_mean, seconds - self._seconds_mean
+        self._tokens_mean += a * dt
+        self._seconds_mean += a * ds
+        self._tokens_var = (1 - a) * (self._tokens_var + a * dt * dt)
+        self._covariance = (1 - a) * (self._covariance + a * dt * ds)
 
     def publish(self, sequences: Iterable[Sequence]) -> None:
         """The unfinished sequences now (the scheduler's waiting and running ones)."""
@@ -146,6 +202,16 @@ class EngineWork:
         """The measured seconds per step, or None before a step was measured."""
         return self._step_s
 
+    @property
+    def per_token_s(self) -> float:
+        """What one more token in a step costs, in seconds: the slope of the measured step
+        times over their tokens (0 until steps of different sizes were measured), at most the
+        average cost of a token (a step has no negative fixed cost)."""
+        if self._tokens_var < 1.0 or self._tokens_mean <= 0:
+            return 0.0
+        slope = self._covariance / self._tokens_var
+        return min(max(0.0, slope), self._seconds_mean / self._tokens_mean)
+
     def step_cost(self) -> float | None:
         """What a step costs now: the average, or what the step in flight has taken so far
         where that is over SLOW_STEP times the average; None before a step was measured."""
@@ -155,17 +221,25 @@ class EngineWork:
         elapsed = self.clock() - started
         return elapsed if elapsed > SLOW_STEP * average else average
 
+    def step_left(self, step_s: float) -> float:
+        """What is left of the step in flight at `step_s` seconds a step (0 between steps)."""
+        started = self.step_started
+        return 0.0 if started is None else max(0.0, step_s - (self.clock() - started))
+
     # ---- the estimate (any thread) -----------------------------------------------------
     def outstanding(self) -> Work:
-        """The work this engine holds: published, incoming and reserved."""
+        """The work this engine holds: published, incoming and reserved (each reserved
+        request waiting as the average admitted one)."""
         work = self.published + Work.of(self._incoming())
         if self.reserved and self._average is not None:
-            average = self._average
+            average, n = self._average, self.reserved
+            seats = max(1, round(average.sequences)) * n
             work += Work(
-                average.prefill * self.reserved,
-                average.generate * self.reserved,
+                average.prefill * n,
+                average.generate * n,
                 average.longest,
-                average.sequences * self.reserved,
+                average.sequences * n,
+                waiting=(average.longest,) * seats,
             )
         return work
 
@@ -178,6 +252,24 @@ class EngineWork:
         """Seconds this engine needs for the work it holds (0 until a step was measured)."""
         step_s = self.step_cost()
         return 0.0 if step_s is None else self.steps(self.outstanding()) * step_s
+
+    def steps_ahead(self, work: Work) -> tuple[float, float]:
+        """(steps until a new sequence has a seat, steps of prompt tokens ahead of it): the
+        prompt tokens of `work` over what the step's token budget leaves after the running
+        sequences' decodes."""
+        seat = steps_to_a_seat(work.running, work.waiting, self.max_num_seqs)
+        decodes = min(len(work.running), self.max_num_seqs)
+        return seat, work.prefill / max(1, self.max_num_batched_tokens - decodes)
+
+    def sharing(self, work: Work, size: int) -> int:
+        """Sequences that would share a step once `size` more joined `work`."""
+        return min(self.max_num_seqs, len(work.running) + len(work.waiting) + size)
+
+    def slowdown_s(self, work: Work, size: int, max_tokens: float) -> float:
+        """How much longer than alone the longest generation among `work` and `size` more
+        sequences of up to `max_tokens` would take, all of them sharing each step."""
+        longest = max(work.longest, max_tokens)
+        return self.per_token_s * (self.sharing(work, size) - 1) * longest
 
     def count_on(self, device_work: DeviceWork | None) -> None:
         """Count this engine's work on `device_work` (the device it now runs on) instead of
@@ -201,11 +293,11 @@ class EngineWork:
 
     # ---- admission (event loop) ------------------------------------------------------------
     def reserve(self) -> None:
-        """Check a request before it is tokenized (CapacityError as `admit`), and count it
-        as the average admitted request until `unreserve`: tokenizing takes the request off
-        the event loop, and a burst's requests would otherwise all pass this check before
-        the first of them is added."""
-        self._check(1)
+        """Check a request before it is tokenized (CapacityError as `admit`, as the average
+        admitted request), and count it as that until `unreserve`: tokenizing takes the
+        request off the event loop, and a burst's requests would otherwise all pass this
+        check before the first of them is added."""
+        self._check(1, 0.0 if self._average is None else self._average.longest)
         self.reserved += 1
 
     def unreserve(self) -> None:
@@ -215,9 +307,9 @@ class EngineWork:
 
     def admit(self, size: int, prompt_tokens: int, max_tokens: int) -> None:
         """Admit a request of `size` sequences of `prompt_tokens` and up to `max_tokens`
-        each, or raise CapacityError (naming the estimate) when the work ahead of it on its
-        device is over the bound."""
-        self._check(size)
+        each, or raise CapacityError (naming the estimate) when it would wait too long for
+        its first step on its device, or slow the running batch too much."""
+        self._check(size, max_tokens)
         work = Work(size * prompt_tokens, size * max_tokens, max_tokens, size)
         if self._average is None:
             self._average = work
@@ -230,7 +322,7 @@ class EngineWork:
             old.sequences + a * (work.sequences - old.sequences),
         )
 
-    def _check(self, size: int) -> None:
+    def _check(self, size: int, max_tokens: float) -> None:
         bound = self.max_queue_time_s
         step_s = self.step_cost()
         if bound is None or step_s is None:
@@ -238,26 +330,50 @@ class EngineWork:
         work = self.outstanding()
         if not work:
             return
-        own = self.steps(work) * step_s
+        left = self.step_left(step_s)
+        seat, prefill = self.steps_ahead(work)
+        own = left + (seat + prefill) * step_s
         elsewhere = 0.0
         if self._device is not None:
-            elsewhere = self._device.outstanding_s(excluding=self._token)
+            elsewhere = self._device.outstanding_s(excluding=self._token, within=own)
         wait = own + elsewhere
-        if wait <= bound:
+        slowdown = self.slowdown_s(work, size, max_tokens)
+        if wait <= bound and slowdown <= bound:
             return
-        retry_after = max(1.0, math.ceil(wait - bound))
         tokenizing = f", {self.reserved} being tokenized" if self.reserved else ""
+        if wait > bound:
+            excess = wait - bound
+            # Arrivals only add to the work: it stays over the bound at least this long,
+            # unless this engine's own work ends first (then the next request is admitted).
+            saturated = min(excess, own)
+            why = (
+                f"an estimated {wait:.2f}s of work is ahead of this request ({size} "
+                f"sequences) on its device before its first step ({own:.2f}s of this LLM's: "
+                f"{left * 1000:.1f} ms left of the step running, {seat:.1f} steps until one "
+                f"of its {self.max_num_seqs} seats is free ({len(work.running)} sequences "
+                f"running, {len(work.waiting)} waiting{tokenizing}), {work.prefill:.0f} "
+                f"prompt tokens ahead ({prefill:.1f} steps), at {step_s * 1000:.1f} ms a step "
+                f"measured; {elsewhere:.2f}s of other models' work, each counted up to this "
+                "LLM's)"
+            )
+        else:
+            # The batch shrinks as its sequences finish: the first frees a seat.
+            saturated = min(work.running, default=0.0) * step_s
+            excess = max(saturated, slowdown - bound)
+            per_token = self.per_token_s
+            why = (
+                f"with this request ({size} sequences) {self.sharing(work, size)} sequences "
+                f"would share each step{tokenizing}, a step "
+                f"{per_token * (self.sharing(work, size) - 1) * 1000:.1f} ms longer than one "
+                f"sequence's (at {per_token * 1000:.3f} ms a token measured), slowing the "
+                f"longest generation ({max(work.longest, max_tokens):.0f} tokens) by an "
+                f"estimated {slowdown:.2f}s"
+            )
+        retry_after = max(1.0, math.ceil(excess))
         raise CapacityError(
-            f"{self.name} is overloaded: an estimated {wait:.2f}s of work is ahead of this "
-            f"request ({size} sequences) on its device ({own:.2f}s of this LLM's: "
-            f"{work.sequences:.0f} sequences{tokenizing}, {work.generate:.0f} tokens to "
-            f"generate, at most {work.longest:.0f} in one, and {work.prefill:.0f} prompt "
-            f"tokens, {self.steps(work):.1f} steps at {step_s * 1000:.1f} ms measured; "
-            f"{elsewhere:.2f}s of other models' work), more than its max_queue_time_ms "
+            f"{self.name} is overloaded: {why}, more than its max_queue_time_ms "
             f"({bound * 1000:g}); retry after {retry_after:g}s or send fewer concurrent "
             "requests",
             retry_after=retry_after,
-            # Arrivals only add to the work: it stays over the bound at least this long,
-            # unless this engine's own work ends first (then the next request is admitted).
-            saturated_s=min(wait - bound, own),
+            saturated_s=saturated,
         )

@@ -154,7 +154,8 @@ async def test_other_models_work_on_the_device_counts() -> None:
     device = DeviceWork("cpu")
     other = device.register(lambda: 0.012)  # another model has 12 ms outstanding
     outcomes, _ = await _burst(0.025, 10, device=device)
-    # 12 ms elsewhere, then 0 and 10 ms queued here fit 25 ms; 32 ms does not.
+    # 0 and 10 ms queued here, with the other's 12 ms counted up to them (0 and 10 ms), fit
+    # 25 ms; 20 ms and its 12 do not.
     assert outcomes[:2] == [["R0"], ["R1"]]
     assert all(isinstance(o, CapacityError) for o in outcomes[2:])
     assert "0.01s of other models' work on its device" in str(outcomes[2])
@@ -175,7 +176,8 @@ def test_a_model_with_nothing_queued_or_running_is_always_admitted() -> None:
 
 async def test_batchers_on_one_device_see_each_others_queue() -> None:
     """Two models on one device: while one holds queued work, the other's admission counts
-    it; once the first's work is done it counts nothing, and a closed batcher leaves."""
+    its share (its work up to the other's own: they run side by side); once the first's
+    work is done it counts nothing, and a closed batcher leaves."""
     device = DeviceWork("cpu")
     limits = BatchLimits(batch_wait_s=0.0, max_batch_size=1, max_queue_time_s=0.025)
     first, second = UpperModel(), UpperModel()
@@ -208,13 +210,19 @@ async def test_batchers_on_one_device_see_each_others_queue() -> None:
         second.hold()
         b_first = asyncio.create_task(submit(b, ["b0"]))
         await wait_entered(second)
-        b_next = asyncio.create_task(submit(b, ["b1"]))  # b's own 10 ms + a's 20+: refused
+        # b's own 10 ms and a's share meanwhile (its 26 ms counted up to b's 10): 20 ms.
+        b_next = asyncio.create_task(submit(b, ["b1"]))
         await asyncio.sleep(0)
-        assert b_next.done() and isinstance(b_next.exception(), CapacityError)
+        assert not b_next.done()
+        # Behind b's 20 ms, a's share is 20 ms of its 26: 40 ms, refused.
+        b_last = asyncio.create_task(submit(b, ["b2"]))
+        await asyncio.sleep(0)
+        assert b_last.done() and isinstance(b_last.exception(), CapacityError)
+        assert "0.02s of other models' work on its device" in str(b_last.exception())
         first.release()
         second.release()
         assert await parked == ["ONE"] and await asyncio.gather(*queued) == [["Q0"], ["Q1"]]
-        assert await b_first == ["B0"]
+        assert await b_first == ["B0"] and await b_next == ["B1"]
         assert a.outstanding_s() == 0.0
     finally:
         first.release()
@@ -222,6 +230,15 @@ async def test_batchers_on_one_device_see_each_others_queue() -> None:
         a.close()
         b.close()
     assert len(device) == 0  # closed batchers left the device
+
+
+def test_other_models_count_up_to_this_models_own_work() -> None:
+    device = DeviceWork("cpu")
+    device.register(lambda: 0.500)  # a long backlog: it shares the device meanwhile
+    device.register(lambda: 0.004)
+    mine = device.register(lambda: 0.300)
+    assert device.outstanding_s(excluding=mine) == pytest.approx(0.504)
+    assert device.outstanding_s(excluding=mine, within=0.010) == pytest.approx(0.014)
 
 
 def test_device_work_is_one_per_device() -> None:

@@ -1,8 +1,10 @@
 """The engine's admission by the work on its device: with a measured step cost, a request
-whose estimated wait (the steps the engine's sequences need, priced at that cost, plus
-the other models' outstanding work on the device) is over `max_queue_time_s` is refused at
-once and counted, the admitted ones all complete; with no bound none is refused; the cost is
-measured from the steps and the published work drains to nothing."""
+whose estimated wait for its first step (the steps until one of `max_num_seqs` seats is free
+and the prompt tokens ahead, priced at that cost, plus the other models' share of the
+device) is over `max_queue_time_s`, or whose joining would slow the running batch by more
+than that, is refused at once and counted, the admitted ones all complete; a request joins a
+running batch without waiting for the others' generations; with no bound none is refused;
+the cost is measured from the steps and the published work drains to nothing."""
 
 from __future__ import annotations
 
@@ -14,8 +16,10 @@ from prometheus_client import CollectorRegistry
 from backends.admission import DeviceWork
 from backends.errors import CapacityError
 from backends.llm.engine import LLMEngine
+from backends.llm.engine_work import EngineWork
 from backends.llm.metrics import EngineMetrics
 from backends.llm.sampling_params import SamplingParams
+from backends.llm.sequence import Sequence, SequenceStatus
 from tests.backends.llm.support import build_model, kv_bytes, make_engine, random_prompts
 
 # Each offered request: a 7-token prompt and 3 tokens to generate.
@@ -68,18 +72,20 @@ def test_requests_beyond_the_queue_time_are_refused_and_the_rest_complete(llama:
     engine, registry = _engine(llama, 0.040)
     engine.work.observe_step(tokens=1, seconds=0.010)  # 10 ms a step
     outcomes = _offer(engine, 8)
-    # Two sequences decode together (max_num_seqs 2), 64 prompt tokens fill a step: one or
-    # two requests ahead are 3 steps of decodes and 7 or 14 prompt tokens (31 and 32 ms);
-    # three are 4.5 steps of decodes and 21 prompt tokens (48 ms), over 40 ms.
-    assert outcomes[:3] == [None, None, None]
-    refused = outcomes[3:]
+    # Two sequences decode together (max_num_seqs 2: two seats), 64 prompt tokens fill a
+    # step. The second request gets the second seat at once (7 prompt tokens ahead: 1 ms);
+    # the third and fourth wait for the first pair's 3 tokens (30 ms, and 14 or 21 prompt
+    # tokens: 32 and 33 ms); the fifth for the second pair's too (60 ms), over 40 ms.
+    assert outcomes[:4] == [None, None, None, None]
+    refused = outcomes[4:]
     assert all(isinstance(e, CapacityError) and e.retry_after >= 1 for e in refused)
     message = str(refused[0])
-    assert "3 sequences, 9 tokens to generate, at most 3 in one, and 21 prompt tokens" in message
-    assert "4.8 steps at 10.0 ms measured" in message
+    assert "an estimated 0.06s of work is ahead of this request" in message
+    assert "6.0 steps until one of its 2 seats is free (0 sequences running, 4 waiting)" in message
+    assert "28 prompt tokens ahead (0.4 steps), at 10.0 ms a step measured" in message
     assert "max_queue_time_ms (40)" in message
-    assert _shed(registry) == 5
-    assert _finish(engine) == {"0", "1", "2"}
+    assert _shed(registry) == 4
+    assert _finish(engine) == {"0", "1", "2", "3"}
 
 
 def test_other_models_work_on_the_device_counts(llama: Path) -> None:
@@ -89,14 +95,17 @@ def test_other_models_work_on_the_device_counts(llama: Path) -> None:
     device.register(lambda: 0.020)  # an encoder with 20 ms of passes to run
     engine.work.count_on(device)
     # The first request starts whatever the device holds (nothing of this engine's is
-    # outstanding); the second would wait 31 ms of its own and 20 ms of the encoder's.
-    outcomes = _offer(engine, 2)
-    assert outcomes[0] is None and isinstance(outcomes[1], CapacityError)
-    assert "0.02s of other models' work" in str(outcomes[1])
-    # The device sees this engine's outstanding work beside the encoder's.
-    one_request_s = (MAX_TOKENS + PROMPT / 64) * 0.010
-    assert device.outstanding_s() == pytest.approx(0.020 + one_request_s)
-    assert _finish(engine) == {"0"}
+    # outstanding); the second takes the free seat behind 7 prompt tokens (1 ms of its own,
+    # and the encoder's work up to that: its share meanwhile); the third would wait 32 ms
+    # for a seat and prompts and 20 ms of the encoder's, over 40 (alone it fits: above).
+    outcomes = _offer(engine, 3)
+    assert outcomes[:2] == [None, None] and isinstance(outcomes[2], CapacityError)
+    assert "0.02s of other models' work, each counted up to this LLM's" in str(outcomes[2])
+    # The device sees this engine's outstanding work beside the encoder's: two requests'
+    # 3 tokens each on two seats and their 14 prompt tokens.
+    two_requests_s = (MAX_TOKENS + 2 * PROMPT / 64) * 0.010
+    assert device.outstanding_s() == pytest.approx(0.020 + two_requests_s)
+    assert _finish(engine) == {"0", "1"}
     assert device.outstanding_s() == pytest.approx(0.020)
     engine.work.count_on(None)
     assert len(device) == 1
@@ -136,14 +145,15 @@ def test_requests_being_tokenized_count_as_the_average_request(llama: Path) -> N
     engine, _ = _engine(llama, 0.040)
     engine.work.observe_step(tokens=1, seconds=0.010)
     assert _offer(engine, 1) == [None]  # the average request: 7 prompt tokens, 3 to generate
-    engine.work.reserve()  # meets one request's work: 31 ms
-    engine.work.reserve()  # two: 32 ms
+    engine.work.reserve()  # meets one request: a seat is free (1 ms)
+    engine.work.reserve()  # two: both seats taken, 3 steps (32 ms)
+    engine.work.reserve()  # three: 33 ms
     with pytest.raises(CapacityError) as refused:
-        engine.work.reserve()  # three: 48 ms
-    assert "3 sequences, 2 being tokenized" in str(refused.value)
-    assert engine.work.reserved == 2
-    engine.work.unreserve()
-    engine.work.unreserve()
+        engine.work.reserve()  # four: 6 steps (64 ms)
+    assert "(0 sequences running, 4 waiting, 3 being tokenized)" in str(refused.value)
+    assert engine.work.reserved == 3
+    for _ in range(3):
+        engine.work.unreserve()
     assert engine.work.outstanding().sequences == 1
     assert _finish(engine) == {"0"}
 
@@ -151,14 +161,89 @@ def test_requests_being_tokenized_count_as_the_average_request(llama: Path) -> N
 def test_a_step_in_flight_already_slow_reprices_the_work(llama: Path) -> None:
     engine, _ = _engine(llama, 0.040)
     engine.work.observe_step(tokens=1, seconds=0.010)
-    assert _offer(engine, 1) == [None]
+    assert _offer(engine, 2) == [None, None]
     # A step has been running 20 ms, twice the average (a burst contends for the device):
-    # one request's 3.1 steps ahead cost 62 ms now, not 31.
+    # the 3.2 steps ahead of a third request (a seat, prompts) cost 64 ms now, not 32.
     engine.work.clock = lambda: 100.0
     engine.work.step_started = 99.980
     with pytest.raises(CapacityError) as refused:
         engine.work.admit(1, PROMPT, MAX_TOKENS)
-    assert "3.1 steps at 20.0 ms measured" in str(refused.value)
-    # At 1.2 times the average, the average stands.
+    assert "3.0 steps until one of its 2 seats is free" in str(refused.value)
+    assert "at 20.0 ms a step measured" in str(refused.value)
+    # At 1.2 times the average, the average stands (and nothing is left of that step).
     engine.work.step_started = 99.988
     engine.work.admit(1, PROMPT, MAX_TOKENS)
+
+
+def _sequences(n: int, prompt: int, max_tokens: int, generated: int) -> list[Sequence]:
+    """`n` sequences of `prompt` tokens and up to `max_tokens`; with `generated` tokens
+    they run (their prompts computed), with none they wait."""
+    out = []
+    for i in range(n):
+        seq = Sequence(i, str(i), list(range(3, 3 + prompt)), SamplingParams(),
+                       max_tokens=max_tokens, block_size=16)  # fmt: skip
+        if generated:
+            seq.status = SequenceStatus.RUNNING
+            for _ in range(generated):
+                seq.append_token(5)
+            seq.num_computed_tokens = seq.num_tokens - 1
+        out.append(seq)
+    return out
+
+
+def test_a_short_request_joins_a_running_batch_when_a_step_is_short() -> None:
+    # Six sequences decode, 60 of their 64 tokens still to come, 2 ms a step: they hold
+    # 0.12 s of work, but a new request takes a free seat at the next step.
+    work = EngineWork(0.050, max_num_seqs=8, max_num_batched_tokens=64)
+    work.observe_step(tokens=6, seconds=0.002)
+    work.publish(_sequences(6, prompt=20, max_tokens=64, generated=4))
+    assert work.outstanding_s() == pytest.approx(0.120)
+    work.admit(1, prompt_tokens=20, max_tokens=8)
+    # With every seat taken it waits for the first of them to free: 60 steps, 0.12 s.
+    work.publish(_sequences(8, prompt=20, max_tokens=64, generated=4))
+    with pytest.raises(CapacityError, match=r"60\.0 steps until one of its 8 seats is free"):
+        work.admit(1, prompt_tokens=20, max_tokens=8)
+
+
+def test_prompt_tokens_ahead_over_the_bound_are_refused() -> None:
+    work = EngineWork(0.050, max_num_seqs=8, max_num_batched_tokens=64)
+    work.observe_step(tokens=4, seconds=0.010)
+    running = _sequences(4, prompt=20, max_tokens=64, generated=4)
+    # Two prompts of 100 tokens wait: 200 tokens over the 60 a step leaves after the four
+    # decodes, 3.3 steps (33 ms): admitted; three (300 tokens, 50 ms) and a step in flight
+    # with 5 ms left: refused.
+    work.publish([*running, *_sequences(2, prompt=100, max_tokens=8, generated=0)])
+    work.admit(1, prompt_tokens=20, max_tokens=8)
+    work.publish([*running, *_sequences(3, prompt=100, max_tokens=8, generated=0)])
+    work.clock = lambda: 100.0
+    work.step_started = 99.995
+    with pytest.raises(CapacityError) as refused:
+        work.admit(1, prompt_tokens=20, max_tokens=8)
+    message = str(refused.value)
+    assert "5.0 ms left of the step running" in message
+    assert "300 prompt tokens ahead (5.0 steps)" in message
+    assert refused.value.retry_after >= 1
+
+
+def test_joining_a_batch_that_it_would_slow_too_much_is_refused() -> None:
+    work = EngineWork(0.050, max_num_seqs=8, max_num_batched_tokens=64)
+    # A lone decode takes 2 ms, a step of 65 tokens 10 ms: 0.125 ms a token more.
+    work.observe_step(tokens=1, seconds=0.002)
+    work.observe_step(tokens=65, seconds=0.010)
+    assert work.per_token_s == pytest.approx(0.000125)
+    # Four running with 60 tokens left, a fifth of 64: the longest generation (64 tokens)
+    # would take 4 x 0.125 ms a step longer than alone, 32 ms: admitted.
+    work.publish(_sequences(4, prompt=20, max_tokens=64, generated=4))
+    work.admit(1, prompt_tokens=20, max_tokens=64)
+    # Seven running: 7 x 0.125 ms over 64 steps, 56 ms: refused, though a seat is free.
+    work.publish(_sequences(7, prompt=20, max_tokens=64, generated=4))
+    with pytest.raises(CapacityError) as refused:
+        work.admit(1, prompt_tokens=20, max_tokens=64)
+    assert "8 sequences would share each step" in str(refused.value)
+    assert "slowing the longest generation (64 tokens) by an estimated 0.06s" in str(refused.value)
+    # A short request still slows the longest generation left (60 tokens): with seven
+    # running that is 52 ms, refused; with six (45 ms) admitted.
+    with pytest.raises(CapacityError):
+        work.admit(1, prompt_tokens=20, max_tokens=4)
+    work.publish(_sequences(6, prompt=20, max_tokens=64, generated=4))
+    work.admit(1, prompt_tokens=20, max_tokens=4)
