@@ -15,6 +15,7 @@ import re
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from types import MappingProxyType
 from typing import Any, Final, Literal, cast, get_args
 
@@ -61,7 +62,7 @@ class ModelLimits:
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"limits.{name} must be a positive integer, not {value!r}")
 
-    @property
+    @cached_property  # read on every limited request
     def empty(self) -> bool:
         """Whether none of the four limits is set."""
         return all(getattr(self, name) is None for name in LIMIT_FIELDS)
