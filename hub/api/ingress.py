@@ -14,9 +14,9 @@ In order, for an HTTP request:
    version they name: hub.placement.forwarding.incoming_hop; unsigned ones are ignored), the
    saturation refusal (a model whose queue is over its bound, for a caller already verified
    whose key may use the model: hub.api.edge), the caller's key check (once: the route and
-   the router read `Head.caller`, hub.api.keys_access), its key's rate limits, the key's own
-   and on the model named (a 429 before anything is routed: hub.rate_limits) and the
-   placement decision (hub.api.placement), each from the head; for an admin call naming a replica
+   the router read `Head.caller`, hub.api.keys_access), its key's rate limits (a 429 before
+   anything is routed: hub.rate_limits) and the placement decision
+   (hub.api.placement), each from the head; for an admin call naming a replica
    (`?replica=<id>`), the admin key check and then the forwarding there;
 5. the route, with the head in the scope (`head_of`): it takes the body from the head
    (hub.api.bodies.request_body) and serves the route decided here, if any
