@@ -6,6 +6,8 @@ work on the database of the config file, as a first admin key must be made. Eith
 change reaches every replica within about a second.
 
     hub keys create team-a --model chat --limit requests_per_minute=60 --priority batch
+    hub keys create team-b --limit requests_per_minute=600 \
+        --model-limit chat:tokens_per_minute=1000 --model-limit emb:requests_per_minute=6000
     hub keys update team-a --limit tokens_per_day=2000000
     hub keys revoke team-a
 """
@@ -42,6 +44,12 @@ LimitsOpt = Annotated[
     typer.Option("--limit", help="NAME=N with NAME one of requests_per_minute, "
                  "tokens_per_minute, tokens_per_day, max_concurrent; repeat for more"),
 ]  # fmt: skip
+ModelLimitsOpt = Annotated[
+    list[str] | None,
+    typer.Option("--model-limit", help="MODEL:NAME=N, a limit of the key on one model (by "
+                 "registered name; versions and aliases count against it), NAME as for "
+                 "--limit; repeat for more"),
+]  # fmt: skip
 PriorityOpt = Annotated[
     str | None, typer.Option(help="interactive | standard | batch (default standard)")
 ]
@@ -56,6 +64,7 @@ def keys_create(
     role: Annotated[str, typer.Option(help="admin | user")] = "user",
     model: ModelsOpt = None,
     limit: LimitsOpt = None,
+    model_limit: ModelLimitsOpt = None,
     priority: PriorityOpt = None,
     expires_at: ExpiresOpt = None,
     url: KeysUrlOpt = None,
@@ -64,7 +73,7 @@ def keys_create(
 ) -> None:
     """Create an API key; the key is printed once."""
     body: dict[str, Any] = {"name": name, "role": role, "models": model or None}
-    body["limits"] = _limits(limit)
+    body["limits"] = _limits(limit, model_limit)
     body["priority"] = priority or "standard"
     body["expires_at"] = expires_at
     if url:
@@ -99,6 +108,7 @@ def keys_update(
     model: ModelsOpt = None,
     all_models: Annotated[bool, typer.Option(help="Let the key use every model")] = False,
     limit: LimitsOpt = None,
+    model_limit: ModelLimitsOpt = None,
     no_limits: Annotated[bool, typer.Option(help="Remove every limit")] = False,
     priority: PriorityOpt = None,
     expires_at: ExpiresOpt = None,
@@ -107,21 +117,24 @@ def keys_update(
     key: KeyOpt = None,
     config: ConfigOpt = None,
 ) -> None:
-    """Change the policy of API key NAME (only what is given changes)."""
+    """Change the policy of API key NAME (only what is given changes; --limit and
+    --model-limit replace all the key's limits together)."""
     body: dict[str, Any] = {}
     if role is not None:
         body["role"] = role
     if model or all_models:
         body["models"] = None if all_models else model
-    if limit or no_limits:
-        body["limits"] = None if no_limits else _limits(limit)
+    if limit or model_limit or no_limits:
+        body["limits"] = None if no_limits else _limits(limit, model_limit)
     if priority is not None:
         body["priority"] = priority
     if expires_at is not None or no_expiry:
         body["expires_at"] = None if no_expiry else expires_at
     if not body:
         raise fail(
-            "nothing to change: give --model, --limit, --priority, --role or --expires-at", 2
+            "nothing to change: give --model, --limit, --model-limit, --priority, --role or "
+            "--expires-at",
+            2,
         )
     if url:
         updated = _remote("PATCH", f"/admin/keys/{name}", url, key, body)
@@ -142,17 +155,30 @@ def keys_revoke(
     typer.echo(f"revoked {name}")
 
 
-def _limits(values: list[str] | None) -> dict[str, int] | None:
-    """`--limit NAME=N` options as the limits object."""
-    if not values:
+def _limits(values: list[str] | None, per_model: list[str] | None = None) -> dict[str, Any] | None:
+    """`--limit NAME=N` and `--model-limit MODEL:NAME=N` options as the limits object."""
+    if not values and not per_model:
         return None
-    limits: dict[str, int] = {}
-    for value in values:
-        name, sep, number = value.partition("=")
-        if not sep or not number.strip().isdigit():
-            raise fail(f"--limit {value!r}: expected NAME=N, e.g. requests_per_minute=60", 2)
-        limits[name.strip()] = int(number)
+    limits: dict[str, Any] = {}
+    for value in values or ():
+        name, number = _limit(value, value, "--limit", "NAME=N, e.g. requests_per_minute=60")
+        limits[name] = number
+    expected = "MODEL:NAME=N, e.g. chat:tokens_per_minute=1000"
+    for value in per_model or ():
+        model, sep, rest = value.partition(":")
+        if not sep or not model.strip():
+            raise fail(f"--model-limit {value!r}: expected {expected}", 2)
+        name, number = _limit(rest, value, "--model-limit", expected)
+        limits.setdefault("models", {}).setdefault(model.strip(), {})[name] = number
     return limits
+
+
+def _limit(text: str, value: str, option: str, expected: str) -> tuple[str, int]:
+    """`NAME=N` in `text` (of option value `value`) as (NAME, N)."""
+    name, sep, number = text.partition("=")
+    if not sep or not number.strip().isdigit():
+        raise fail(f"{option} {value!r}: expected {expected}", 2)
+    return name.strip(), int(number)
 
 
 def _remote(method: str, path: str, url: str, key: str | None, body: Any = None) -> Any:
@@ -206,8 +232,12 @@ def _line(k: dict[str, Any]) -> str:
     """One key on one line: name, role, prefix, state, then its policy."""
     state = f"revoked {k['revoked_at'][:10]}" if k.get("revoked_at") else "active"
     models = ",".join(k["models"]) if k.get("models") else "*"
-    limits = k.get("limits") or {}
-    shown = ",".join(f"{n}={v}" for n, v in limits.items() if v is not None) or "-"
+    limits = dict(k.get("limits") or {})
+    per_model = limits.pop("models", None) or {}
+    parts = [f"{n}={v}" for n, v in limits.items() if v is not None]
+    for model, own in per_model.items():
+        parts += [f"{model}:{n}={v}" for n, v in own.items() if v is not None]
+    shown = ",".join(parts) or "-"
     expiry = f" expires {k['expires_at']}" if k.get("expires_at") else ""
     return (f"{k['name']:24} {k['role']:6} {k['prefix']}…  {state}  models={models} "
             f"limits={shown} priority={k['priority']}{expiry}")  # fmt: skip

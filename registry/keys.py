@@ -13,7 +13,10 @@ import datetime as dt
 import hashlib
 import re
 import secrets
-from dataclasses import asdict, dataclass, fields
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from types import MappingProxyType
 from typing import Any, Final, Literal, cast, get_args
 
 from sqlalchemy import select, update
@@ -35,10 +38,16 @@ def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
+# The four limits a key has, and has again for each model it names in `limits.models`.
+LIMIT_FIELDS = ("requests_per_minute", "tokens_per_minute", "tokens_per_day", "max_concurrent")
+# A registered model's name (registry.service): what per-model limits are keyed by.
+_MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
+
+
 @dataclass(frozen=True)
-class KeyLimits:
-    """A key's rate limits; None means no limit of that kind. Each given value is a positive
-    integer (ValueError otherwise)."""
+class ModelLimits:
+    """Rate limits of one scope (a key, or a key on one model); None means no limit of that
+    kind. Each given value is a positive integer (ValueError otherwise, naming the field)."""
 
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
@@ -46,28 +55,96 @@ class KeyLimits:
     max_concurrent: int | None = None
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
+        for name in LIMIT_FIELDS:
+            value = getattr(self, name)
             if value is None:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"limits.{f.name} must be a positive integer, not {value!r}")
+                raise ValueError(f"limits.{name} must be a positive integer, not {value!r}")
+
+    @cached_property  # read on every limited request
+    def empty(self) -> bool:
+        """Whether none of the four limits is set."""
+        return all(getattr(self, name) is None for name in LIMIT_FIELDS)
+
+    def counts_tokens(self) -> bool:
+        return self.tokens_per_minute is not None or self.tokens_per_day is not None
+
+    def to_json(self) -> dict[str, Any]:
+        return {n: v for n in LIMIT_FIELDS if (v := getattr(self, n)) is not None}
+
+
+@dataclass(frozen=True)
+class KeyLimits(ModelLimits):
+    """A key's rate limits: the four of `ModelLimits` over everything the key does, and
+    `models` the same four for the key's requests to one model, by registered name (a
+    request naming `name@version` or `name@alias` counts against `name`; a LoRA adapter's
+    against its own name and its base model's). A request must fit both its key's limits
+    and its model's. ValueError for a bad value or model name, naming the field."""
+
+    models: Mapping[str, ModelLimits] = field(default_factory=dict, hash=False)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        object.__setattr__(self, "models", MappingProxyType(dict(self.models)))
+        for model, limits in self.models.items():
+            where = f"limits.models.{model}"
+            _model_name(model, where)
+            if not isinstance(limits, ModelLimits) or isinstance(limits, KeyLimits):
+                raise ValueError(f"{where} must be an object of limits")
+            if limits.empty:
+                raise ValueError(f"{where} sets no limit; leave the model out for none")
+
+    def counts_tokens(self) -> bool:
+        return super().counts_tokens() or any(m.counts_tokens() for m in self.models.values())
 
     @classmethod
     def from_json(cls, value: dict[str, Any] | None) -> KeyLimits | None:
         """The limits a JSON object names (ValueError for an unknown name); None for null."""
         if value is None:
             return None
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(
-                f"unknown limit {', '.join(unknown)}; known: {', '.join(sorted(known))}"
-            )
-        return cls(**value)
+        _known(value, (*LIMIT_FIELDS, "models"), "limits")
+        models = value.get("models") or {}
+        if not isinstance(models, dict):
+            raise ValueError("limits.models must be an object: model name -> its limits")
+        by_model = {}
+        for model, limits in models.items():
+            if not isinstance(limits, dict):
+                raise ValueError(f"limits.models.{model} must be an object of limits")
+            _known(limits, LIMIT_FIELDS, f"limits.models.{model}")
+            try:
+                by_model[model] = ModelLimits(**limits)
+            except ValueError as e:  # named as the key's fields are: say which model's
+                raise ValueError(str(e).replace("limits.", f"limits.models.{model}.", 1)) from None
+        own = {k: v for k, v in value.items() if k != "models"}
+        return cls(**own, models=by_model)
 
-    def to_json(self) -> dict[str, int]:
-        return {k: v for k, v in asdict(self).items() if v is not None}
+    def to_json(self) -> dict[str, Any]:
+        out = super().to_json()
+        if self.models:
+            out["models"] = {name: limits.to_json() for name, limits in self.models.items()}
+        return out
+
+
+def _known(value: dict[str, Any], known: tuple[str, ...], where: str) -> None:
+    unknown = sorted(set(value) - set(known))
+    if unknown:
+        raise ValueError(
+            f"unknown limit {', '.join(unknown)} in {where}; known: {', '.join(known)}"
+        )
+
+
+def _model_name(model: object, where: str) -> None:
+    """ValueError unless `model` is a registered model's name (no version or alias)."""
+    if isinstance(model, str) and _MODEL_NAME.fullmatch(model):
+        return
+    name = model.partition("@")[0] if isinstance(model, str) else ""
+    if _MODEL_NAME.fullmatch(name):
+        raise ValueError(
+            f"{where}: limits are per model name (a version or alias counts against its "
+            f"name): use {name!r}"
+        )
+    raise ValueError(f"{where}: not a registered model's name")
 
 
 @dataclass(frozen=True)

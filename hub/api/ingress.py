@@ -50,6 +50,7 @@ from hub.auth import Caller
 from hub.errors import HubError
 from hub.placement.forwarding import Hop, claims_hop, incoming_hop
 from hub.rate_limits.limiter import RateLimited, RateLimiter, metered
+from hub.rate_limits.scopes import counted_models
 from hub.routing import Route
 from hub.traffic.in_flight import InFlightMiddleware
 
@@ -258,11 +259,14 @@ class Ingress:
             await self._serve(hub, head, scope, receive, send)
             return
         limits = caller.policy.limits
-        if (limits.tokens_per_minute or limits.tokens_per_day) and head.body is None:
-            await head.read(receive)  # its length and max_tokens are its cost
+        # Its length and max_tokens are its cost; the body names the model of most routes.
+        needs_body = limits.counts_tokens() or (limits.models and not endpoint.in_path)
+        if needs_body and head.body is None:
+            await head.read(receive)
+        models = counted_models(head.model, hub.catalog.snapshot) if limits.models else ()
         limiter: RateLimiter = hub.limits  # the fleet's buckets (hub.rate_limits)
         try:
-            admission = limiter.admit(caller.name, limits, _replicas(hub), head.body)
+            admission = limiter.admit(caller.name, limits, _replicas(hub), head.body, models)
         except RateLimited as e:
             await answer_error(send, e)
             return

@@ -2,8 +2,9 @@
 
 `POST /admin/keys` answers 201 with the key itself in `key`, the only time it is shown (the
 hub stores its sha256). `PATCH /admin/keys/{name}` changes the fields it names (`null`
-clears models, limits or the expiry); `DELETE` revokes the key for good. Every replica
-applies a change within about a second (hub.auth). A malformed body is a 400 naming the
+clears models, limits or the expiry; `limits` is replaced whole, its per-model limits
+included); `DELETE` revokes the key for good. Every replica applies a change within about a
+second (hub.auth). A malformed body is a 400 naming the
 field, an unknown key a 404, a name in use a 409; an admin key is checked first, as on
 every admin route.
 """
@@ -21,7 +22,7 @@ from hub.api.deps import get_auth, require_admin
 from hub.api.times import UTCDateTime
 from hub.auth import Authenticator
 from hub.errors import BadRequest
-from registry.keys import KeyLimits, KeyView, Priority
+from registry.keys import KeyLimits, KeyView, ModelLimits, Priority
 
 T = TypeVar("T")
 router = APIRouter(prefix="/admin/keys", tags=["keys"], dependencies=[Depends(require_admin)])
@@ -46,7 +47,7 @@ Expiry = Annotated[dt.datetime | None, AfterValidator(_future)]
 ModelRef = Annotated[str, Field(min_length=1, max_length=400, pattern=r"^[^@\s]+(@[^@\s]+)?$")]
 
 
-class KeyLimitsBody(BaseModel):
+class ModelLimitsBody(BaseModel):
     """Rate limits; an absent or null field is no limit of that kind."""
 
     model_config = ConfigDict(extra="forbid")
@@ -56,8 +57,31 @@ class KeyLimitsBody(BaseModel):
     tokens_per_day: PositiveInt | None = None
     max_concurrent: PositiveInt | None = None
 
+
+def _per_model(value: dict[str, ModelLimitsBody] | None) -> dict[str, ModelLimitsBody] | None:
+    """Per-model limits keyed by registered names, each setting some limit."""
+    for model, limits in (value or {}).items():
+        try:
+            KeyLimits(models={model: ModelLimits(**limits.model_dump())})
+        except ValueError as e:
+            raise ValueError(str(e).removeprefix("limits.models.")) from None
+    return value
+
+
+class KeyLimitsBody(ModelLimitsBody):
+    """A key's rate limits, over everything it does, and in `models` the same limits of the
+    key on one model by registered name (a version or alias counts against its name)."""
+
+    models: Annotated[dict[str, ModelLimitsBody] | None, AfterValidator(_per_model)] = None
+
     def limits(self) -> KeyLimits:
-        return KeyLimits(**self.model_dump())
+        own = self.model_dump(exclude={"models"})
+        models = {m: ModelLimits(**v.model_dump()) for m, v in (self.models or {}).items()}
+        return KeyLimits(**own, models=models)
+
+    @classmethod
+    def of(cls, limits: KeyLimits) -> KeyLimitsBody:
+        return cls(**limits.to_json())
 
 
 class KeyCreate(BaseModel):
@@ -106,7 +130,7 @@ class KeyPublic(BaseModel):
             prefix=view.prefix,
             role=view.role,
             models=list(policy.models) if policy.models is not None else None,
-            limits=KeyLimitsBody(**limits.to_json()) if limits is not None else None,
+            limits=KeyLimitsBody.of(limits) if limits is not None else None,
             priority=policy.priority,
             expires_at=policy.expires_at,
             created_at=view.created_at,

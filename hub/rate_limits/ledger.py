@@ -108,9 +108,10 @@ class KeySpend:
 
 
 class Ledger:
-    """Every rate-limited key's consumption, this replica's and the fleet's.
+    """Every rate-limited scope's consumption (a key's, or a key's on one model, each under
+    its ledger name: hub.rate_limits.scopes), this replica's and the fleet's.
 
-    Contract: `key(name)` is a key's `KeySpend` (made on first use); `taken()` hands the
+    Contract: `key(name)` is a scope's `KeySpend` (made on first use); `taken()` hands the
     sync this replica's cumulative counts of every slot spent in since the last write and
     marks them clean, `untaken(spends)` marks them dirty again after a failed write (they
     are cumulative: the next write repeats them); `apply(spends)` replaces what the other

@@ -12,7 +12,14 @@ in OpenAI's error shape (`rate_limit_exceeded`) with `Retry-After`; every answer
 limited key carries OpenAI's `x-ratelimit-{limit,remaining,reset}-{requests,tokens}`
 headers, counted over the whole fleet.
 
-The buckets are the fleet's: each is computed from what the key consumed on this replica
+A key's limits hold over everything it does, and `limits.models` adds limits of the key on
+one model (hub.rate_limits.scopes): a request counts in its key's scope and in the scope of
+each model it counts against, each with buckets of its own, and is admitted only when it
+fits them all. A refusal names the limit it hit (`tokens_per_minute for model tiny-llama`);
+the headers report, of each kind, the bucket with the least remaining, as OpenAI's
+per-model limits are reported.
+
+The buckets are the fleet's: each is computed from what the scope consumed on this replica
 and on the others (hub.rate_limits.ledger), the others' as of the last sync through SQL
 (hub.rate_limits.sync, every `auth.rate_limit_sync_interval`). No SQL runs on a
 request's path, so N replicas together admit at most the limit plus what they admit before
@@ -34,6 +41,7 @@ from starlette.types import Message, Send
 
 from hub.errors import HubError
 from hub.rate_limits.ledger import DAY, MINUTE, REQUESTS, TOKENS, KeySpend, Ledger, Series
+from hub.rate_limits.scopes import LimitScope, scopes_of
 from registry.keys import KeyLimits
 
 # Bytes of a request body per prompt token, for the estimate made before tokenizing.
@@ -53,14 +61,17 @@ class RateLimited(HubError):
 
 @dataclass
 class Bucket:
-    """One of a key's limits at one moment: `capacity` of `kind` a `period`, of which the
-    fleet's consumption leaves `capacity - debt`."""
+    """One limit of a scope at one moment: `capacity` of `kind` a `period`, of which the
+    fleet's consumption leaves `capacity - debt`; `limit` the field that set it and `scope`
+    whose it is."""
 
     kind: str
     count: int
     capacity: float
     period: float
     debt: float
+    limit: str
+    scope: LimitScope
 
     @property
     def level(self) -> float:
@@ -77,11 +88,12 @@ class Bucket:
 
 @dataclass
 class Admission:
-    """One admitted request: what it reserved and has been charged so far (settled by
+    """One admitted request: the scopes it counts in (`ledgers`, each spending into its
+    `spends`), what it reserved and has been charged so far (settled by
     `RateLimiter.settle`), and the headers its answer carries."""
 
-    name: str
-    spend: KeySpend
+    ledgers: tuple[str, ...]
+    spends: tuple[KeySpend, ...]
     clock: Callable[[], float]
     reserved: int
     prompt: int
@@ -93,110 +105,146 @@ class Admission:
     body: bytearray = field(default_factory=bytearray)
 
     def charge_to(self, tokens: int) -> None:
-        """Charge the key so that this request has cost `tokens` in all."""
+        """Charge every scope so that this request has cost `tokens` in all."""
         if tokens != self.charged:
-            self.spend.spend(self.clock(), 0, tokens - self.charged)
+            now = self.clock()
+            for spend in self.spends:
+                spend.spend(now, 0, tokens - self.charged)
             self.charged = tokens
 
 
 class RateLimiter:
-    """The fleet's buckets of every limited key, and this replica's requests in progress;
-    touched on the event loop only. `clock` is wall-clock time: slots are shared between
-    replicas (their clocks are assumed in step, as NTP keeps them)."""
+    """The fleet's buckets of every limited key (and key on a model), and this replica's
+    requests in progress; touched on the event loop only. `clock` is wall-clock time: slots
+    are shared between replicas (their clocks are assumed in step, as NTP keeps them)."""
 
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self.clock = clock
         self.ledger = Ledger()
         self._in_flight: dict[str, int] = {}
 
-    def admit(self, name: str, limits: KeyLimits, share: int, body: bytes | None) -> Admission:
+    def admit(
+        self,
+        name: str,
+        limits: KeyLimits,
+        share: int,
+        body: bytes | None,
+        models: tuple[str, ...] = (),
+    ) -> Admission:
         """Admit one request of key `name` or raise RateLimited; `share` is how many
-        replicas split `max_concurrent`, `body` the request's bytes (None: not read)."""
-        spend = self.ledger.key(name)
+        replicas split `max_concurrent`, `body` the request's bytes (None: not read),
+        `models` the registered names it counts against (`scopes.counted_models`)."""
+        scopes = scopes_of(name, limits, models)
+        spends = tuple(self.ledger.key(scope.ledger) for scope in scopes)
         now = self.clock()
         prompt, completion = estimate(body)
         tokens = prompt + completion
-        buckets = _buckets(spend, limits, now)
+        buckets = [
+            bucket
+            for scope, spend in zip(scopes, spends, strict=True)
+            for bucket in _buckets(spend, scope, now)
+        ]
         for bucket in buckets:
             amount = 1 if bucket.count == REQUESTS else tokens
             if amount <= bucket.level:
                 continue
             headers = _headers(buckets)
+            limit = bucket.scope.describe(bucket.limit)
+            per = f"{bucket.capacity:.0f} {bucket.kind} per {_period(bucket.period)}"
             if amount > bucket.capacity:
                 raise RateLimited(
-                    f"this request needs about {amount:.0f} {bucket.kind}, more than this "
-                    f"key's limit allows at once ({bucket.capacity:.0f} per "
-                    f"{_period(bucket.period)}): lower max_tokens or split the input",
+                    f"this request needs about {amount:.0f} {bucket.kind}, more than API key "
+                    f"{name!r} may use at once under {limit} ({per}): lower max_tokens or "
+                    "split the input",
                     code="rate_limit_exceeded",
                     headers={**headers, "Retry-After": str(math.ceil(bucket.period))},
                 )
             retry = max(1, math.ceil(bucket.wait(amount)))
             raise RateLimited(
-                f"rate limit of API key {name!r} reached: {bucket.capacity:.0f} "
-                f"{bucket.kind} per {_period(bucket.period)}; retry after {retry}s",
+                f"rate limit of API key {name!r} reached: {limit} ({per}); retry after {retry}s",
                 code="rate_limit_exceeded",
                 headers={**headers, "Retry-After": str(retry)},
             )
-        in_flight = self._in_flight.get(name, 0)
-        concurrent = limits.max_concurrent
-        if concurrent is not None and in_flight >= math.ceil(concurrent / max(1, share)):
-            raise RateLimited(
-                f"API key {name!r} has {in_flight} requests in progress on this replica, "
-                f"its share of max_concurrent {concurrent}; retry when one finishes",
-                code="rate_limit_exceeded",
-                headers={**_headers(buckets), "Retry-After": "1"},
-            )
-        spend.spend(now, 1, tokens)
+        for scope in scopes:
+            in_flight = self._in_flight.get(scope.ledger, 0)
+            concurrent = scope.limits.max_concurrent
+            if concurrent is not None and in_flight >= math.ceil(concurrent / max(1, share)):
+                where = f" for model {scope.model}" if scope.model is not None else ""
+                raise RateLimited(
+                    f"API key {name!r} has {in_flight} requests{where} in progress on this "
+                    f"replica, its share of max_concurrent {concurrent}{where}; retry when one "
+                    "finishes",
+                    code="rate_limit_exceeded",
+                    headers={**_headers(buckets), "Retry-After": "1"},
+                )
+        for spend in spends:
+            spend.spend(now, 1, tokens)
         for bucket in buckets:
             bucket.debt += 1 if bucket.count == REQUESTS else tokens
-        self._in_flight[name] = in_flight + 1
-        return Admission(name, spend, self.clock, reserved=tokens, prompt=prompt,
+        ledgers = tuple(scope.ledger for scope in scopes)
+        for ledger in ledgers:
+            self._in_flight[ledger] = self._in_flight.get(ledger, 0) + 1
+        return Admission(ledgers, spends, self.clock, reserved=tokens, prompt=prompt,
                          headers=_headers(buckets), charged=tokens)  # fmt: skip
 
     def settle(self, admission: Admission) -> None:
         """The request ended: charge the tokens it used instead of those it reserved."""
-        left = self._in_flight.get(admission.name, 1) - 1
-        if left > 0:
-            self._in_flight[admission.name] = left
-        else:
-            self._in_flight.pop(admission.name, None)
+        for ledger in admission.ledgers:
+            left = self._in_flight.get(ledger, 1) - 1
+            if left > 0:
+                self._in_flight[ledger] = left
+            else:
+                self._in_flight.pop(ledger, None)
         used = admission.usage
         if used is None:
             used = admission.prompt + admission.streamed
         admission.charge_to(used)
 
-    def status(self, name: str, limits: KeyLimits) -> dict[str, str]:
-        """OpenAI's x-ratelimit-* headers for key `name` now, over the fleet."""
-        return _headers(_buckets(self.ledger.key(name), limits, self.clock()))
+    def status(self, name: str, limits: KeyLimits, models: tuple[str, ...] = ()) -> dict[str, str]:
+        """OpenAI's x-ratelimit-* headers for key `name` on `models` now, over the fleet."""
+        now = self.clock()
+        buckets = [
+            bucket
+            for scope in scopes_of(name, limits, models)
+            for bucket in _buckets(self.ledger.key(scope.ledger), scope, now)
+        ]
+        return _headers(buckets)
 
     def prune(self) -> None:
-        """Forget consumption older than its period, and keys with none and none in flight."""
+        """Forget consumption older than its period, and scopes with none and none in flight."""
         self.ledger.prune(self.clock(), busy=set(self._in_flight))
 
 
-def _buckets(spend: KeySpend, limits: KeyLimits, now: float) -> list[Bucket]:
+def _buckets(spend: KeySpend, scope: LimitScope, now: float) -> list[Bucket]:
     out = []
-    specs: list[tuple[str, int, int | None, Series]] = [
-        ("requests", REQUESTS, limits.requests_per_minute, spend.minute),
-        ("tokens", TOKENS, limits.tokens_per_minute, spend.minute),
-        ("tokens", TOKENS, limits.tokens_per_day, spend.day),
+    limits = scope.limits
+    specs: list[tuple[str, int, str, int | None, Series]] = [
+        ("requests", REQUESTS, "requests_per_minute", limits.requests_per_minute, spend.minute),
+        ("tokens", TOKENS, "tokens_per_minute", limits.tokens_per_minute, spend.minute),
+        ("tokens", TOKENS, "tokens_per_day", limits.tokens_per_day, spend.day),
     ]
-    for kind, count, limit, series in specs:
-        if limit is not None:
-            debt = series.debt(count, float(limit), now)
-            out.append(Bucket(kind, count, float(limit), series.period, debt))
+    for kind, count, limit, capacity, series in specs:
+        if capacity is not None:
+            debt = series.debt(count, float(capacity), now)
+            out.append(Bucket(kind, count, float(capacity), series.period, debt, limit, scope))
     return out
 
 
 def _headers(buckets: list[Bucket]) -> dict[str, str]:
-    """OpenAI's x-ratelimit-* headers of the per-minute buckets."""
-    out: dict[str, str] = {}
+    """OpenAI's x-ratelimit-* headers of the per-minute buckets: of each kind, the one with
+    the least remaining (a key's own or its model's)."""
+    tightest: dict[str, Bucket] = {}
     for bucket in buckets:
         if bucket.period != MINUTE:
             continue
-        out[f"x-ratelimit-limit-{bucket.kind}"] = str(round(bucket.capacity))
-        out[f"x-ratelimit-remaining-{bucket.kind}"] = str(max(0, math.floor(bucket.level)))
-        out[f"x-ratelimit-reset-{bucket.kind}"] = _duration(bucket.reset())
+        held = tightest.get(bucket.kind)
+        if held is None or bucket.level < held.level:
+            tightest[bucket.kind] = bucket
+    out: dict[str, str] = {}
+    for kind, bucket in tightest.items():
+        out[f"x-ratelimit-limit-{kind}"] = str(round(bucket.capacity))
+        out[f"x-ratelimit-remaining-{kind}"] = str(max(0, math.floor(bucket.level)))
+        out[f"x-ratelimit-reset-{kind}"] = _duration(bucket.reset())
     return out
 
 
@@ -225,6 +273,9 @@ def estimate(body: bytes | None) -> tuple[int, int]:
 def metered(send: Send, admission: Admission) -> Send:
     """`send` that adds the admission's headers to the answer and counts what it used: the
     `usage` of a JSON answer, or a stream's content events (and its final `usage`)."""
+
+    if not admission.spends:  # in no limited scope: nothing to count or report
+        return send
 
     async def sending(message: Message) -> None:
         if message["type"] == "http.response.start":

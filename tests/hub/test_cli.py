@@ -168,13 +168,21 @@ def test_keys_carry_a_policy_on_the_database(config: Path) -> None:
 
     expiry = "2999-01-01T00:00:00+00:00"
     created = hub("create", "team-a", "--model", "chat", "--model", "emb@2",
-                  "--limit", "tokens_per_day=1000", "--expires-at", expiry)  # fmt: skip
+                  "--limit", "tokens_per_day=1000", "--model-limit", "chat:tokens_per_minute=100",
+                  "--model-limit", "chat:max_concurrent=2", "--expires-at", expiry)  # fmt: skip
     assert created.exit_code == 0, created.output
     shown = json.loads(hub("show", "team-a").output)
-    assert shown["models"] == ["chat", "emb@2"] and shown["limits"] == {"tokens_per_day": 1000}
+    assert shown["models"] == ["chat", "emb@2"]
+    assert shown["limits"] == {
+        "tokens_per_day": 1000, "models": {"chat": {"tokens_per_minute": 100, "max_concurrent": 2}}
+    }  # fmt: skip
+    assert "chat:tokens_per_minute=100" in hub("list").output
     assert shown["expires_at"].startswith("2999-01-01")
     assert hub("update", "team-a", "--priority", "interactive").exit_code == 0
     assert "priority=interactive" in hub("list").output
     refused = hub("update", "team-a", "--limit", "requests_per_hour=5")
     assert refused.exit_code == 1 and "unknown limit" in refused.output
+    refused = hub("update", "team-a", "--model-limit", "chat@2:max_concurrent=1")
+    assert refused.exit_code == 1 and "use 'chat'" in refused.output
+    assert hub("update", "team-a", "--model-limit", "tokens_per_minute=5").exit_code == 2
     assert hub("update", "team-a").exit_code == 2  # nothing to change

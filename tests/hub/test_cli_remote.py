@@ -127,13 +127,16 @@ def test_keys_commands_with_a_url_go_through_the_admin_api(served: Path) -> None
     and the local database commands (no --url) see the same keys."""
     url = ["--url", _base(served)]
     created = _hub(served, "keys", "create", "team-a", "--model", "emb", "--limit",
-                   "requests_per_minute=60", "--priority", "batch", *url)  # fmt: skip
+                   "requests_per_minute=60", "--model-limit", "emb:max_concurrent=2",
+                   "--priority", "batch", *url)  # fmt: skip
     secret = created.stdout.strip()
     assert secret.startswith("hub-")
     listed = httpx.get(f"{_base(served)}/admin/keys", timeout=30).json()
     assert [(k["name"], k["models"], k["priority"]) for k in listed] == [
         ("team-a", ["emb"], "batch")
     ]
+    assert listed[0]["limits"]["models"]["emb"]["max_concurrent"] == 2
+    assert "emb:max_concurrent=2" in _hub(served, "keys", "list", *url).stdout
     _hub(served, "keys", "update", "team-a", "--all-models", "--no-limits", *url)
     shown = json.loads(_hub(served, "keys", "show", "team-a", *url).stdout)
     assert shown["models"] is None and shown["limits"] is None

@@ -10,7 +10,7 @@ from sqlalchemy import create_engine, text
 
 from registry.db import Database, upgrade
 from registry.errors import ConflictError, NotFoundError
-from registry.keys import ApiKeys, KeyLimits, hash_key
+from registry.keys import ApiKeys, KeyLimits, ModelLimits, hash_key
 
 
 @pytest.fixture
@@ -105,3 +105,33 @@ def test_a_key_made_before_the_migration_keeps_working_without_limits(tmp_path: 
     policy = ApiKeys(Database(url)).verify("hub-legacy-key")
     assert policy is not None and policy.name == "legacy"
     assert policy.models is None and policy.limits is None and policy.priority == "standard"
+
+
+def test_per_model_limits_are_stored_with_the_keys_and_old_limits_still_read(
+    keys: ApiKeys,
+) -> None:
+    limits = KeyLimits(
+        requests_per_minute=600,
+        models={"chat": ModelLimits(tokens_per_minute=1000, max_concurrent=2)},
+    )
+    key, _ = keys.create("team-a", "user", limits=limits)
+    policy = keys.verify(key)
+    assert policy is not None and policy.limits == limits
+    assert policy.limits.models["chat"].tokens_per_minute == 1000
+    # Limits stored before per-model limits existed (no `models`) read as before.
+    with keys.db.session() as s:
+        s.execute(text("UPDATE hub_api_keys SET limits = '{\"tokens_per_day\": 9}'"))
+    policy = keys.verify(key)
+    assert policy is not None and policy.limits == KeyLimits(tokens_per_day=9)
+    assert dict(policy.limits.models) == {}
+
+
+def test_per_model_limits_name_a_model_and_some_limit() -> None:
+    with pytest.raises(ValueError, match=r"limits.models.chat@2: .* use 'chat'"):
+        KeyLimits.from_json({"models": {"chat@2": {"tokens_per_minute": 5}}})
+    with pytest.raises(ValueError, match=r"limits.models.chat.tokens_per_minute must be"):
+        KeyLimits.from_json({"models": {"chat": {"tokens_per_minute": 0}}})
+    with pytest.raises(ValueError, match=r"unknown limit per_hour in limits.models.chat"):
+        KeyLimits.from_json({"models": {"chat": {"per_hour": 5}}})
+    with pytest.raises(ValueError, match=r"limits.models.chat sets no limit"):
+        KeyLimits.from_json({"models": {"chat": {}}})

@@ -18,7 +18,7 @@ from hub.rate_limits.limiter import RateLimited, RateLimiter
 from hub.rate_limits.sync import LimitSync
 from hub.sql_worker import SqlWorker
 from registry.db import upgrade
-from registry.keys import KeyLimits
+from registry.keys import KeyLimits, ModelLimits
 from registry.rate_limits import RateLimitBook
 from registry.replicas import membership_engine
 from registry.schema import RateLimitSpendRow
@@ -49,12 +49,16 @@ def replica(
                      metrics=metrics or CollectorRegistry())  # fmt: skip
 
 
-def admitted(sync: LimitSync, count: int, limits: KeyLimits = PER_MINUTE) -> int:
-    """How many of `count` requests of key "team" the replica admits (each settled)."""
+def admitted(
+    sync: LimitSync, count: int, limits: KeyLimits = PER_MINUTE, model: str | None = None
+) -> int:
+    """How many of `count` requests of key "team" (for `model`) the replica admits (each
+    settled)."""
     n = 0
+    models = (model,) if model is not None else ()
     for _ in range(count):
         try:
-            sync.limiter.settle(sync.limiter.admit("team", limits, 1, None))
+            sync.limiter.settle(sync.limiter.admit("team", limits, 1, None, models))
         except RateLimited:
             continue
         n += 1
@@ -98,6 +102,28 @@ async def test_two_replicas_admit_one_limit_between_them(url: str) -> None:
     assert admitted(a, 1) == 1
     assert await a.write() and await b.read()
     assert admitted(b, 2) == 1
+    for sync in (a, b):
+        await sync.stop()
+        sync.close()
+
+
+async def test_a_limit_on_one_model_is_summed_over_the_replicas(url: str) -> None:
+    clock = Clock()
+    a, b = replica(url, clock, "a"), replica(url, clock, "b")
+    limits = KeyLimits(
+        requests_per_minute=100, models={"chat": ModelLimits(requests_per_minute=10)}
+    )
+    assert admitted(a, 6, limits, "chat") == 6
+    assert await a.write() and await b.read()
+    assert admitted(b, 8, limits, "chat") == 4
+    with pytest.raises(RateLimited, match="requests_per_minute for model chat"):
+        b.limiter.admit("team", limits, 1, None, ("chat",))
+    # The key's other models still have the rest of its own limit, on either replica.
+    assert admitted(b, 5, limits, "emb") == 5
+    assert await b.write() and await a.read()
+    assert admitted(a, 3, limits, "chat") == 0
+    status = a.limiter.status("team", limits, ("emb",))
+    assert status["x-ratelimit-remaining-requests"] == str(100 - 6 - 4 - 5)
     for sync in (a, b):
         await sync.stop()
         sync.close()

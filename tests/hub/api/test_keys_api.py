@@ -18,7 +18,11 @@ async def test_keys_are_managed_through_the_admin_api(
             "name": "team-a",
             "role": "user",
             "models": ["chat", "emb@2"],
-            "limits": {"requests_per_minute": 60, "max_concurrent": 4},
+            "limits": {
+                "requests_per_minute": 60,
+                "max_concurrent": 4,
+                "models": {"chat": {"tokens_per_minute": 1000}},
+            },
             "priority": "batch",
             "expires_at": "2999-01-01T00:00:00Z",
         }
@@ -29,9 +33,11 @@ async def test_keys_are_managed_through_the_admin_api(
         created = r.json()
         key = created.pop("key")
         assert key.startswith(created["prefix"]) and created["revoked_at"] is None
+        unset = {"requests_per_minute": None, "tokens_per_minute": None, "tokens_per_day": None,
+                 "max_concurrent": None}  # fmt: skip
         assert created["limits"] == {
-            "requests_per_minute": 60, "tokens_per_minute": None, "tokens_per_day": None,
-            "max_concurrent": 4,
+            **unset, "requests_per_minute": 60, "max_concurrent": 4,
+            "models": {"chat": {**unset, "tokens_per_minute": 1000}},
         }  # fmt: skip
         assert created["models"] == ["chat", "emb@2"] and created["priority"] == "batch"
         # The key itself is never shown again.
@@ -50,6 +56,16 @@ async def test_keys_are_managed_through_the_admin_api(
         assert r.status_code == 200, r.text
         assert r.json()["models"] is None and r.json()["priority"] == "interactive"
         assert r.json()["limits"]["requests_per_minute"] == 60  # untouched
+        # New limits replace the old ones whole, the per-model ones included.
+        limits = {"models": {"emb": {"requests_per_minute": 6000}}}
+        r = await client.patch("/admin/keys/team-a", json={"limits": limits}, headers=ADMIN)
+        assert r.status_code == 200, r.text
+        assert r.json()["limits"] == {
+            **unset,
+            "models": {"emb": {**unset, "requests_per_minute": 6000}},
+        }
+        shown = (await client.get("/admin/keys/team-a", headers=ADMIN)).json()
+        assert shown["limits"] == r.json()["limits"]
 
         r = await client.delete("/admin/keys/team-a", headers=ADMIN)
         assert r.status_code == 200 and r.json()["revoked_at"] is not None
@@ -72,6 +88,29 @@ async def test_bad_key_bodies_are_400_naming_the_field(
             ({"name": "a", "role": "user", "limits": {"requests_per_minute": 0}}, "limits"),
             ({"name": "a", "role": "user", "limits": {"requests_per_hour": 5}}, "limits"),
             ({"name": "a", "role": "user", "models": []}, "models"),
+            # Per-model limits: by registered name, the same four fields, each set positive.
+            (
+                {
+                    "name": "a",
+                    "role": "user",
+                    "limits": {"models": {"chat@2": {"max_concurrent": 1}}},
+                },
+                "limits.models",
+            ),
+            (
+                {"name": "a", "role": "user", "limits": {"models": {"chat": {"per_hour": 1}}}},
+                "limits.models.chat.per_hour",
+            ),
+            (
+                {
+                    "name": "a",
+                    "role": "user",
+                    "limits": {"models": {"chat": {"max_concurrent": 0}}},
+                },
+                "limits.models.chat.max_concurrent",
+            ),
+            ({"name": "a", "role": "user", "limits": {"models": {"chat": {}}}}, "limits.models"),
+            ({"name": "a", "role": "user", "limits": {"models": ["chat"]}}, "limits.models"),
             ({"name": "a", "role": "user", "models": ["chat@"]}, "models"),
             ({"name": "a", "role": "user", "expires_at": "2001-01-01T00:00:00Z"}, "expires_at"),
             ({"name": "a", "role": "user", "budget": 5}, "budget"),
