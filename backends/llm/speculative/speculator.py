@@ -8,13 +8,21 @@ its sampling keeps per-token state that drafts would advance (a seed, penalties)
 tokens, an accepted share below `min_acceptance`), or in a step with more decoding sequences
 than `max_batch`, where the step is bound by compute and verifying drafts costs more than it
 saves. A structured request's drafts are cut at the first one its grammar refuses.
+
+Below `max_batch`, speculation is also turned down by its cost (`cost.SpeculationCost`): the
+engine reports each step (`observe`), and no sequence proposes in a step whose batch size
+has recently made tokens more slowly with drafts than without.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Protocol
 
+from backends.llm.scheduler import SchedulerOutput
 from backends.llm.sequence import Sequence
+from backends.llm.speculative.cost import SpeculationCost
 from backends.llm.speculative.ngram import propose_ngram
 from backends.runtime_config import SpeculativeConfig
 
@@ -50,16 +58,28 @@ class PromptLookup:
 class Speculator:
     """Sets a step's drafts; `proposer` makes them (prompt lookup when None)."""
 
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None) -> None:
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        proposer: Proposer | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         self.config = config
         self.proposer = proposer or PromptLookup(config.min_match, config.max_match)
+        self.cost = SpeculationCost()
+        self.clock = clock
+        self._started: float | None = None
 
     def propose(self, running: list[Sequence]) -> int:
         """Draft for the decoding sequences of `running` that should speculate; returns the
-        number of tokens proposed."""
+        number of tokens proposed. Called as a step starts (the step's time counts from
+        here to `observe`)."""
+        self._started = self.clock()
         self.proposer.keep_only({s.seq_id for s in running})
         decoding = [s for s in running if s.num_tokens - s.num_computed_tokens == 1]
         if not decoding or len(decoding) > self.config.max_batch:
+            return 0
+        if not self.cost.speculate(len(decoding)):
             return 0
         chosen = [s for s in decoding if self.wants(s)]
         if not chosen:
@@ -72,6 +92,18 @@ class Speculator:
             seq.draft_token_ids = drafts
             proposed += len(drafts)
         return proposed
+
+    def observe(self, output: SchedulerOutput, emitted: int) -> None:
+        """The step `propose` started ran `output` and emitted `emitted` tokens: a step of
+        decodes only (with or without drafts) counts toward the cost of speculating."""
+        started, self._started = self._started, None
+        items = output.scheduled
+        if started is None or not items:
+            return
+        if any(not item.sample or item.num_tokens != 1 + len(item.drafts) for item in items):
+            return  # a prompt chunk in the step: its time is no decode's
+        drafts = any(item.drafts for item in items)
+        self.cost.observe(len(items), drafts, self.clock() - started, emitted)
 
     def wants(self, seq: Sequence) -> bool:
         """Whether `seq` should propose drafts now (see the module docstring)."""

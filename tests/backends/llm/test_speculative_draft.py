@@ -19,6 +19,7 @@ from tests.backends.llm.speculative_support import (
     STEP_BUDGET,
     assert_same,
     engine,
+    speculating_always,
     workload,
 )
 from tests.backends.llm.support import build_model, kv_bytes, run_all
@@ -43,7 +44,7 @@ def draft_engine(folder: Path, draft_folder: Path, k: int, **config: Any) -> LLM
     draft_runner = ModelRunner.load(draft_folder, "cpu", torch.float32, draft_config)
     draft = DraftModel(draft_runner, BLOCK_SIZE, STEP_BUDGET)
     draft.check_vocab(runner.vocab_size)
-    return LLMEngine(engine_config, runner, proposer=draft)
+    return speculating_always(LLMEngine(engine_config, runner, proposer=draft))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
