@@ -295,11 +295,11 @@ class LLMEngine:
         updated = scheduler.update(output, sampled.token_ids)
         for proposed, accepted, emitted in scheduler.verified:
             self.metrics.speculation.observe(proposed, accepted, emitted)
-        if self.speculator is not None:
-            self.speculator.observe(output, sum(len(rows) for _, rows in updated))
         for i, (seq, rows) in enumerate(updated):
             if seq.guide is not None:
                 updated[i] = (seq, self._advance_guide(seq, seq.guide, rows))
+        if self.speculator is not None:
+            self.speculator.observe(output, updated)
         now = time.monotonic()
         for item in output.scheduled:
             request = self._requests.get(item.seq.request_id)

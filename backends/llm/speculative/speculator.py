@@ -10,8 +10,9 @@ than `max_batch`, where the step is bound by compute and verifying drafts costs 
 saves. A structured request's drafts are cut at the first one its grammar refuses.
 
 Below `max_batch`, speculation is also turned down by its cost (`cost.SpeculationCost`): the
-engine reports each step (`observe`), and no sequence proposes in a step whose batch size
-has recently made tokens more slowly with drafts than without.
+engine reports each step (`observe`), and no sequence proposes in a step where the tokens the
+step's sequences are expected to emit with drafts (each one's moving average over its recent
+verify steps) do not exceed what a step with drafts costs over one without at that batch size.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ from backends.llm.sequence import Sequence
 from backends.llm.speculative.cost import SpeculationCost
 from backends.llm.speculative.ngram import propose_ngram
 from backends.runtime_config import SpeculativeConfig
+
+# Weight of a verify step's tokens in its sequence's moving average of them.
+YIELD_WEIGHT = 0.3
 
 
 class Proposer(Protocol):
@@ -69,20 +73,29 @@ class Speculator:
         self.cost = SpeculationCost()
         self.clock = clock
         self._started: float | None = None
+        # Per sequence: a moving average of the tokens its verify steps emitted.
+        self._yield: dict[int, float] = {}
 
     def propose(self, running: list[Sequence]) -> int:
         """Draft for the decoding sequences of `running` that should speculate; returns the
         number of tokens proposed. Called as a step starts (the step's time counts from
         here to `observe`)."""
         self._started = self.clock()
-        self.proposer.keep_only({s.seq_id for s in running})
+        running_ids = {s.seq_id for s in running}
+        self.proposer.keep_only(running_ids)
+        if len(self._yield) > len(running_ids):
+            self._yield = {i: y for i, y in self._yield.items() if i in running_ids}
         decoding = [s for s in running if s.num_tokens - s.num_computed_tokens == 1]
         if not decoding or len(decoding) > self.config.max_batch:
             return 0
-        if not self.cost.speculate(len(decoding)):
-            return 0
         chosen = [s for s in decoding if self.wants(s)]
         if not chosen:
+            return 0
+        # A sequence not measured yet is expected to yield everything (so it gets measured).
+        most = self.config.num_tokens + 1.0
+        expected = sum(self._yield.get(s.seq_id, most) for s in chosen)
+        expected += len(decoding) - len(chosen)
+        if not self.cost.speculate(len(decoding), expected / len(decoding)):
             return 0
         proposed = 0
         drafted = self.proposer.propose(chosen, self.config.num_tokens)
@@ -93,17 +106,24 @@ class Speculator:
             proposed += len(drafts)
         return proposed
 
-    def observe(self, output: SchedulerOutput, emitted: int) -> None:
-        """The step `propose` started ran `output` and emitted `emitted` tokens: a step of
-        decodes only (with or without drafts) counts toward the cost of speculating."""
-        started, self._started = self._started, None
+    def observe(self, output: SchedulerOutput, emitted: list[tuple[Sequence, list[int]]]) -> None:
+        """The step `propose` started ran `output`, and `emitted` says how many tokens (rows)
+        each sequence got: each verifying sequence's yield is updated, and a step of decodes
+        only (with or without drafts) counts toward the cost of speculating."""
+        elapsed = self.clock() - self._started if self._started is not None else None
+        self._started = None
         items = output.scheduled
-        if started is None or not items:
+        if any(item.drafts for item in items):
+            verified = {item.seq.seq_id for item in items if item.drafts}
+            for seq, rows in emitted:
+                if seq.seq_id in verified:
+                    before = self._yield.get(seq.seq_id, len(rows))
+                    self._yield[seq.seq_id] = before + YIELD_WEIGHT * (len(rows) - before)
+        if elapsed is None or not items:
             return
         if any(not item.sample or item.num_tokens != 1 + len(item.drafts) for item in items):
             return  # a prompt chunk in the step: its time is no decode's
-        drafts = any(item.drafts for item in items)
-        self.cost.observe(len(items), drafts, self.clock() - started, emitted)
+        self.cost.observe(len(items), any(item.drafts for item in items), elapsed)
 
     def wants(self, seq: Sequence) -> bool:
         """Whether `seq` should propose drafts now (see the module docstring)."""
