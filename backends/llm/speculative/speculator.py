@@ -27,8 +27,15 @@ from backends.llm.speculative.cost import SpeculationCost
 from backends.llm.speculative.ngram import propose_ngram
 from backends.runtime_config import SpeculativeConfig
 
-# Weight of a verify step's tokens in its sequence's moving average of them.
+# Weight of a verify step's tokens in its sequence's moving average of them (which starts at
+# the most a step can give, k + 1, so that a new sequence gets measured).
 YIELD_WEIGHT = 0.3
+# Each step a sequence does not speculate, its average moves this share of the way back to
+# k + 1: a sequence whose drafts stopped landing tries again now and then (a miss costs one
+# verify step's extra; a copy found late costs k tokens a step). Against the drop a miss
+# makes, that retries in about one step in ten where a step with drafts costs 1.5 plain ones,
+# and more often where it costs less.
+YIELD_RECOVERY = 0.005
 
 
 class Proposer(Protocol):
@@ -73,6 +80,7 @@ class Speculator:
         self.cost = SpeculationCost()
         self.clock = clock
         self._started: float | None = None
+        self._speculated = False
         # Per sequence: a moving average of the tokens its verify steps emitted.
         self._yield: dict[int, float] = {}
 
@@ -81,6 +89,7 @@ class Speculator:
         number of tokens proposed. Called as a step starts (the step's time counts from
         here to `observe`)."""
         self._started = self.clock()
+        self._speculated = False
         running_ids = {s.seq_id for s in running}
         self.proposer.keep_only(running_ids)
         if len(self._yield) > len(running_ids):
@@ -96,8 +105,13 @@ class Speculator:
         expected = sum(self._yield.get(s.seq_id, most) for s in chosen)
         expected += len(decoding) - len(chosen)
         if not self.cost.speculate(len(decoding), expected / len(decoding)):
+            for s in chosen:
+                y = self._yield.get(s.seq_id)
+                if y is not None:
+                    self._yield[s.seq_id] = y + YIELD_RECOVERY * (most - y)
             return 0
         proposed = 0
+        self._speculated = True  # the step's cost is speculation's, drafts or none
         drafted = self.proposer.propose(chosen, self.config.num_tokens)
         for seq, drafts in zip(chosen, drafted, strict=True):
             if drafts and seq.guide is not None:
@@ -109,21 +123,23 @@ class Speculator:
     def observe(self, output: SchedulerOutput, emitted: list[tuple[Sequence, list[int]]]) -> None:
         """The step `propose` started ran `output`, and `emitted` says how many tokens (rows)
         each sequence got: each verifying sequence's yield is updated, and a step of decodes
-        only (with or without drafts) counts toward the cost of speculating."""
+        only counts toward the cost of speculating (a step whose proposer ran, drafts or
+        none) or of not speculating."""
         elapsed = self.clock() - self._started if self._started is not None else None
         self._started = None
         items = output.scheduled
         if any(item.drafts for item in items):
             verified = {item.seq.seq_id for item in items if item.drafts}
+            most = self.config.num_tokens + 1.0
             for seq, rows in emitted:
                 if seq.seq_id in verified:
-                    before = self._yield.get(seq.seq_id, len(rows))
+                    before = self._yield.get(seq.seq_id, most)
                     self._yield[seq.seq_id] = before + YIELD_WEIGHT * (len(rows) - before)
         if elapsed is None or not items:
             return
         if any(not item.sample or item.num_tokens != 1 + len(item.drafts) for item in items):
             return  # a prompt chunk in the step: its time is no decode's
-        self.cost.observe(len(items), any(item.drafts for item in items), elapsed)
+        self.cost.observe(len(items), self._speculated, elapsed)
 
     def wants(self, seq: Sequence) -> bool:
         """Whether `seq` should propose drafts now (see the module docstring)."""

@@ -139,8 +139,8 @@ def test_a_request_whose_drafts_miss_does_not_turn_the_next_one_down(root: Path)
     while e.has_work():
         e.step()
         steps += 1
-    # The first stopped after a few verify steps (and a probe now and then); the second
+    # The first stopped after a few verify steps, then tried again now and then; the second
     # speculated nearly every step, getting its 64 tokens in a fraction of the steps.
-    assert missed <= MIN_SAMPLES + 64 // PROBE_EVERY + 2
+    assert missed <= 64 // 4
     assert e.metrics.speculation.verify_steps - missed >= steps - 2
     assert steps < 64 // 2
