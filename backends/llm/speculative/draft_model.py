@@ -25,6 +25,9 @@ from backends.llm.sampling_params import SamplingParams
 from backends.llm.scheduler import ScheduledSequence, SchedulerOutput
 from backends.llm.sequence import Sequence
 
+# Threads of a draft step (fused): its work is too small to share out.
+DRAFT_THREADS = 1
+
 
 class DraftModel:
     """Proposes drafts with `runner` (the draft LLM); a `Proposer` for the `Speculator`.
@@ -32,6 +35,8 @@ class DraftModel:
 
     def __init__(self, runner: ModelRunner, block_size: int, max_num_batched_tokens: int) -> None:
         self.runner = runner
+        # The draft's steps are small: one thread each, free of the threads' barriers.
+        runner.fused.limit_threads(DRAFT_THREADS)
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.kv_cache = KVCacheManager(runner.num_blocks, block_size, enable_prefix_caching=False)

@@ -62,6 +62,9 @@ def test_greedy_output_with_a_draft_model_equals_without(arch: str, root: Path) 
     assert_same(base, run_all(same, requests))
     assert same.metrics.speculation.acceptance_rate > 0.9
     assert same.metrics.speculation.tokens_per_step > 3
+    # The draft's small steps ran fused, on one thread.
+    draft_runner = same.speculator.proposer.runner  # type: ignore[union-attr, attr-defined]
+    assert draft_runner.fused.steps > 0 and draft_runner.fused.decoder.threads == 1
     # Another model: drafts mostly rejected, rolled back in both caches, output unchanged.
     # Preemption too (20 blocks of 4 tokens).
     small = {"kv_cache_bytes": kv_bytes(folder, 20, BLOCK_SIZE)}
