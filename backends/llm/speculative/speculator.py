@@ -36,6 +36,9 @@ YIELD_WEIGHT = 0.3
 # makes, that retries in about one step in ten where a step with drafts costs 1.5 plain ones,
 # and more often where it costs less.
 YIELD_RECOVERY = 0.005
+# A gap after a step longer than this many times the step is the engine idle, not part of
+# the step's cost.
+IDLE_FACTOR = 4.0
 
 
 class Proposer(Protocol):
@@ -81,6 +84,10 @@ class Speculator:
         self.clock = clock
         self._started: float | None = None
         self._speculated = False
+        # The last decode-only step, timed up to the next step's start (so that what the
+        # engine does per step outside it, streaming the outputs, counts too): (batch,
+        # speculated, started, ended).
+        self._pending: tuple[int, bool, float, float] | None = None
         # Per sequence: a moving average of the tokens its verify steps emitted.
         self._yield: dict[int, float] = {}
 
@@ -88,8 +95,15 @@ class Speculator:
         """Draft for the decoding sequences of `running` that should speculate; returns the
         number of tokens proposed. Called as a step starts (the step's time counts from
         here to `observe`)."""
-        self._started = self.clock()
+        self._started = now = self.clock()
         self._speculated = False
+        if self._pending is not None:
+            batch, speculated, started, ended = self._pending
+            self._pending = None
+            # A long gap is the engine waiting for work, not the step's: its own time then.
+            gap = now - ended
+            until = now if gap <= IDLE_FACTOR * (ended - started) else ended
+            self.cost.observe(batch, speculated, until - started)
         running_ids = {s.seq_id for s in running}
         self.proposer.keep_only(running_ids)
         if len(self._yield) > len(running_ids):
@@ -124,9 +138,8 @@ class Speculator:
         """The step `propose` started ran `output`, and `emitted` says how many tokens (rows)
         each sequence got: each verifying sequence's yield is updated, and a step of decodes
         only counts toward the cost of speculating (a step whose proposer ran, drafts or
-        none) or of not speculating."""
-        elapsed = self.clock() - self._started if self._started is not None else None
-        self._started = None
+        none) or of not speculating, timed from its start to the next step's (`propose`)."""
+        started, self._started = self._started, None
         items = output.scheduled
         if any(item.drafts for item in items):
             verified = {item.seq.seq_id for item in items if item.drafts}
@@ -135,11 +148,11 @@ class Speculator:
                 if seq.seq_id in verified:
                     before = self._yield.get(seq.seq_id, most)
                     self._yield[seq.seq_id] = before + YIELD_WEIGHT * (len(rows) - before)
-        if elapsed is None or not items:
+        if started is None or not items:
             return
         if any(not item.sample or item.num_tokens != 1 + len(item.drafts) for item in items):
             return  # a prompt chunk in the step: its time is no decode's
-        self.cost.observe(len(items), self._speculated, elapsed)
+        self._pending = (len(items), self._speculated, started, self.clock())
 
     def wants(self, seq: Sequence) -> bool:
         """Whether `seq` should propose drafts now (see the module docstring)."""
