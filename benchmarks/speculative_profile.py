@@ -69,7 +69,12 @@ def build_engine(pair: Any, spec: SpeculativeConfig | None, tokenizer: Any) -> L
     if spec is not None and spec.kind == "draft":
         draft_config = EngineConfig(**ENGINE, enable_prefix_caching=False)
         draft_runner = ModelRunner.load(pair.draft, "cpu", torch.float32, draft_config)
-        proposer = DraftModel(draft_runner, config.block_size, config.max_num_batched_tokens)
+        proposer = DraftModel(
+            draft_runner,
+            config.block_size,
+            config.max_num_batched_tokens,
+            spec.min_draft_probability,
+        )
     return LLMEngine(config, runner, tokenizer, proposer=proposer)
 
 
