@@ -8,9 +8,11 @@ share, which drops the rejected drafts' KV (blocks past it go back to the draft'
 Then one step catches the draft up on the tokens it has not seen (the prompt, the accepted
 drafts, the target's own token: usually two or three tokens, chunked by the draft's token
 budget) and samples the first draft; up to `num_tokens - 1` single-token steps sample the
-rest. Every step batches all proposing sequences; a sequence stops drafting at the first
-draft the draft model gives less than `min_confidence` probability (not proposed), as
-llama.cpp's `p_min` does: an unsure draft is likely rejected and costs a verify row.
+rest. Every step batches all proposing sequences. After its first draft (always proposed:
+one verify row costs little next to a step, and a first draft lands often), a sequence stops
+drafting at the first draft the draft model gives less than `min_confidence` probability
+(not proposed), as llama.cpp's `p_min` does: an unsure later draft is seldom accepted, and
+costs a draft step and a verify row.
 
 Drafts are the draft model's argmax (with the request's logit bias), point masses, so the
 target's acceptance rule keeps its distribution exactly (`backends.llm.speculative.verify`).
@@ -44,8 +46,8 @@ class DraftModel:
         max_num_batched_tokens: int,
         min_confidence: float = 0.0,
     ) -> None:
-        """`min_confidence`: drafting for a sequence stops at a token the draft model gives a
-        lower probability (that token is not proposed)."""
+        """`min_confidence`: drafting for a sequence stops at a token after the first that the
+        draft model gives a lower probability (that token is not proposed)."""
         self.runner = runner
         self.min_confidence = min_confidence
         # The draft's steps are small: one thread each, free of the threads' barriers.
@@ -91,7 +93,8 @@ class DraftModel:
             if not drafting:
                 break
             confidence = self._catch_up(drafting) if i == 0 else self._decode(drafting)
-            drafting = [m for m in drafting if confidence[id(m)] >= self.min_confidence]
+            if i > 0:  # the first draft always goes (a verify row is cheap next to a step)
+                drafting = [m for m in drafting if confidence[id(m)] >= self.min_confidence]
             for m in drafting:
                 sure[id(m)] += 1
         return [
