@@ -105,7 +105,7 @@ QUICK_PAIR = PairSpec(
     threads=1,
 )
 
-# About half an hour of CPU time on one core: the pair `benchmarks/speculative.py` measures.
+# About fifteen minutes of CPU time on one core: the pair `benchmarks/speculative.py` measures.
 # The target (about 19M parameters, 76 MB in float32) is larger than a server CPU's last-level
 # cache, so a decode step streams its weights from memory and verifying a few drafts in one
 # step costs little more than one token, as with a real LLM; the draft (0.5M parameters)
