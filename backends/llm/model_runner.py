@@ -289,6 +289,21 @@ class ModelRunner:
             return self.sampler(logits, sampling, rows)
         return self._execute_packed(output)
 
+    @torch.inference_mode()
+    def fused_logits(self, output: SchedulerOutput) -> torch.Tensor | None:
+        """The logits (S, V) of the sampling rows of `output` (one per sampling entry, no
+        drafts) through the fused step, sampling nothing: for a caller that picks its tokens
+        itself (a draft model's greedy drafts). None where the step would not run fused
+        (then `execute` it)."""
+        if output.is_empty or any(item.drafts for item in output.scheduled):
+            return None
+        fused = self.fused.decoder_for(output, self.kv_caches)
+        if fused is None:
+            return None
+        step = fused_rows(output.scheduled, self.block_size)
+        fused.check(step)
+        return fused(step, checked=True)
+
     def _execute_packed(self, output: SchedulerOutput) -> SamplerOutput:
         """The step through the transformers modules, every token in one packed row."""
         inputs = self._prepare(output)

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from backends.errors import InputError
 from backends.llm.kv_cache_manager import KVCacheManager
 from backends.llm.model_runner import ModelRunner
@@ -187,15 +189,35 @@ class DraftModel:
         """One draft step; the probability of each sampled draft, by `id` of its mirror."""
         items.sort(key=lambda item: item.num_tokens > 1)  # single tokens first, as scheduled
         output = SchedulerOutput(items, sum(item.num_tokens for item in items))
-        sampled = self.runner.execute(output)
+        sampling = [item.seq for item in items if item.sample]
+        logits = self.runner.fused_logits(output)
+        if logits is not None:
+            tokens, probabilities = _greedy(logits, sampling)
+        else:
+            sampled = self.runner.execute(output)
+            tokens = sampled.token_ids
+            probabilities = [1.0 if lp is None else math.exp(lp.logprob) for lp in sampled.logprobs]
         self.steps += 1
-        row = 0
-        confidence: dict[int, float] = {}
         for item in items:
             item.seq.num_computed_tokens = item.start + item.num_tokens
-            if item.sample:
-                item.seq.append_token(sampled.token_ids[row])
-                logprob = sampled.logprobs[row]
-                confidence[id(item.seq)] = 1.0 if logprob is None else math.exp(logprob.logprob)
-                row += 1
+        confidence: dict[int, float] = {}
+        for seq, token, probability in zip(sampling, tokens, probabilities, strict=True):
+            seq.append_token(token)
+            confidence[id(seq)] = probability
         return confidence
+
+
+def _greedy(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[float]]:
+    """Each row's argmax after its sequence's logit bias (what the sampler's greedy row
+    gives), and that token's probability under the model's own distribution (as the
+    sampler's log-probability is), without the sampler's per-step set-up."""
+    probabilities = torch.softmax(logits, dim=-1)  # (S, V)
+    biased = [(i, s.params.logit_bias) for i, s in enumerate(seqs) if s.params.logit_bias]
+    if biased:
+        logits = logits.clone()
+        for i, bias in biased:
+            ids = torch.tensor(list(bias), dtype=torch.long)
+            logits[i, ids] += torch.tensor(list(bias.values()), dtype=logits.dtype)
+    tokens = logits.argmax(dim=-1)  # (S,)
+    chosen = probabilities.gather(1, tokens[:, None])[:, 0]
+    return tokens.tolist(), chosen.tolist()
