@@ -14,9 +14,10 @@ by compute pays for every row). So two things are measured apart:
   `Speculator` keeps it), which follows what the sequence is writing now.
 
 A step speculates when the tokens per sequence it is expected to emit exceed that cost
-ratio. Both windows are kept measured: a bucket's first steps run plain until `MIN_SAMPLES`
-are in, then speculate until as many are; after that one step in `PROBE_EVERY` takes the
-choice not currently made, so a change of load or of text turns speculation back on (or off).
+ratio by `MARGIN`. Both windows are kept measured: a bucket's first steps run plain until
+`MIN_SAMPLES` are in, then speculate until as many are; after that one step in `PROBE_EVERY`
+takes the choice not currently made, so a change of load or of text turns speculation back
+on (or off).
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ WINDOW = 16
 MIN_SAMPLES = 3
 # One step in this many (per bucket) takes the other side, to keep it measured.
 PROBE_EVERY = 32
+# Expected tokens must beat the cost ratio by this factor: the yields are optimistic (they
+# start at k + 1 and drift back there while a sequence does not speculate), and a step that
+# only breaks even is not worth its variance.
+MARGIN = 1.1
 
 
 def _window() -> collections.deque[float]:
@@ -78,7 +83,7 @@ class SpeculationCost:
         if len(bucket.drafts) < MIN_SAMPLES:
             return True
         ratio = self.cost_ratio(batch)
-        pays = ratio is not None and expected_tokens > ratio
+        pays = ratio is not None and expected_tokens > MARGIN * ratio
         return (not pays) if bucket.decisions % PROBE_EVERY == 0 else pays
 
     def cost_ratio(self, batch: int) -> float | None:
