@@ -208,6 +208,12 @@ class SpeculativeConfig(BaseModel):
     # Prompt lookup: the longest and shortest suffix of the sequence searched for earlier.
     min_match: Annotated[int, Field(strict=True, ge=1, le=64)] = 1
     max_match: Annotated[int, Field(strict=True, ge=1, le=64)] = 3
+    # A draft model stops drafting at a token after the first that it gives less probability
+    # than this (llama.cpp's p_min): such a draft is seldom accepted, and costs a draft step
+    # and a verify row.
+    min_draft_probability: Annotated[float, Field(strict=True, ge=0, le=1, allow_inf_nan=False)] = (
+        0.2
+    )
     # A sequence stops proposing once, after `min_proposed` proposed tokens, fewer than this
     # share of them were accepted.
     min_acceptance: Annotated[float, Field(strict=True, ge=0, le=1, allow_inf_nan=False)] = 0.1

@@ -298,6 +298,8 @@ class LLMEngine:
         for i, (seq, rows) in enumerate(updated):
             if seq.guide is not None:
                 updated[i] = (seq, self._advance_guide(seq, seq.guide, rows))
+        if self.speculator is not None:
+            self.speculator.observe(output, updated)
         now = time.monotonic()
         for item in output.scheduled:
             request = self._requests.get(item.seq.request_id)

@@ -9,10 +9,9 @@ KV-cache tensors (per layer, keys and values: `(2, blocks, block_size, kv_heads,
 and knows nothing about requests, text or HTTP. Its `lora` manager holds the LoRA adapters
 loaded on the model; a step's tokens run with their sequence's adapter (`seq.adapter`).
 
-A step that verifies speculative drafts (`backends.llm.speculative`) runs here, packed: each
-sequence with drafts is a chunk of its last token and its drafts, with logits at each of
-them; the fused CPU step and the static decode path take no such chunk, so those steps
-leave them.
+A step that verifies speculative drafts (`backends.llm.speculative`) gives each sequence with
+drafts a chunk of its last token and its drafts, with logits at each of them: run by the
+fused CPU step where it runs, else packed (the static decode path takes no such chunk).
 
 A step of single-token decodes only, without adapters, runs over static buffers padded to a
 batch-size bucket (`backends.llm.decode_graphs`): replayed as a captured CUDA graph on a GPU
@@ -269,16 +268,16 @@ class ModelRunner:
         self.sampler.forget(output.finished_seq_ids)
         if output.is_empty:
             return SamplerOutput([], [])
-        if any(item.drafts for item in output.scheduled):
-            return self._execute_packed(output)
         fused = self.fused.decoder_for(output, self.kv_caches)
         if fused is not None:
             step = fused_rows(output.scheduled, self.block_size)
             fused.check(step)
-            sampling = [item.seq for item in output.scheduled if item.sample]
+            sampling = sampling_rows(output.scheduled)
             self.sampler.prepare(sampling)  # grammar masks fill during the forward
             logits = fused(step, checked=True, before=self.before_forward)
             return self.sampler(logits, sampling)
+        if any(item.drafts for item in output.scheduled):
+            return self._execute_packed(output)
         static = self.graphs.for_step(output)
         if static is not None:
             sampling = [item.seq for item in output.scheduled if item.sample]
@@ -289,6 +288,21 @@ class ModelRunner:
                 rows = [i for i, item in enumerate(output.scheduled) if item.sample]
             return self.sampler(logits, sampling, rows)
         return self._execute_packed(output)
+
+    @torch.inference_mode()
+    def fused_logits(self, output: SchedulerOutput) -> torch.Tensor | None:
+        """The logits (S, V) of the sampling rows of `output` (one per sampling entry, no
+        drafts) through the fused step, sampling nothing: for a caller that picks its tokens
+        itself (a draft model's greedy drafts). None where the step would not run fused
+        (then `execute` it)."""
+        if output.is_empty or any(item.drafts for item in output.scheduled):
+            return None
+        fused = self.fused.decoder_for(output, self.kv_caches)
+        if fused is None:
+            return None
+        step = fused_rows(output.scheduled, self.block_size)
+        fused.check(step)
+        return fused(step, checked=True)
 
     def _execute_packed(self, output: SchedulerOutput) -> SamplerOutput:
         """The step through the transformers modules, every token in one packed row."""

@@ -113,6 +113,8 @@ class FusedPath:
         self.max_rows = max_rows
         self._settings = settings
         self._attention: list[AttentionParams] = []
+        # Threads a step runs on at most (None: the machine's cores; `limit_threads`).
+        self.max_threads: int | None = None
         self.decoder: FusedDecoder | None = None
         self._scratch_bytes = 0  # the last decoder's, while none is built
         self.steps = 0  # steps run fused
@@ -133,12 +135,24 @@ class FusedPath:
             self._reference,
             max_context=self._max_context,
             max_rows=self.max_rows,
-            threads=cores(),
+            threads=self._threads(),
             settings=self._settings,
         )
         if reason is not None:
             log.info("steps run through the transformers modules: %s", reason)
         return reason
+
+    def limit_threads(self, threads: int) -> None:
+        """Run steps on at most `threads` threads: a model whose step is a few microseconds of
+        work per thread (a draft model) loses more to the threads' barriers than it gains,
+        above all when other processes hold the cores and a thread waits for a descheduled
+        one."""
+        self.max_threads = max(1, threads)
+        if self.decoder is not None:
+            self.decoder.threads = min(self.decoder.threads, self.max_threads)
+
+    def _threads(self) -> int:
+        return min(cores(), self.max_threads or cores())
 
     def forget(self) -> None:
         if self.decoder is not None:  # held again once the next step rebuilds it
@@ -164,7 +178,7 @@ class FusedPath:
                         self._attention,
                         max_context=self._max_context,
                         max_rows=self.max_rows,
-                        threads=cores(),
+                        threads=self._threads(),
                     )
                 except (ValueError, RuntimeError, TypeError, AttributeError) as e:
                     reason = str(e)

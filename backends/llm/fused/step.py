@@ -2,7 +2,8 @@
 
 Pure Python (no torch): rows are built from the `SchedulerOutput` in its order (single tokens
 first, then chunks), the order the transformers path packs them in, so sampling rows line up
-with the sampler's sequences either way.
+with the sampler's sequences either way. A sequence verifying speculative drafts is a short
+chunk of its last token and its drafts (past its own tokens), sampled at every row.
 """
 
 from __future__ import annotations
@@ -44,13 +45,16 @@ def runs_fused(output: SchedulerOutput, max_rows: int) -> bool:
     for item in output.scheduled:
         if item.seq.adapter is not None:
             return False
-        if item.num_tokens > 1:
+        # A chunk verifying drafts is a few decode rows: each reads its context once on
+        # either path, and transformers' takes several times as long for them.
+        if item.num_tokens > 1 and not item.drafts:
             chunk_attention += item.num_tokens * (item.start + item.num_tokens)
     return chunk_attention <= MAX_CHUNK_ATTENTION
 
 
 def fused_rows(scheduled: list[ScheduledSequence], block_size: int) -> FusedStep:
-    """The rows of `scheduled` (a step's items, in order)."""
+    """The rows of `scheduled` (a step's items, in order); an item with drafts samples at its
+    last token and at each draft, in that order (`backends.llm.speculative.verify`)."""
     step = FusedStep([], [], [], [], [], [], [])
     for item in scheduled:
         seq = item.seq
@@ -58,7 +62,8 @@ def fused_rows(scheduled: list[ScheduledSequence], block_size: int) -> FusedStep
         table = seq.block_ids
         table_start = len(step.tables)
         step.tables.extend(table[: -(-end // block_size)])
-        step.tokens.extend(seq.token_ids[start:end])
+        step.tokens.extend(seq.token_ids[start : end - len(item.drafts)])
+        step.tokens.extend(item.drafts)
         step.positions.extend(range(start, end))
         step.slots.extend(
             table[p // block_size] * block_size + p % block_size for p in range(start, end)
@@ -66,5 +71,6 @@ def fused_rows(scheduled: list[ScheduledSequence], block_size: int) -> FusedStep
         step.table_starts.extend([table_start] * (end - start))
         step.lens.extend(range(start + 1, end + 1))
         if item.sample:
-            step.sample_rows.append(len(step.tokens) - 1)
+            last = len(step.tokens) - 1
+            step.sample_rows.extend(range(last - len(item.drafts), last + 1))
     return step

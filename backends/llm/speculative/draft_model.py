@@ -7,8 +7,12 @@ its tokens become the target's, and its computed tokens are cut back to the pref
 share, which drops the rejected drafts' KV (blocks past it go back to the draft's pool).
 Then one step catches the draft up on the tokens it has not seen (the prompt, the accepted
 drafts, the target's own token: usually two or three tokens, chunked by the draft's token
-budget) and samples the first draft; `num_tokens - 1` single-token steps sample the rest.
-Every step batches all proposing sequences.
+budget) and samples the first draft; up to `num_tokens - 1` single-token steps sample the
+rest. Every step batches all proposing sequences. After its first draft (always proposed:
+one verify row costs little next to a step, and a first draft lands often), a sequence stops
+drafting at the first draft the draft model gives less than `min_confidence` probability
+(not proposed), as llama.cpp's `p_min` does: an unsure later draft is seldom accepted, and
+costs a draft step and a verify row.
 
 Drafts are the draft model's argmax (with the request's logit bias), point masses, so the
 target's acceptance rule keeps its distribution exactly (`backends.llm.speculative.verify`).
@@ -18,6 +22,10 @@ draft's context, proposes nothing that step.
 
 from __future__ import annotations
 
+import math
+
+import torch
+
 from backends.errors import InputError
 from backends.llm.kv_cache_manager import KVCacheManager
 from backends.llm.model_runner import ModelRunner
@@ -25,13 +33,27 @@ from backends.llm.sampling_params import SamplingParams
 from backends.llm.scheduler import ScheduledSequence, SchedulerOutput
 from backends.llm.sequence import Sequence
 
+# Threads of a draft step (fused): its work is too small to share out.
+DRAFT_THREADS = 1
+
 
 class DraftModel:
     """Proposes drafts with `runner` (the draft LLM); a `Proposer` for the `Speculator`.
     `max_num_batched_tokens` bounds the tokens of one draft step."""
 
-    def __init__(self, runner: ModelRunner, block_size: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        block_size: int,
+        max_num_batched_tokens: int,
+        min_confidence: float = 0.0,
+    ) -> None:
+        """`min_confidence`: drafting for a sequence stops at a token after the first that the
+        draft model gives a lower probability (that token is not proposed)."""
         self.runner = runner
+        self.min_confidence = min_confidence
+        # The draft's steps are small: one thread each, free of the threads' barriers.
+        runner.fused.limit_threads(DRAFT_THREADS)
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.kv_cache = KVCacheManager(runner.num_blocks, block_size, enable_prefix_caching=False)
@@ -66,12 +88,19 @@ class DraftModel:
     def propose(self, seqs: list[Sequence], num_tokens: int) -> list[list[int]]:
         mirrors = [self._synced_mirror(seq, num_tokens) for seq in seqs]
         live = [m for m in mirrors if m is not None]
-        if live:
-            self._catch_up(live)
-            for _ in range(num_tokens - 1):
-                self._decode(live)
+        # Per mirror: how many of its drafts the draft model was sure enough of.
+        sure: dict[int, int] = {id(m): 0 for m in live}
+        drafting = live
+        for i in range(num_tokens):
+            if not drafting:
+                break
+            confidence = self._catch_up(drafting) if i == 0 else self._decode(drafting)
+            if i > 0:  # the first draft always goes (a verify row is cheap next to a step)
+                drafting = [m for m in drafting if confidence[id(m)] >= self.min_confidence]
+            for m in drafting:
+                sure[id(m)] += 1
         return [
-            [] if m is None else m.token_ids[seq.num_tokens : seq.num_tokens + num_tokens]
+            [] if m is None else m.token_ids[seq.num_tokens : seq.num_tokens + sure[id(m)]]
             for seq, m in zip(seqs, mirrors, strict=True)
         ]
 
@@ -89,8 +118,9 @@ class DraftModel:
                 seq.seq_id,
                 seq.request_id,
                 target,
-                # Greedy (drafts are point masses), biased as the target's request asks.
-                SamplingParams(temperature=0.0, logit_bias=seq.params.logit_bias),
+                # Greedy (drafts are point masses), biased as the target's request asks; with
+                # the sampled token's probability (how sure the draft is).
+                SamplingParams(temperature=0.0, logit_bias=seq.params.logit_bias, logprobs=0),
                 max_tokens=2**31 - 1,
                 block_size=self.block_size,
             )
@@ -131,8 +161,10 @@ class DraftModel:
         self.runner.sampler.forget([seq_id])
 
     # ---- draft steps -------------------------------------------------------------------------
-    def _catch_up(self, mirrors: list[Sequence]) -> None:
-        """Run each mirror's unseen tokens through the draft and sample its first draft."""
+    def _catch_up(self, mirrors: list[Sequence]) -> dict[int, float]:
+        """Run each mirror's unseen tokens through the draft and sample its first draft; the
+        draft model's probability of each (by `id` of the mirror)."""
+        confidence: dict[int, float] = {}
         waiting = list(mirrors)
         while waiting:
             budget = self.max_num_batched_tokens
@@ -146,21 +178,46 @@ class DraftModel:
                 budget -= n
             if not items:
                 raise RuntimeError("a draft step with no tokens (the draft budget is 0)")
-            self._run(items)
-            sampled = {id(item.seq) for item in items if item.sample}
-            waiting = [m for m in waiting if id(m) not in sampled]
+            confidence.update(self._run(items))
+            waiting = [m for m in waiting if id(m) not in confidence]
+        return confidence
 
-    def _decode(self, mirrors: list[Sequence]) -> None:
-        self._run([ScheduledSequence(m, m.num_computed_tokens, 1, True) for m in mirrors])
+    def _decode(self, mirrors: list[Sequence]) -> dict[int, float]:
+        return self._run([ScheduledSequence(m, m.num_computed_tokens, 1, True) for m in mirrors])
 
-    def _run(self, items: list[ScheduledSequence]) -> None:
+    def _run(self, items: list[ScheduledSequence]) -> dict[int, float]:
+        """One draft step; the probability of each sampled draft, by `id` of its mirror."""
         items.sort(key=lambda item: item.num_tokens > 1)  # single tokens first, as scheduled
         output = SchedulerOutput(items, sum(item.num_tokens for item in items))
-        sampled = self.runner.execute(output).token_ids
+        sampling = [item.seq for item in items if item.sample]
+        logits = self.runner.fused_logits(output)
+        if logits is not None:
+            tokens, probabilities = _greedy(logits, sampling)
+        else:
+            sampled = self.runner.execute(output)
+            tokens = sampled.token_ids
+            probabilities = [1.0 if lp is None else math.exp(lp.logprob) for lp in sampled.logprobs]
         self.steps += 1
-        row = 0
         for item in items:
             item.seq.num_computed_tokens = item.start + item.num_tokens
-            if item.sample:
-                item.seq.append_token(sampled[row])
-                row += 1
+        confidence: dict[int, float] = {}
+        for seq, token, probability in zip(sampling, tokens, probabilities, strict=True):
+            seq.append_token(token)
+            confidence[id(seq)] = probability
+        return confidence
+
+
+def _greedy(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[float]]:
+    """Each row's argmax after its sequence's logit bias (what the sampler's greedy row
+    gives), and that token's probability under the model's own distribution (as the
+    sampler's log-probability is), without the sampler's per-step set-up."""
+    probabilities = torch.softmax(logits, dim=-1)  # (S, V)
+    biased = [(i, s.params.logit_bias) for i, s in enumerate(seqs) if s.params.logit_bias]
+    if biased:
+        logits = logits.clone()
+        for i, bias in biased:
+            ids = torch.tensor(list(bias), dtype=torch.long)
+            logits[i, ids] += torch.tensor(list(bias.values()), dtype=logits.dtype)
+    tokens = logits.argmax(dim=-1)  # (S,)
+    chosen = probabilities.gather(1, tokens[:, None])[:, 0]
+    return tokens.tolist(), chosen.tolist()

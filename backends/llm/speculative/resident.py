@@ -113,7 +113,9 @@ def load_draft(
     except InputError as e:
         raise LoadError(str(e)) from e
     runner = ModelRunner.load(draft_dir, device, dtype, draft_config, **runner_options)
-    draft = DraftModel(runner, config.block_size, config.max_num_batched_tokens)
+    spec = config.speculative
+    min_confidence = spec.min_draft_probability if spec is not None else 0.0
+    draft = DraftModel(runner, config.block_size, config.max_num_batched_tokens, min_confidence)
     try:
         draft.check_vocab(target_runner.vocab_size)
     except InputError as e:

@@ -170,6 +170,25 @@ def test_greedy_output_with_prompt_lookup_equals_without(arch: str, root: Path) 
     assert spec_engine.kv_cache.pool.num_used_blocks == 0
 
 
+def test_the_fused_step_verifies_drafts_as_the_transformers_path_does(root: Path) -> None:
+    folder = build_model(root, "llama")
+    requests = workload(max_tokens=16)
+    base = run_all(engine(folder, None, fused_step=False), requests)
+    spec_engine = engine(folder, ngram(4, max_batch=64))
+    runner = spec_engine.runner
+    packed_with_drafts = []
+    run_packed = runner._execute_packed
+
+    def counting(output: SchedulerOutput) -> object:
+        packed_with_drafts.extend(item for item in output.scheduled if item.drafts)
+        return run_packed(output)
+
+    runner._execute_packed = counting  # type: ignore[method-assign]
+    assert_same(base, run_all(spec_engine, requests))
+    assert spec_engine.metrics.speculation.accepted > 0
+    assert runner.fused.steps > 0 and packed_with_drafts == []
+
+
 def test_greedy_output_under_preemption_equals_without(root: Path) -> None:
     folder = build_model(root, "llama")
     requests = workload()

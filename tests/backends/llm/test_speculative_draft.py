@@ -19,6 +19,7 @@ from tests.backends.llm.speculative_support import (
     STEP_BUDGET,
     assert_same,
     engine,
+    speculating_always,
     workload,
 )
 from tests.backends.llm.support import build_model, kv_bytes, run_all
@@ -30,7 +31,9 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 # ---- a draft model -------------------------------------------------------------------------
-def draft_engine(folder: Path, draft_folder: Path, k: int, **config: Any) -> LLMEngine:
+def draft_engine(
+    folder: Path, draft_folder: Path, k: int, min_confidence: float = 0.0, **config: Any
+) -> LLMEngine:
     from backends.llm.config import EngineConfig
     from backends.llm.model_runner import ModelRunner
     from backends.llm.speculative.draft_model import DraftModel
@@ -41,9 +44,9 @@ def draft_engine(folder: Path, draft_folder: Path, k: int, **config: Any) -> LLM
     runner = ModelRunner.load(folder, "cpu", torch.float32, engine_config)
     draft_config = EngineConfig(**(options | config))
     draft_runner = ModelRunner.load(draft_folder, "cpu", torch.float32, draft_config)
-    draft = DraftModel(draft_runner, BLOCK_SIZE, STEP_BUDGET)
+    draft = DraftModel(draft_runner, BLOCK_SIZE, STEP_BUDGET, min_confidence)
     draft.check_vocab(runner.vocab_size)
-    return LLMEngine(engine_config, runner, proposer=draft)
+    return speculating_always(LLMEngine(engine_config, runner, proposer=draft))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -61,6 +64,9 @@ def test_greedy_output_with_a_draft_model_equals_without(arch: str, root: Path) 
     assert_same(base, run_all(same, requests))
     assert same.metrics.speculation.acceptance_rate > 0.9
     assert same.metrics.speculation.tokens_per_step > 3
+    # The draft's small steps ran fused, on one thread.
+    draft_runner = same.speculator.proposer.runner  # type: ignore[union-attr, attr-defined]
+    assert draft_runner.fused.steps > 0 and draft_runner.fused.decoder.threads == 1
     # Another model: drafts mostly rejected, rolled back in both caches, output unchanged.
     # Preemption too (20 blocks of 4 tokens).
     small = {"kv_cache_bytes": kv_bytes(folder, 20, BLOCK_SIZE)}
@@ -69,6 +75,20 @@ def test_greedy_output_with_a_draft_model_equals_without(arch: str, root: Path) 
     assert different.metrics.speculation.proposed > 0
     assert different.scheduler.num_preemptions > 0
     assert different.kv_cache.pool.num_used_blocks == 0
+
+
+def test_drafts_the_draft_model_is_unsure_of_are_not_proposed(root: Path) -> None:
+    folder = build_model(root, "llama")
+    requests = workload(max_tokens=12)
+    base = run_all(engine(folder, None), requests)
+    # A random model gives no token half its probability: only each step's first draft.
+    unsure = draft_engine(folder, folder, 4, min_confidence=0.5)
+    assert_same(base, run_all(unsure, requests))
+    stats = unsure.metrics.speculation
+    assert 0 < stats.proposed == stats.verify_steps
+    sure = draft_engine(folder, folder, 4, min_confidence=0.0)
+    assert_same(base, run_all(sure, requests))
+    assert sure.metrics.speculation.proposed > 2 * sure.metrics.speculation.verify_steps
 
 
 def test_a_draft_with_another_tokenizer_is_refused_by_name(root: Path) -> None:
@@ -101,7 +121,9 @@ async def test_the_backend_loads_moves_and_frees_the_draft_with_its_target(root:
     other_vocab = root / "llama-other-vocab"
     if not (other_vocab / "config.json").is_file():
         build_tiny_llm(other_vocab, "llama", vocab_size=384)
-    config = {"kv_cache_bytes": 2**20, "speculative": {"draft": "self@1", "num_tokens": 3}}
+    # A random model is never sure of a token: every draft is proposed.
+    spec = {"draft": "self@1", "num_tokens": 3, "min_draft_probability": 0.0}
+    config = {"kv_cache_bytes": 2**20, "speculative": spec}
 
     def backend(draft_dir: Path | None) -> LLMBackend:
         context = BackendContext("t", "1", config)
