@@ -88,10 +88,12 @@ class SpeculationMetrics:
         self.accepted += accepted
         self.verify_steps += 1
         self.emitted += emitted
-        while len(self.proposed_at) < proposed:
+        # Drafts past the first rejected one were never judged: positions 1..accepted + 1.
+        judged = min(proposed, accepted + 1)
+        while len(self.proposed_at) < judged:
             self.proposed_at.append(0)
             self.accepted_at.append(0)
-        for i in range(proposed):
+        for i in range(judged):
             self.proposed_at[i] += 1
             self.accepted_at[i] += i < accepted
         s = self._series
@@ -103,7 +105,7 @@ class SpeculationMetrics:
         s.emitted.labels(*labels).inc(emitted)
         if accepted:
             s.accepted.labels(*labels).inc(accepted)
-        for i in range(proposed):
+        for i in range(judged):
             position = str(min(i + 1, MAX_POSITION_LABEL))
             s.proposed_at.labels(*labels, position).inc()
             if i < accepted:
@@ -114,7 +116,8 @@ class SpeculationMetrics:
         return self.accepted / self.proposed if self.proposed else 0.0
 
     def acceptance_by_position(self) -> list[float]:
-        """Per draft position (1 first): the share of drafts verified there accepted."""
+        """Per draft position (1 first): the share of drafts judged there (every one before
+        it accepted) that were accepted."""
         return [a / p for a, p in zip(self.accepted_at, self.proposed_at, strict=True)]
 
     @property

@@ -304,7 +304,9 @@ def test_speculation_metrics_are_exported() -> None:
         text
     )
     summary = metrics.speculation.summary()
-    assert summary["acceptance_by_position"] == [0.5, 0.5, 0.0, 0.0]
+    # Position 1 judged twice (accepted once), 2 once (accepted), 3 once (rejected); the
+    # fourth draft of the first step came after a rejection and was never judged.
+    assert summary["acceptance_by_position"] == [0.5, 1.0, 0.0]
     assert summary["tokens_per_step"] == 2.0
 
 
