@@ -4,7 +4,9 @@ an answer reports, and bound concurrent requests."""
 
 from __future__ import annotations
 
+import json
 import math
+import time
 from pathlib import Path
 
 import httpx
@@ -14,7 +16,7 @@ import pytest
 from hub.rate_limits.limiter import RateLimited, RateLimiter, metered
 from registry.db import Database
 from registry.keys import ApiKeys, KeyLimits
-from tests.support.hubs import ADMIN, auth_settings, running_app
+from tests.support.hubs import ADMIN, admin_register, auth_settings, running_app
 
 
 async def test_the_openai_sdk_sees_a_key_over_its_limit_as_rate_limit_error(
@@ -130,3 +132,48 @@ async def test_a_stream_is_charged_as_its_events_pass() -> None:
     await stream({"type": "http.response.body", "body": events, "more_body": True})
     remaining = limiter.status("u", limits)["x-ratelimit-remaining-tokens"]
     assert int(remaining) == 1000 - (unbounded.prompt + 7)
+
+
+async def test_a_token_limit_holds_for_streamed_completions(
+    tmp_path: Path, mlflow_template: Path, tiny_llm_dir: Path
+) -> None:
+    """Streamed completions of a key limited in tokens a minute, one after another, until a
+    429: what was answered (prompt and completion tokens, from each stream's usage event)
+    stays within the limit plus the refill meanwhile and one request's overshoot of its
+    estimate; each stream's tokens are charged before the next request is admitted."""
+    limit = 400
+    settings, _ = auth_settings(tmp_path / "hub", mlflow_template)
+    keys = ApiKeys(Database(settings.database_url))
+    secret, _ = keys.create("streams", "user", limits=KeyLimits(tokens_per_minute=limit))
+    headers = {"Authorization": f"Bearer {secret}"}
+    body = {"model": "llm", "prompt": "the cat sat on the mat", "max_tokens": 16, "stream": True,
+            "temperature": 0, "stream_options": {"include_usage": True}}  # fmt: skip
+    async with running_app(settings) as (_, client):
+        await admin_register(client, "llm", "llm", tiny_llm_dir)
+        used: list[int] = []
+        remaining: list[int] = []
+        refused = None
+        start = time.monotonic()
+        for _ in range(100):
+            async with client.stream("POST", "/v1/completions", json=body, headers=headers) as r:
+                if r.status_code == 429:
+                    refused = r
+                    await r.aread()
+                    break
+                assert r.status_code == 200, await r.aread()
+                remaining.append(int(r.headers["x-ratelimit-remaining-tokens"]))
+                events = [line async for line in r.aiter_lines() if line.startswith("data: {")]
+            usage = json.loads(events[-1][len("data: ") :])["usage"]
+            assert usage["completion_tokens"] > 0
+            used.append(usage["total_tokens"])
+        assert refused is not None, f"{len(used)} streams and no 429 under {limit} tokens"
+        elapsed = time.monotonic() - start
+        assert int(refused.headers["retry-after"]) >= 1
+        assert refused.headers["x-ratelimit-limit-tokens"] == str(limit)
+        assert sum(used) <= limit + elapsed * limit / 60 + max(used)
+        # Each admission saw the tokens of every stream before it: what remained fell by
+        # what the previous stream used, less the refill meanwhile (the buckets replay
+        # consumption in slots of a sixtieth of the period: up to one slot's refill more).
+        refill = (elapsed + 1) * limit / 60 + 1
+        for before, after, spent in zip(remaining, remaining[1:], used, strict=False):
+            assert after <= before - spent + refill
