@@ -114,15 +114,17 @@ def create_app(
     # route but the probes may get the edge's 503.
     inference = error_responses(400, 401, 404, 413, 503)
     admin = error_responses(400, 401, 403, 404, 409, 413, 503)
+    # Inference first: a request's route is found by trying the routers in this order, and
+    # the inference paths are the ones a burst hits (no two routers share a path).
     documented = {
-        health: {},
-        dashboard: {},
-        models: error_responses(401, 404, 503),
         embeddings: inference,
+        completions: inference,
         rerank: inference,
         rerank_shapes: inference,
-        completions: inference,
         responses_api: inference,
+        models: error_responses(401, 404, 503),
+        health: {},
+        dashboard: {},
         admin_models: admin,
         registry: admin,
         traffic_api: admin,

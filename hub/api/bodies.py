@@ -1,7 +1,7 @@
 """The one way inference requests are parsed and authenticated: `UserBody(Model)`.
 
-    async def create_embeddings(body: Annotated[EmbeddingCreate, UserBody(EmbeddingCreate)],
-                                route_key: RouteKey, ...)
+    async def create_embeddings(request: Request,
+                                body: Annotated[EmbeddingCreate, UserBody(EmbeddingCreate)])
 
 `UserBody` is a dependency on the bare `Request` alone: it checks the user key, takes the
 body (`request_body`: as the ingress read it, else from the connection now) and validates it
@@ -20,14 +20,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
-from typing import Annotated, Any, TypeVar
+from typing import Any, TypeVar
 
 from fastapi import Depends, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
 from hub.api.deps import hub_of
-from hub.api.ingress import ROUTE_KEY_HEADER, head_of
+from hub.api.ingress import ROUTE_KEY_HEADER, head_of, read_body
 from hub.errors import BadRequest
 from hub.outcome import ClientGone
 from hub.usage.caller import note_caller
@@ -67,14 +67,17 @@ async def read_user_body(request: Request, model: type[Body]) -> Body:
 
 async def request_body(request: Request) -> bytes:
     """The body of `request`: the bytes the ingress read (raising what stopped it reading
-    them: `RequestTooLarge`, a client gone), else read from the connection now."""
+    them: `RequestTooLarge`, a client gone), else read from the connection now (kept in the
+    head, so a second call returns the same bytes)."""
     head = head_of(request.scope)
-    if head is not None:
-        if head.error is not None:
-            raise head.error
-        if head.body is not None:
-            return head.body
-    return await request.body()
+    if head is None:
+        return await request.body()
+    if head.error is not None:
+        raise head.error
+    if head.body is None:
+        # As the ingress reads it, without Starlette's stream wrapped around each message.
+        head.body = await read_body(request.receive)
+    return head.body
 
 
 def parse_json_body(raw: bytes, what: str = "the request body") -> Any:
@@ -97,12 +100,9 @@ def UserBody(model: type[Body]) -> Any:
     return Depends(user_body)
 
 
-async def get_route_key(request: Request) -> str | None:
+def route_key_of(request: Request) -> str | None:
     """The caller's sticky routing key for traffic splits (`X-Hub-Route-Key`), if any."""
     return request.headers.get(ROUTE_KEY_HEADER)
-
-
-RouteKey = Annotated[str | None, Depends(get_route_key)]
 
 
 @contextlib.asynccontextmanager

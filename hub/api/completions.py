@@ -22,8 +22,8 @@ from fastapi.responses import StreamingResponse
 from backends.llm.backend import LLMBackend
 from backends.llm.sampling_params import SamplingParams
 from backends.llm.sequence import Logprob
-from hub.api.bodies import RouteKey, UserBody, openapi_body
-from hub.api.deps import RouterDep, ServingDep
+from hub.api.bodies import UserBody, openapi_body, route_key_of
+from hub.api.deps import router_of, serving_of
 from hub.api.errors import error_body
 from hub.api.generation import Choice, Generation, start_generation
 from hub.api.openai_ignored import StreamOptions
@@ -64,13 +64,11 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16
              openapi_extra=openapi_body(CompletionCreate, route_key=True))  # fmt: skip
 async def create_completion(
     body: Annotated[CompletionCreate, UserBody(CompletionCreate)],
-    router: RouterDep,
-    serving: ServingDep,
     request: Request,
     response: Response,
-    route_key: RouteKey,
 ) -> CompletionPublic | StreamingResponse:
-    route = router.route(body.model, route_key=route_key or body.user)
+    route = router_of(request).route(body.model, route_key=route_key_of(request) or body.user)
+    serving = serving_of(request)
     if body.suffix:
         raise BadRequest("suffix (fill-in-the-middle) is not supported", param="suffix")
     if body.best_of is not None and body.best_of != body.n:
@@ -193,13 +191,11 @@ def _completion_logprobs(
              openapi_extra=openapi_body(ChatCompletionCreate, route_key=True))  # fmt: skip
 async def create_chat_completion(
     body: Annotated[ChatCompletionCreate, UserBody(ChatCompletionCreate)],
-    router: RouterDep,
-    serving: ServingDep,
     request: Request,
     response: Response,
-    route_key: RouteKey,
 ) -> ChatCompletionPublic | StreamingResponse:
-    route = router.route(body.model, route_key=route_key or body.user)
+    route = router_of(request).route(body.model, route_key=route_key_of(request) or body.user)
+    serving = serving_of(request)
     if body.top_logprobs is not None and not body.logprobs:
         raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -318,14 +314,11 @@ def _chat_logprobs(backend: LLMBackend, logprobs: list[Logprob]) -> ChoiceLogpro
 async def generate_routed(
     name: str,
     body: Annotated[GenerateBody, UserBody(GenerateBody)],
-    router: RouterDep,
-    serving: ServingDep,
     request: Request,
     response: Response,
-    route_key: RouteKey,
 ) -> GeneratePublic | StreamingResponse:
-    route = router.route(name, route_key=route_key or body.user)
-    return await _generate(serving, route, body, request, response)
+    route = router_of(request).route(name, route_key=route_key_of(request) or body.user)
+    return await _generate(serving_of(request), route, body, request, response)
 
 
 @router.post("/models/{name}/versions/{version}/generate", response_model=GeneratePublic,
@@ -334,13 +327,11 @@ async def generate_version(
     name: str,
     version: str,
     body: Annotated[GenerateBody, UserBody(GenerateBody)],
-    router: RouterDep,
-    serving: ServingDep,
     request: Request,
     response: Response,
 ) -> GeneratePublic | StreamingResponse:
-    route = router.route_version(name, version)
-    return await _generate(serving, route, body, request, response)
+    route = router_of(request).route_version(name, version)
+    return await _generate(serving_of(request), route, body, request, response)
 
 
 async def _generate(

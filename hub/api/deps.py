@@ -4,6 +4,12 @@
 
 Every dependency is `async` on purpose: FastAPI runs a plain `def` dependency in its thread
 pool, a thread hop on every request for what is an attribute read.
+
+The inference routes are the exception: each dependency FastAPI solves costs a request
+several microseconds of event-loop time, and on those routes that time is paid by every
+request of a burst, refused ones included. They declare their body alone
+(hub.api.bodies.UserBody) and take the rest from the request with the plain functions
+`router_of`, `serving_of` and `route_key_of` (hub.api.bodies).
 """
 
 from __future__ import annotations
@@ -43,6 +49,10 @@ async def get_manager(request: Request) -> ModelManager:
 
 
 async def get_router(request: Request) -> Router:
+    return router_of(request)
+
+
+def router_of(request: Request) -> Router:
     """The hub's router, or one answering the version the ingress already decided for this
     request (placement, or the replica that forwarded it: hub.api.ingress), so that a
     request is routed once; limited to the models the caller's key may use."""
@@ -92,6 +102,11 @@ async def get_webhooks(request: Request) -> WebhookVerifier | None:
 
 
 async def get_serving(request: Request) -> Serving:
+    return serving_of(request)
+
+
+def serving_of(request: Request) -> Serving:
+    """The hub's `Serving`: how an inference route acquires and measures its model."""
     return hub_of(request).serving
 
 

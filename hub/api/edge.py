@@ -106,6 +106,10 @@ class Edge:
         self._lag = LoopLag()
         self._shed: ShedMetrics | None = None
         self._model_shed: dict[tuple[str, int], ShedMetrics] = {}
+        # By (model, version, endpoint label): the series a queue-time refusal counts in,
+        # looked up once (a label lookup takes a lock and a dict walk on every request).
+        self._counted: dict[tuple[str, int, str], tuple[ShedMetrics, Any, Any]] = {}
+        self._metrics: Any = None  # the HubMetrics the series above belong to
 
     async def refused(self, hub: Any, send: Send) -> bool:
         """Answer 503 and return True when a new request must be refused now."""
@@ -113,9 +117,10 @@ class Edge:
         if refusal is None:
             return False
         reason, message = refusal
-        if self._shed is None and hub is not None:
-            self._shed = ShedMetrics(hub.metrics.registry, "", "", REASONS)
-        if self._shed is not None:
+        if hub is not None:
+            self._counting_in(hub)
+            if self._shed is None:
+                self._shed = ShedMetrics(hub.metrics.registry, "", "", REASONS)
             self._shed.observe(reason)
         message += f"; retry after {EDGE_RETRY_AFTER}s or send fewer concurrent requests"
         await _refuse(send, message, EDGE_RETRY_AFTER)
@@ -140,34 +145,57 @@ class Edge:
     def saturated(self, hub: Any, head: Head) -> Saturated | None:
         """The remembered queue-time refusal the request of `head` gets now, if any: only
         for a bare model name, on a route of the model's kind (else the route's 400 is the
-        answer), from a caller the authenticator already knows (else its 401)."""
+        answer). The caller must be one the authenticator already knows, whose key may use
+        the model (else its 401 or 404): the ingress asks only for such a caller."""
         if not hub.saturation or head.bare_model is None:
             return None
         saturated: Saturated | None = hub.saturation.refusal(head.bare_model)
         if saturated is None or saturated.kind != head.endpoint.serves:
             return None
-        return saturated if hub.auth.known_user(head.authorization, head.api_key) else None
+        return saturated
 
     async def refuse_saturated(
         self, hub: Any, head: Head, send: Send, saturated: Saturated
     ) -> None:
-        key = (saturated.model, saturated.version)
-        metrics = self._model_shed.get(key)
-        if metrics is None:
-            labels = (saturated.model, str(saturated.version))
-            metrics = self._model_shed[key] = ShedMetrics(
-                hub.metrics.registry, *labels, ("queue_time",)
-            )
-        metrics.observe("queue_time")
+        self._counting_in(hub)
+        counted = self._counted.get((saturated.model, saturated.version, head.endpoint.label))
+        if counted is None:
+            counted = self._count_saturated(hub, saturated, head.endpoint.label)
+        shed, answered, seconds = counted
+        shed.observe("queue_time")
         # An answered request like any other, in the model's series.
-        answered = (saturated.model, str(saturated.version), head.endpoint.label)
-        hub.metrics.requests.labels(*answered, "503").inc()
-        hub.metrics.request_seconds.labels(*answered).observe(0.0)
+        answered.inc()
+        seconds.observe(0.0)
         message = (
             f"{saturated.message} (refused at the HTTP edge: a request a moment ago found "
             "the same queue, still estimated over its bound)"
         )
         await _refuse(send, message, saturated.retry_after, version=str(saturated.version))
+
+    def _counting_in(self, hub: Any) -> None:
+        """Count in `hub`'s metrics from now on: a new hub (an app whose lifespan ran again,
+        as test clients do) has a registry of its own."""
+        if self._metrics is not hub.metrics:
+            self._metrics, self._shed, self._model_shed, self._counted = hub.metrics, None, {}, {}
+
+    def _count_saturated(
+        self, hub: Any, saturated: Saturated, endpoint: str
+    ) -> tuple[ShedMetrics, Any, Any]:
+        key = (saturated.model, saturated.version)
+        shed = self._model_shed.get(key)
+        if shed is None:
+            labels = (saturated.model, str(saturated.version))
+            shed = self._model_shed[key] = ShedMetrics(
+                hub.metrics.registry, *labels, ("queue_time",)
+            )
+        answered = (saturated.model, str(saturated.version), endpoint)
+        counted = (
+            shed,
+            hub.metrics.requests.labels(*answered, "503"),
+            hub.metrics.request_seconds.labels(*answered),
+        )
+        self._counted[(saturated.model, saturated.version, endpoint)] = counted
+        return counted
 
 
 async def _refuse(send: Send, message: str, retry_after: float, *, version: str = "") -> None:

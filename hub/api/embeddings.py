@@ -17,8 +17,8 @@ from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from backends.encoders.embedder import Embeddings
-from hub.api.bodies import RouteKey, UserBody, cancelled_if_client_leaves, openapi_body
-from hub.api.deps import RouterDep, ServingDep
+from hub.api.bodies import UserBody, cancelled_if_client_leaves, openapi_body, route_key_of
+from hub.api.deps import router_of, serving_of
 from hub.api.priority import RequestedPriority, request_level
 from hub.api.serving import EMBEDDER, VERSION_HEADER, KeepAlive, Serving
 from hub.routing import Route
@@ -174,12 +174,9 @@ _VERSION = openapi_body(EmbedBody)
 async def create_embeddings(
     request: Request,
     body: Annotated[EmbeddingCreate, UserBody(EmbeddingCreate)],
-    route_key: RouteKey,
-    router: RouterDep,
-    serving: ServingDep,
 ) -> Response:
-    route = router.route(body.model, route_key=route_key or body.user)
-    return await _embed(request, serving, route, body)
+    route = router_of(request).route(body.model, route_key=route_key_of(request) or body.user)
+    return await _embed(request, serving_of(request), route, body)
 
 
 @router.post("/models/{name}/embed", response_model=EmbeddingPublic, openapi_extra=_ROUTED)
@@ -187,12 +184,9 @@ async def embed_routed(
     name: str,
     request: Request,
     body: Annotated[EmbedBody, UserBody(EmbedBody)],
-    route_key: RouteKey,
-    router: RouterDep,
-    serving: ServingDep,
 ) -> Response:
-    route = router.route(name, route_key=route_key or body.user)
-    return await _embed(request, serving, route, body)
+    route = router_of(request).route(name, route_key=route_key_of(request) or body.user)
+    return await _embed(request, serving_of(request), route, body)
 
 
 @router.post(
@@ -205,7 +199,6 @@ async def embed_version(
     version: str,
     request: Request,
     body: Annotated[EmbedBody, UserBody(EmbedBody)],
-    router: RouterDep,
-    serving: ServingDep,
 ) -> Response:
-    return await _embed(request, serving, router.route_version(name, version), body)
+    route = router_of(request).route_version(name, version)
+    return await _embed(request, serving_of(request), route, body)

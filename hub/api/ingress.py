@@ -14,13 +14,14 @@ In order, for an HTTP request:
    version they name: hub.placement.forwarding.incoming_hop; unsigned ones are ignored), the
    saturation refusal (a model whose queue is over its bound, for a caller already verified
    whose key may use the model: hub.api.edge), the caller's key check (once: the route and
-   the router read `Head.caller`, hub.api.keys_access), its key's rate limits (a 429 before
+   the router read `Head.caller`, hub.api.keys_access; a missing or invalid key is the 401
+   the route would answer, answered here), its key's rate limits (a 429 before
    anything is routed: hub.rate_limits) and the placement decision
    (hub.api.placement), each from the head; for an admin call naming a replica
    (`?replica=<id>`), the admin key check and then the forwarding there;
 5. the route, with the head in the scope (`head_of`): it takes the body from the head
    (hub.api.bodies.request_body) and serves the route decided here, if any
-   (hub.api.deps.get_router), so nothing is read or routed twice.
+   (hub.api.deps.router_of), so nothing is read or routed twice.
 
 The body is read here only when a decision needs what is in it: the model of a body-named
 route while some model is saturated, any inference body while placement is active
@@ -47,7 +48,7 @@ from hub.api.keys_access import grants_of
 from hub.api.limits import BodyLimitMiddleware
 from hub.api.placement import forwarded_route, place, tagged, to_replica
 from hub.auth import Caller
-from hub.errors import HubError
+from hub.errors import HubError, Unauthorized
 from hub.placement.forwarding import Hop, claims_hop, incoming_hop
 from hub.rate_limits.limiter import RateLimited, RateLimiter, metered
 from hub.rate_limits.scopes import counted_models
@@ -244,19 +245,24 @@ class Ingress:
         if claimed and head.error is None:
             head.hop = incoming_hop(scope, head.body or b"", signer)
         # Refused without I/O: only a caller verified already, for a model its key may use.
-        known = hub.auth.cached(head.authorization, head.api_key)
-        saturated = self.edge.saturated(hub, head) if _may_name(known, head) else None
-        if saturated is not None:
-            await self.edge.refuse_saturated(hub, head, send, saturated)
-            return
+        if hub.saturation and _may_name(hub.auth.cached(head.authorization, head.api_key), head):
+            saturated = self.edge.saturated(hub, head)
+            if saturated is not None:
+                await self.edge.refuse_saturated(hub, head, send, saturated)
+                return
         try:
             head.caller = await hub.auth.check(head.authorization, head.api_key, admin=False)
-        except Exception:  # no valid key, or SQL down: the route answers (401, 503)
+        except Unauthorized as e:
+            # The route's first step (hub.api.bodies.read_user_body) answers the same 401,
+            # after FastAPI's routing and dependencies: answered here, before all of that.
+            await answer_error(send, e)
+            return
+        except Exception:  # SQL down: the route answers (503)
             head.caller = None
         caller = head.caller
         # Without limits, or forwarded by a peer (which admitted it): served as it is.
         if caller is None or caller.policy.limits is None or head.hop is not None:
-            await self._serve(hub, head, scope, receive, send)
+            await self._serve(hub, head, scope, receive, send, placing)
             return
         limits = caller.policy.limits
         # Its length and max_tokens are its cost; the body names the model of most routes.
@@ -271,22 +277,19 @@ class Ingress:
             await answer_error(send, e)
             return
         try:
-            await self._serve(hub, head, scope, receive, metered(send, admission))
+            await self._serve(hub, head, scope, receive, metered(send, admission), placing)
         finally:
             limiter.settle(admission)
 
     async def _serve(
-        self, hub: Any, head: Head, scope: Scope, receive: Receive, send: Send
+        self, hub: Any, head: Head, scope: Scope, receive: Receive, send: Send, placing: bool
     ) -> None:
         """Serve an admitted request: with the version a peer decided, forwarded by
-        placement, or by the route."""
+        placement (`placing`: placement is active, as the request arrived), or by the
+        route."""
         if head.hop is not None:
             head.route = await forwarded_route(head.hop, hub)
-        elif (
-            hub.placement.active
-            and head.caller is not None
-            and await place(hub, head, scope, receive, send)
-        ):
+        elif placing and head.caller is not None and await place(hub, head, scope, receive, send):
             return
         await self.app(scope, receive, send)
 

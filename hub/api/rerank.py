@@ -14,8 +14,8 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from hub.api.bodies import RouteKey, UserBody, cancelled_if_client_leaves, openapi_body
-from hub.api.deps import RouterDep, ServingDep
+from hub.api.bodies import UserBody, cancelled_if_client_leaves, openapi_body, route_key_of
+from hub.api.deps import router_of, serving_of
 from hub.api.priority import RequestedPriority, request_level
 from hub.api.serving import RERANKER, VERSION_HEADER, KeepAlive, Serving
 from hub.routing import Route
@@ -144,11 +144,9 @@ _RERANK_ROUTE: dict[str, Any] = {"response_model": RerankPublic,
 async def create_rerank(
     request: Request,
     body: Annotated[RerankCreate, UserBody(RerankCreate)],
-    route_key: RouteKey,
-    router: RouterDep,
-    serving: ServingDep,
 ) -> Response:
-    return await _rerank(request, serving, router.route(body.model, route_key=route_key), body)
+    route = router_of(request).route(body.model, route_key=route_key_of(request))
+    return await _rerank(request, serving_of(request), route, body)
 
 
 @router.post("/models/{name}/rerank", **_RERANK_ROUTE,
@@ -157,11 +155,9 @@ async def rerank_routed(
     name: str,
     request: Request,
     body: Annotated[RerankBody, UserBody(RerankBody)],
-    route_key: RouteKey,
-    router: RouterDep,
-    serving: ServingDep,
 ) -> Response:
-    return await _rerank(request, serving, router.route(name, route_key=route_key), body)
+    route = router_of(request).route(name, route_key=route_key_of(request))
+    return await _rerank(request, serving_of(request), route, body)
 
 
 @router.post("/models/{name}/versions/{version}/rerank", **_RERANK_ROUTE,
@@ -171,7 +167,6 @@ async def rerank_version(
     version: str,
     request: Request,
     body: Annotated[RerankBody, UserBody(RerankBody)],
-    router: RouterDep,
-    serving: ServingDep,
 ) -> Response:
-    return await _rerank(request, serving, router.route_version(name, version), body)
+    route = router_of(request).route_version(name, version)
+    return await _rerank(request, serving_of(request), route, body)

@@ -29,14 +29,14 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from backends.encoders.reranker import Scores
 from hub.api.bodies import (
-    RouteKey,
     UserBody,
     cancelled_if_client_leaves,
     openapi_body,
     read_user_body,
     request_body,
+    route_key_of,
 )
-from hub.api.deps import CatalogDep, RouterDep, ServingDep
+from hub.api.deps import hub_of, router_of, serving_of
 from hub.api.priority import RequestedPriority, request_level
 from hub.api.rerank import (
     RerankCreate,
@@ -50,7 +50,7 @@ from hub.api.rerank import (
 from hub.api.serving import RERANKER, VERSION_HEADER, KeepAlive, Serving
 from hub.catalog import Catalog
 from hub.errors import BadRequest
-from hub.routing import Route, Router
+from hub.routing import Route
 from hub.traffic.replays import RerankReplay
 from registry.bounded_json import loads_bounded
 
@@ -156,11 +156,9 @@ class CohereRerankPublic(BaseModel):
 async def create_rerank_v2(
     request: Request,
     body: Annotated[CohereRerankCreate, UserBody(CohereRerankCreate)],
-    route_key: RouteKey,
-    router: RouterDep,
-    serving: ServingDep,
 ) -> Response:
-    route = router.route(body.model, route_key=route_key)
+    route = router_of(request).route(body.model, route_key=route_key_of(request))
+    serving = serving_of(request)
     texts = [d if isinstance(d, str) else d.text for d in body.documents]
     scored = await score(request, serving, route, body.query, texts, truncate=body.truncate,
                          max_tokens_per_doc=body.max_tokens_per_doc,
@@ -222,9 +220,7 @@ def _only_reranker(catalog: Catalog) -> str:
     return names[0]
 
 
-async def _tei_rerank(
-    request: Request, route_key: str | None, router: Router, catalog: Catalog, serving: Serving
-) -> Response:
+async def _tei_rerank(request: Request) -> Response:
     body = await read_user_body(request, TeiRerankCreate)
     if body.raw_scores:
         raise BadRequest(
@@ -238,10 +234,10 @@ async def _tei_rerank(
             "longest first, as the model's tokenizer does",
             param="truncation_direction",
         )
-    model = body.model or _only_reranker(catalog)
-    route = router.route(model, route_key=route_key)
-    scored = await score(request, serving, route, body.query, body.texts, truncate=body.truncate,
-                         keep_alive=body.keep_alive)  # fmt: skip
+    model = body.model or _only_reranker(hub_of(request).catalog)
+    route = router_of(request).route(model, route_key=route_key_of(request))
+    scored = await score(request, serving_of(request), route, body.query, body.texts,
+                         truncate=body.truncate, keep_alive=body.keep_alive)  # fmt: skip
     ranks = [
         TeiRank(index=i, score=scored.scores[i], text=body.texts[i] if body.return_text else None)
         for i in ranked(scored.scores, body.top_n)
@@ -259,13 +255,7 @@ def _either(*bodies: type[BaseModel]) -> dict[str, Any]:
 
 
 @router.post("/rerank", openapi_extra=_either(TeiRerankCreate, RerankCreate))
-async def rerank_tei_or_jina(
-    request: Request,
-    route_key: RouteKey,
-    router: RouterDep,
-    catalog: CatalogDep,
-    serving: ServingDep,
-) -> Response:
+async def rerank_tei_or_jina(request: Request) -> Response:
     """TEI's request (it has `texts`) answered in TEI's shape; any other body is Jina's /
     Cohere v1's, answered as `/v1/rerank` answers it."""
     try:
@@ -273,6 +263,6 @@ async def rerank_tei_or_jina(
     except ValueError:  # not JSON or nested too deep: the user-key check comes first, then
         peek = None  # the body's own parse answers the 400
     if isinstance(peek, dict) and "texts" in peek:
-        return await _tei_rerank(request, route_key, router, catalog, serving)
+        return await _tei_rerank(request)
     body = await read_user_body(request, RerankCreate)
-    return await create_rerank(request, body, route_key, router, serving)
+    return await create_rerank(request, body)

@@ -26,9 +26,9 @@ from fastapi import APIRouter, Request, Response
 
 from backends.llm.backend import LLMBackend
 from backends.llm.sampling_params import SamplingParams
-from hub.api.bodies import RouteKey, UserBody, openapi_body
+from hub.api.bodies import UserBody, openapi_body, route_key_of
 from hub.api.completions import sse_response
-from hub.api.deps import RouterDep, ServingDep
+from hub.api.deps import router_of, serving_of
 from hub.api.generation import Generation, start_generation
 from hub.api.priority import request_level
 from hub.api.responses_schemas import ResponseCreate
@@ -42,14 +42,12 @@ router = APIRouter(tags=["generation"])
 @router.post("/v1/responses", openapi_extra=openapi_body(ResponseCreate, route_key=True))
 async def create_response(
     body: Annotated[ResponseCreate, UserBody(ResponseCreate)],
-    router: RouterDep,
-    serving: ServingDep,
     request: Request,
     response: Response,
-    route_key: RouteKey,
 ) -> Any:
     body.check_stateless()
-    route = router.route(body.model, route_key=route_key or body.user)
+    route = router_of(request).route(body.model, route_key=route_key_of(request) or body.user)
+    serving = serving_of(request)
     fmt = body.response_format()
     structured = StructuredFields(
         response_format=ResponseFormat.model_validate(fmt) if fmt else None
