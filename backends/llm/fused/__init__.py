@@ -18,6 +18,8 @@ over packed input panels (`csrc/tiles.h`), faster than torch's on the benchmark 
   and the check of the fused step against transformers on a short chunk before any request
   (`start_fused`); a model that disagrees keeps the transformers path.
 - `kernel`: the ctypes side of the C structs.
+- `threads`: each step's thread count, all of them or half, whichever has run faster lately
+  at the step's size (a core another process holds stalls the threads at their barriers).
 
 The model runner (`backends.llm.model_runner`) owns the decision per step; the runtime key
 `fused_step: false` keeps a model on the transformers path.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import time
 from array import array
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -13,6 +14,7 @@ from backends.llm.attention import AttentionParams
 from backends.llm.cpu_kernels import PagedDecodeKernel
 from backends.llm.fused.kernel import CLayer, CModel, CStep, CWeight, FusedKernel, bptr, fptr
 from backends.llm.fused.step import FusedStep
+from backends.llm.fused.threads import ThreadChoice
 from backends.llm.lora.layers import LoRALinear
 from backends.llm.quantization import Int8Linear
 
@@ -200,6 +202,8 @@ class FusedDecoder:
         self.kv_caches = kv_caches
         self.max_rows = max_rows
         self.threads = threads
+        # Picks each step's thread count up to `threads` (None: always all of them).
+        self.choice: ThreadChoice | None = None
         self._layers = (CLayer * len(layers))()
         qk_eps = 0.0
         for c, layer, params, kv in zip(self._layers, layers, attention, kv_caches, strict=True):
@@ -306,14 +310,20 @@ class FusedDecoder:
         s.cos, s.sin = cos.data_ptr(), sin.data_ptr()
         s.logits, s.work = logits.data_ptr(), self._work_address
         s.table_len, s.rope_len, s.work_floats = len(step.tables), len(cos), self._work.numel()
-        # The calling thread's torch threads, within what the scratch was sized for.
-        self._model.threads = max(1, min(self.threads, torch.get_num_threads()))
+        # The calling thread's torch threads, within what the scratch was sized for, or
+        # fewer where `choice` has seen fewer run faster (threads.py).
+        most = max(1, min(self.threads, torch.get_num_threads()))
+        threads = most if self.choice is None else self.choice.threads(rows, most)
+        self._model.threads = threads
         if before is not None:
             before()
+        start = time.perf_counter()
         try:
             self._kernel.step(self._model, s)  # ValueError for what check() refuses
         finally:
             self._model.threads = self.threads
+        if self.choice is not None:
+            self.choice.observe(rows, most, threads, time.perf_counter() - start)
         return logits
 
     def _rope_tables(self, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:

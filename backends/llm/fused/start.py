@@ -13,6 +13,7 @@ from backends.llm.attention import AttentionParams
 from backends.llm.fused.decoder import FusedDecoder, unsupported_reason
 from backends.llm.fused.kernel import fused_kernel
 from backends.llm.fused.step import FusedStep, runs_fused
+from backends.llm.fused.threads import ThreadChoice
 from backends.llm.kernel_settings import KernelSettings
 from backends.llm.scheduler import SchedulerOutput
 from backends.threads import cores
@@ -115,6 +116,10 @@ class FusedPath:
         self._attention: list[AttentionParams] = []
         # Threads a step runs on at most (None: the machine's cores; `limit_threads`).
         self.max_threads: int | None = None
+        # Each step's thread count, all or half, by what has run faster lately at its size
+        # (`adaptive` False: always all).
+        self.thread_choice = ThreadChoice()
+        self.adaptive = True
         self.decoder: FusedDecoder | None = None
         self._scratch_bytes = 0  # the last decoder's, while none is built
         self.steps = 0  # steps run fused
@@ -187,4 +192,7 @@ class FusedPath:
                 self._attention = []
                 return None
         self.steps += 1
-        return self.decoder
+        decoder = self.decoder
+        if decoder is not None:
+            decoder.choice = self.thread_choice if self.adaptive else None
+        return decoder

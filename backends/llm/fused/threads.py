@@ -1,0 +1,124 @@
+"""How many threads a fused step runs on: all it may use, or half, whichever has been faster
+lately at this step's size.
+
+The fused step's threads meet at a barrier after every stage (a few per layer, dozens a
+step). When another process holds a core, the thread that shares it is descheduled for a
+time slice now and then, and every other thread waits at the next barrier for it: a step of
+a few milliseconds takes tens or hundreds. On a quiet machine the same threads make the step
+faster. Neither count is right everywhere, and the machine's load changes, so both are
+measured:
+
+- steps are timed in two windows per row-count bucket (1, 2, 3-4, 5-8, ...): at the most
+  threads the step may use and at half as many (one, on two cores);
+- each side is scored by the mean of its window without its slowest step: a stall that
+  recurs raises the mean, as it raises the time a stream takes, while a single delay the OS
+  caused once does not decide;
+- a bucket's first steps run at the most threads until `MIN_SAMPLES` are in, then at fewer
+  until as many are; after that a step runs on the side that scores lower (the most threads
+  on a tie), and now and then a step takes the other side (`PROBE_FEWER_EVERY`,
+  `PROBE_MOST_EVERY`), so that a change of load turns the choice back.
+
+The thread count changes no result: every output is computed by one thread in the same
+order however many share a stage.
+"""
+
+from __future__ import annotations
+
+import collections
+import statistics
+from dataclasses import dataclass, field
+
+# Recent steps kept per bucket and side: short, so that the choice follows the load within
+# a few hundred steps once it changes.
+WINDOW = 8
+# Steps measured on each side before the two are compared.
+MIN_SAMPLES = 3
+# One step in this many (per bucket) takes the side not chosen, to keep it measured: rarely
+# while all threads win (a probe on a quiet machine costs a step at half the speed, and a
+# change of load shows in the steps run on all threads themselves), more often while fewer
+# win, so that all threads come back soon after the load lifts.
+PROBE_FEWER_EVERY = 64
+PROBE_MOST_EVERY = 32
+
+
+def _window() -> collections.deque[float]:
+    return collections.deque(maxlen=WINDOW)
+
+
+@dataclass
+class _Bucket:
+    # Seconds of recent steps at the most threads and at fewer.
+    most: collections.deque[float] = field(default_factory=_window)
+    fewer: collections.deque[float] = field(default_factory=_window)
+    decisions: int = 0
+
+
+def _score(window: collections.deque[float]) -> float:
+    """The window's mean without its slowest step."""
+    if len(window) < 2:
+        return statistics.fmean(window)
+    return (sum(window) - max(window)) / (len(window) - 1)
+
+
+class ThreadChoice:
+    """Per step size, whether a fused step runs on all its threads or on half: `threads`
+    picks for a step, `observe` records what one took. One per model runner (its steps are
+    run one at a time)."""
+
+    def __init__(self) -> None:
+        self._buckets: dict[tuple[int, int], _Bucket] = {}
+        self.steps: collections.Counter[int] = collections.Counter()  # steps by threads run
+
+    @staticmethod
+    def bucket_of(rows: int) -> int:
+        """1, 2, 3-4, 5-8, ... rows share a bucket (the exponent of its largest power of 2)."""
+        return (rows - 1).bit_length()
+
+    @staticmethod
+    def fewer(most: int) -> int:
+        """The other side of `most` threads: half as many, at least one."""
+        return max(1, most // 2)
+
+    def _bucket(self, rows: int, most: int) -> _Bucket:
+        key = (self.bucket_of(rows), most)
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            bucket = self._buckets[key] = _Bucket()
+        return bucket
+
+    def threads(self, rows: int, most: int) -> int:
+        """Threads a step of `rows` rows should run on, when it may use up to `most`."""
+        if most <= 1:
+            return 1
+        bucket = self._bucket(rows, most)
+        bucket.decisions += 1
+        if len(bucket.most) < MIN_SAMPLES:
+            return most
+        if len(bucket.fewer) < MIN_SAMPLES:
+            return self.fewer(most)
+        fewer_wins = _score(bucket.fewer) < _score(bucket.most)
+        if bucket.decisions % (PROBE_MOST_EVERY if fewer_wins else PROBE_FEWER_EVERY) == 0:
+            fewer_wins = not fewer_wins
+        return self.fewer(most) if fewer_wins else most
+
+    def observe(self, rows: int, most: int, threads: int, seconds: float) -> None:
+        """A step of `rows` rows, allowed `most` threads, ran on `threads` in `seconds`."""
+        if most <= 1 or rows <= 0 or seconds < 0:
+            return
+        self.steps[threads] += 1
+        bucket = self._bucket(rows, most)
+        if threads == most:
+            bucket.most.append(seconds)
+        elif threads == self.fewer(most):
+            bucket.fewer.append(seconds)
+
+    def summary(self) -> dict[str, dict[str, float | None]]:
+        """Per bucket (named by its largest row count and the most threads): each side's
+        score in seconds, None until measured (benchmarks, the readout)."""
+        return {
+            f"{2**key}x{most}": {
+                "most": _score(b.most) if b.most else None,
+                "fewer": _score(b.fewer) if b.fewer else None,
+            }
+            for (key, most), b in sorted(self._buckets.items())
+        }

@@ -1,0 +1,97 @@
+"""A fused step runs on all its threads while they are faster and on half while another
+process holds a core and stalls them at their barriers, and turns back when the load lifts;
+its greedy output is the same either way. The machine is simulated: step times are made up
+and handed to the choice, so nothing here depends on the machine's speed or load."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from backends.llm.fused.kernel import fused_kernel
+from backends.llm.fused.threads import (
+    MIN_SAMPLES,
+    PROBE_FEWER_EVERY,
+    PROBE_MOST_EVERY,
+    WINDOW,
+    ThreadChoice,
+)
+from backends.llm.kernel_settings import KernelSettings
+from backends.llm.sampling_params import SamplingParams
+from backends.threads import cores
+from tests.backends.llm.support import build_model, make_engine, random_prompts, run_all
+
+QUIET = {2: 0.003, 1: 0.005}  # seconds a step takes at 2 threads, at 1
+
+
+def contended(step: int) -> dict[int, float]:
+    """Two threads stall one step in three (a time slice lost at a barrier), and are faster
+    than one in the others; one thread does not stall."""
+    return {2: 0.2 if step % 3 == 0 else 0.003, 1: 0.005}
+
+
+def run(choice: ThreadChoice, steps: int, machine: Callable[[int], dict[int, float]]) -> list[int]:
+    """Threads each of `steps` one-row steps ran on, on a machine of those step times."""
+    chosen = []
+    for i in range(steps):
+        threads = choice.threads(1, 2)
+        choice.observe(1, 2, threads, machine(i)[threads])
+        chosen.append(threads)
+    return chosen
+
+
+def test_a_quiet_machine_keeps_every_thread_but_for_probes() -> None:
+    choice = ThreadChoice()
+    first = run(choice, 2 * MIN_SAMPLES, lambda _: QUIET)
+    assert first == [2] * MIN_SAMPLES + [1] * MIN_SAMPLES  # both sides measured first
+    later = run(choice, 4 * PROBE_FEWER_EVERY, lambda _: QUIET)
+    assert later.count(1) == 4  # one probe of the other side in PROBE_FEWER_EVERY
+    # Another step size, or another thread limit, is measured on its own.
+    assert choice.threads(8, 2) == 2 and choice.threads(1, 4) == 4
+    assert choice.threads(1, 1) == 1  # nothing to choose
+
+
+def test_a_contended_machine_runs_on_fewer_threads_then_returns_when_it_lifts() -> None:
+    choice = ThreadChoice()
+    run(choice, 2 * PROBE_FEWER_EVERY, lambda _: QUIET)
+    stalled = run(choice, 8 * PROBE_MOST_EVERY, contended)
+    assert stalled[-4 * PROBE_MOST_EVERY :].count(2) == 4  # only the probes stall now
+    lifted = run(choice, (WINDOW + 2) * PROBE_MOST_EVERY, lambda _: QUIET)
+    assert lifted[-PROBE_FEWER_EVERY:].count(2) == PROBE_FEWER_EVERY - 1
+
+
+def test_one_step_the_os_delayed_does_not_decide() -> None:
+    choice = ThreadChoice()
+    run(choice, 2 * MIN_SAMPLES, lambda _: QUIET)
+    choice.observe(1, 2, 2, 1.0)  # one delay of a second on the side that is faster
+    assert run(choice, PROBE_FEWER_EVERY - 1, lambda _: QUIET).count(1) <= 1
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_model(tmp_path_factory.mktemp("fused-threads"), "llama")
+
+
+def test_greedy_output_is_the_same_whichever_count_each_step_runs_on(llama: Path) -> None:
+    kernel = fused_kernel(KernelSettings())
+    if kernel is None or not kernel.threaded or cores() < 2:
+        pytest.skip("no threaded fused kernel or one core: nothing to choose between")
+    greedy = SamplingParams(temperature=0.0, max_tokens=12)
+    prompts = random_prompts(3, seed=5, lengths=(4, 20))
+    outputs = []
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)  # this folder's tests run on one otherwise
+        for adaptive in (False, True):
+            engine = make_engine(llama)
+            engine.runner.fused.adaptive = adaptive
+            done = run_all(engine, [(p, greedy) for p in prompts])
+            outputs.append([r[0].token_ids for r in done])
+            steps = engine.runner.fused.thread_choice.steps
+            assert sorted(steps) == ([1, 2] if adaptive else [])
+    finally:
+        torch.set_num_threads(before)
+    assert outputs[0] == outputs[1]
