@@ -309,7 +309,9 @@ class LLMEngine:
         outputs = [
             self._emit(seq, [sampled.logprobs[row] for row in rows], now) for seq, rows in updated
         ]
-        self.work.observe_step(output.num_batched_tokens, now - started)
+        self.work.observe_step(
+            output.num_batched_tokens, now - started, sequences=len(output.scheduled)
+        )
         self.work.publish(itertools.chain(scheduler.waiting, scheduler.running))
         self.work.step_started = None
         self.metrics.observe_step(

@@ -17,12 +17,16 @@ admission bounds (`max_queue_time_s`) is the time until the request's first step
 
 where a seat is free at once while fewer sequences than `max_num_seqs` run or wait ahead,
 and otherwise when the running sequences (one token a step each) and the waiting ones ahead
-(taking the seats in order) have finished enough of their generations. What joining costs
-the sequences already running is bounded separately: every step carries one more decode
-from then on, about `per_token_s` more (the measured cost of a token in a step: the slope of
-step time over step tokens), so the batch's longest generation is slowed by
-`per_token_s x (sequences sharing a step - 1) x its tokens` at most; admission refuses a
-request that would make that more than the same bound.
+(taking the seats in order) have finished enough of their generations. A step's time grows
+with the sequences sharing it, so the whole latency is bounded too: the request's own
+`max_tokens` steps run at the step time of the batch it makes (`step_at`: the sequences
+running, waiting and reserved, and its own, up to the seats), `max_tokens x (step_at(batch)
+- step_at(1))` slower than alone; admission refuses a request whose wait plus that is over
+`max_queue_time_s`, or whose joining would slow the batch's longest generation by more.
+`step_at` is measured per batch size (buckets by powers of two); a batch larger than any
+measured is priced as the largest measured one grown in proportion (no fixed cost: an
+upper bound while a sequence's share of a step does not grow with the batch), so a burst is
+admitted a few at a time while larger batches are measured, not at a quiet step's cost.
 
 The seconds per step are an exponentially weighted average of the measured steps
 (`observe_step`), or what the step in flight has taken so far when that is already well over
@@ -35,7 +39,8 @@ Contract: `admit(size, prompt_tokens, max_tokens)` raises `CapacityError` when t
 new request on its device (as above, plus the other models' work there, each counted up to
 that wait: models on one device share it, so another model's backlog delays this request by
 at most as much as this request waits for its own engine's work) is over
-`max_queue_time_s`, or when its joining would slow the running batch by more than that,
+`max_queue_time_s`, or that wait plus its own slowdown in the batch it makes is, or when
+its joining would slow the batch's longest generation by more than that,
 naming the estimate, its parts and the bound, with a `retry_after` of about the time the
 excess needs and that time as `saturated_s` (the HTTP edge refuses the model's next requests
 at once until then). `reserve()` makes the same check before a request is tokenized and
@@ -65,10 +70,6 @@ from backends.llm.sequence import SequenceStatus
 # A step in flight that has taken more than this many times the average reprices the work at
 # once (the device is contended now: the average learns it only as steps end).
 SLOW_STEP = 1.5
-# Weight of the newest step in the slope of step time over step tokens: a slope needs steps
-# of different sizes, so it is averaged over more of them (about the last forty) than the
-# step cost is.
-SLOPE_ALPHA = 0.05
 
 if TYPE_CHECKING:
     from backends.llm.sequence import Sequence
@@ -160,9 +161,10 @@ class EngineWork:
         self.name = name
         self._alpha = alpha
         self._step_s: float | None = None
-        # Exponentially weighted moments of (step tokens, step seconds): the slope.
-        self._tokens_mean = self._seconds_mean = 0.0
-        self._tokens_var = self._covariance = 0.0
+        # Per batch-size bucket (the bit length of a step's sequences: 1, 2-3, 4-7, ...),
+        # exponentially weighted (sequences, seconds) of the steps measured there; replaced,
+        # never mutated, by the engine thread.
+        self._buckets: dict[int, tuple[float, float]] = {}
         self.clock = clock
         # When the step in flight began (`clock`), None between steps; set by the engine
         # thread, read by any.
@@ -177,21 +179,22 @@ class EngineWork:
         self._token: int | None = None
 
     # ---- measurement (engine thread) ---------------------------------------------------
-    def observe_step(self, tokens: int, seconds: float) -> None:
-        """A step ran `tokens` tokens (prefill chunks and decodes) in `seconds`."""
+    def observe_step(self, tokens: int, seconds: float, *, sequences: int = 1) -> None:
+        """A step ran `tokens` tokens (prefill chunks and decodes) of `sequences` sequences
+        in `seconds`."""
         if tokens < 1 or not math.isfinite(seconds) or seconds < 0:
             return
         if self._step_s is None:
             self._step_s = seconds
-            self._tokens_mean, self._seconds_mean = float(tokens), seconds
-            return
-        self._step_s += self._alpha * (seconds - self._step_s)
-        a = SLOPE_ALPHA
-        dt, ds = tokens - self._tokens_mean, seconds - self._seconds_mean
-        self._tokens_mean += a * dt
-        self._seconds_mean += a * ds
-        self._tokens_var = (1 - a) * (self._tokens_var + a * dt * dt)
-        self._covariance = (1 - a) * (self._covariance + a * dt * ds)
+        else:
+            self._step_s += self._alpha * (seconds - self._step_s)
+        key = max(1, sequences).bit_length()
+        n, mean = float(max(1, sequences)), self._buckets.get(key)
+        if mean is not None:
+            a, (mean_n, mean_s) = self._alpha, mean
+            n, seconds = mean_n + a * (n - mean_n), mean_s + a * (seconds - mean_s)
+        # A new mapping each time: other threads read the one they got without a lock.
+        self._buckets = {**self._buckets, key: (n, seconds)}
 
     def publish(self, sequences: Iterable[Sequence]) -> None:
         """The unfinished sequences now (the scheduler's waiting and running ones)."""
@@ -202,15 +205,27 @@ class EngineWork:
         """The measured seconds per step, or None before a step was measured."""
         return self._step_s
 
-    @property
-    def per_token_s(self) -> float:
-        """What one more token in a step costs, in seconds: the slope of the measured step
-        times over their tokens (0 until steps of different sizes were measured), at most the
-        average cost of a token (a step has no negative fixed cost)."""
-        if self._tokens_var < 1.0 or self._tokens_mean <= 0:
+    def step_at(self, sequences: int) -> float:
+        """Seconds a step that `sequences` sequences share takes (0 before a step was
+        measured): the nearest measured bucket at or under its size, grown in proportion
+        where `sequences` is over that bucket's average, but no more than the nearest
+        measured larger batch takes; a batch smaller than any measured, the smallest
+        measured one's time."""
+        buckets = self._buckets
+        if not buckets:
             return 0.0
-        slope = self._covariance / self._tokens_var
-        return min(max(0.0, slope), self._seconds_mean / self._tokens_mean)
+        n = max(1, sequences)
+        below = [b for b in buckets if b <= n.bit_length()]
+        above = [b for b in buckets if b > n.bit_length()]
+        cap = buckets[min(above)][1] if above else math.inf
+        if not below:
+            return cap
+        mean_n, mean_s = buckets[max(below)]
+        return min(cap, mean_s * max(1.0, n / mean_n))
+
+    def slower_per_step_s(self, sequences: int) -> float:
+        """How much longer a step that `sequences` share takes than one sequence's alone."""
+        return max(0.0, self.step_at(sequences) - self.step_at(1))
 
     def step_cost(self) -> float | None:
         """What a step costs now: the average, or what the step in flight has taken so far
@@ -269,7 +284,7 @@ class EngineWork:
         """How much longer than alone the longest generation among `work` and `size` more
         sequences of up to `max_tokens` would take, all of them sharing each step."""
         longest = max(work.longest, max_tokens)
-        return self.per_token_s * (self.sharing(work, size) - 1) * longest
+        return self.slower_per_step_s(self.sharing(work, size)) * longest
 
     def count_on(self, device_work: DeviceWork | None) -> None:
         """Count this engine's work on `device_work` (the device it now runs on) instead of
@@ -324,12 +339,16 @@ class EngineWork:
 
     def _check(self, size: int, max_tokens: float) -> None:
         bound = self.max_queue_time_s
-        step_s = self.step_cost()
-        if bound is None or step_s is None:
+        average = self.step_cost()
+        if bound is None or average is None:
             return
         work = self.outstanding()
         if not work:
             return
+        # The steps ahead run at the batch there is now, the request's own at the one it makes.
+        step_s = max(average, self.step_at(self.sharing(work, 0)))
+        sharing = self.sharing(work, size)
+        per_step = self.slower_per_step_s(sharing)
         left = self.step_left(step_s)
         seat, prefill = self.steps_ahead(work)
         own = left + (seat + prefill) * step_s
@@ -337,10 +356,17 @@ class EngineWork:
         if self._device is not None:
             elsewhere = self._device.outstanding_s(excluding=self._token, within=own)
         wait = own + elsewhere
+        latency = wait + per_step * max_tokens
         slowdown = self.slowdown_s(work, size, max_tokens)
-        if wait <= bound and slowdown <= bound:
+        if latency <= bound and slowdown <= bound:
             return
         tokenizing = f", {self.reserved} being tokenized" if self.reserved else ""
+        batch = (
+            f"{sharing} sequences would share each step{tokenizing}, a step "
+            f"{per_step * 1000:.1f} ms longer than one sequence's alone (at "
+            f"{self.step_at(sharing) * 1000:.1f} ms against {self.step_at(1) * 1000:.1f} ms "
+            "measured)"
+        )
         if wait > bound:
             excess = wait - bound
             # Arrivals only add to the work: it stays over the bound at least this long,
@@ -359,15 +385,13 @@ class EngineWork:
         else:
             # The batch shrinks as its sequences finish: the first frees a seat.
             saturated = min(work.running, default=0.0) * step_s
-            excess = max(saturated, slowdown - bound)
-            per_token = self.per_token_s
+            excess = max(saturated, max(latency, slowdown) - bound)
+            longest = max(work.longest, max_tokens)
             why = (
-                f"with this request ({size} sequences) {self.sharing(work, size)} sequences "
-                f"would share each step{tokenizing}, a step "
-                f"{per_token * (self.sharing(work, size) - 1) * 1000:.1f} ms longer than one "
-                f"sequence's (at {per_token * 1000:.3f} ms a token measured), slowing the "
-                f"longest generation ({max(work.longest, max_tokens):.0f} tokens) by an "
-                f"estimated {slowdown:.2f}s"
+                f"with this request ({size} sequences) {batch}: its own {max_tokens:.0f} "
+                f"tokens would take an estimated {latency:.2f}s longer than alone, "
+                f"{wait:.2f}s of it before its first step, and the longest generation "
+                f"({longest:.0f} tokens) {slowdown:.2f}s"
             )
         retry_after = max(1.0, math.ceil(excess))
         raise CapacityError(

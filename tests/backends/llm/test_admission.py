@@ -70,7 +70,8 @@ def _shed(registry: CollectorRegistry) -> float:
 
 def test_requests_beyond_the_queue_time_are_refused_and_the_rest_complete(llama: Path) -> None:
     engine, registry = _engine(llama, 0.040)
-    engine.work.observe_step(tokens=1, seconds=0.010)  # 10 ms a step
+    # A step of both seats measured at 10 ms: a smaller batch is priced no higher.
+    engine.work.observe_step(tokens=2, seconds=0.010, sequences=2)
     outcomes = _offer(engine, 8)
     # Two sequences decode together (max_num_seqs 2: two seats), 64 prompt tokens fill a
     # step. The second request gets the second seat at once (7 prompt tokens ahead: 1 ms);
@@ -90,7 +91,7 @@ def test_requests_beyond_the_queue_time_are_refused_and_the_rest_complete(llama:
 
 def test_other_models_work_on_the_device_counts(llama: Path) -> None:
     engine, _ = _engine(llama, 0.040)
-    engine.work.observe_step(tokens=1, seconds=0.010)
+    engine.work.observe_step(tokens=2, seconds=0.010, sequences=2)
     device = DeviceWork("cpu")
     device.register(lambda: 0.020)  # an encoder with 20 ms of passes to run
     engine.work.count_on(device)
@@ -143,7 +144,7 @@ def test_an_engine_dropped_without_an_unload_leaves_its_device(llama: Path) -> N
 
 def test_requests_being_tokenized_count_as_the_average_request(llama: Path) -> None:
     engine, _ = _engine(llama, 0.040)
-    engine.work.observe_step(tokens=1, seconds=0.010)
+    engine.work.observe_step(tokens=2, seconds=0.010, sequences=2)
     assert _offer(engine, 1) == [None]  # the average request: 7 prompt tokens, 3 to generate
     engine.work.reserve()  # meets one request: a seat is free (1 ms)
     engine.work.reserve()  # two: both seats taken, 3 steps (32 ms)
@@ -160,7 +161,7 @@ def test_requests_being_tokenized_count_as_the_average_request(llama: Path) -> N
 
 def test_a_step_in_flight_already_slow_reprices_the_work(llama: Path) -> None:
     engine, _ = _engine(llama, 0.040)
-    engine.work.observe_step(tokens=1, seconds=0.010)
+    engine.work.observe_step(tokens=2, seconds=0.010, sequences=2)
     assert _offer(engine, 2) == [None, None]
     # A step has been running 20 ms, twice the average (a burst contends for the device):
     # the 3.2 steps ahead of a third request (a seat, prompts) cost 64 ms now, not 32.
@@ -195,7 +196,7 @@ def test_a_short_request_joins_a_running_batch_when_a_step_is_short() -> None:
     # Six sequences decode, 60 of their 64 tokens still to come, 2 ms a step: they hold
     # 0.12 s of work, but a new request takes a free seat at the next step.
     work = EngineWork(0.050, max_num_seqs=8, max_num_batched_tokens=64)
-    work.observe_step(tokens=6, seconds=0.002)
+    work.observe_step(tokens=6, seconds=0.002, sequences=6)
     work.publish(_sequences(6, prompt=20, max_tokens=64, generated=4))
     assert work.outstanding_s() == pytest.approx(0.120)
     work.admit(1, prompt_tokens=20, max_tokens=8)
@@ -207,7 +208,7 @@ def test_a_short_request_joins_a_running_batch_when_a_step_is_short() -> None:
 
 def test_prompt_tokens_ahead_over_the_bound_are_refused() -> None:
     work = EngineWork(0.050, max_num_seqs=8, max_num_batched_tokens=64)
-    work.observe_step(tokens=4, seconds=0.010)
+    work.observe_step(tokens=8, seconds=0.010, sequences=8)
     running = _sequences(4, prompt=20, max_tokens=64, generated=4)
     # Two prompts of 100 tokens wait: 200 tokens over the 60 a step leaves after the four
     # decodes, 3.3 steps (33 ms): admitted; three (300 tokens, 50 ms) and a step in flight
@@ -225,25 +226,47 @@ def test_prompt_tokens_ahead_over_the_bound_are_refused() -> None:
     assert refused.value.retry_after >= 1
 
 
+def test_a_batch_larger_than_any_measured_is_priced_in_proportion_until_measured() -> None:
+    work = EngineWork(0.050, max_num_seqs=32, max_num_batched_tokens=512)
+    work.observe_step(tokens=30, seconds=0.001)  # a sequence alone: 1 ms a step
+    # Two run with 15 of 16 tokens left; a third of 16 would make steps of 3, priced at 3 ms
+    # (nothing larger measured): its 16 tokens and the batch's 2 ms a step slower, 32 ms.
+    work.publish(_sequences(2, prompt=20, max_tokens=16, generated=1))
+    work.admit(1, prompt_tokens=20, max_tokens=16)
+    # A fifth joining four: steps of 5 at 5 ms, 64 ms slower over 16 tokens: refused,
+    # though every seat but four is free and no prompt waits.
+    work.publish(_sequences(4, prompt=20, max_tokens=16, generated=1))
+    with pytest.raises(CapacityError) as refused:
+        work.admit(1, prompt_tokens=20, max_tokens=16)
+    message = str(refused.value)
+    assert "5 sequences would share each step" in message
+    assert "a step 4.0 ms longer than one sequence's alone (at 5.0 ms against 1.0 ms" in message
+    assert "its own 16 tokens would take an estimated 0.06s longer than alone" in message
+    assert refused.value.retry_after >= 1
+    # Once steps of four have been measured at 1.5 ms, five cost 1.9 ms: admitted.
+    work.observe_step(tokens=4, seconds=0.0015, sequences=4)
+    assert work.step_at(5) == pytest.approx(0.001875)
+    work.admit(1, prompt_tokens=20, max_tokens=16)
+
+
 def test_joining_a_batch_that_it_would_slow_too_much_is_refused() -> None:
     work = EngineWork(0.050, max_num_seqs=8, max_num_batched_tokens=64)
-    # A lone decode takes 2 ms, a step of 65 tokens 10 ms: 0.125 ms a token more.
+    # A lone step takes 2 ms, one of eight 3 ms: a batch between them is priced at most 3 ms.
     work.observe_step(tokens=1, seconds=0.002)
-    work.observe_step(tokens=65, seconds=0.010)
-    assert work.per_token_s == pytest.approx(0.000125)
-    # Four running with 60 tokens left, a fifth of 64: the longest generation (64 tokens)
-    # would take 4 x 0.125 ms a step longer than alone, 32 ms: admitted.
-    work.publish(_sequences(4, prompt=20, max_tokens=64, generated=4))
-    work.admit(1, prompt_tokens=20, max_tokens=64)
-    # Seven running: 7 x 0.125 ms over 64 steps, 56 ms: refused, though a seat is free.
+    work.observe_step(tokens=8, seconds=0.003, sequences=8)
+    assert work.step_at(5) == pytest.approx(0.003)
+    # Four running with 30 tokens left, a fifth of 32: each of its steps and theirs 1 ms
+    # slower than alone, 32 ms over 32 tokens: admitted.
+    work.publish(_sequences(4, prompt=20, max_tokens=32, generated=2))
+    work.admit(1, prompt_tokens=20, max_tokens=32)
+    # Seven running with 60 tokens left, an eighth of 64: 64 ms, refused, though a seat is
+    # free.
     work.publish(_sequences(7, prompt=20, max_tokens=64, generated=4))
     with pytest.raises(CapacityError) as refused:
         work.admit(1, prompt_tokens=20, max_tokens=64)
     assert "8 sequences would share each step" in str(refused.value)
-    assert "slowing the longest generation (64 tokens) by an estimated 0.06s" in str(refused.value)
-    # A short request still slows the longest generation left (60 tokens): with seven
-    # running that is 52 ms, refused; with six (45 ms) admitted.
-    with pytest.raises(CapacityError):
+    assert "the longest generation (64 tokens) 0.06s" in str(refused.value)
+    # A short request still slows the longest generation left (60 tokens, 60 ms): refused.
+    with pytest.raises(CapacityError) as refused:
         work.admit(1, prompt_tokens=20, max_tokens=4)
-    work.publish(_sequences(6, prompt=20, max_tokens=64, generated=4))
-    work.admit(1, prompt_tokens=20, max_tokens=4)
+    assert "the longest generation (60 tokens) 0.06s" in str(refused.value)
