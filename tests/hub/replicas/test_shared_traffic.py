@@ -55,11 +55,20 @@ def total(doc: dict[str, Any]) -> int:
 
 
 def replica_ids(cluster: Cluster) -> dict[str, Replica]:
-    out = {}
-    for replica in cluster.replicas:
-        [me] = [r for r in ok(replica.get("/admin/replicas"))["replicas"] if r["this"]]
-        out[me["id"]] = replica
-    return out
+    """Each replica by the id it answers with (its own, whether or not its last heartbeat is
+    still fresh on a loaded machine)."""
+    return {ok(r.get("/admin/replicas"))["this_replica"]: r for r in cluster.replicas}
+
+
+def fleet_whole(cluster: Cluster) -> bool:
+    """Every replica lists all of them live (each one's heartbeat fresh). A 503 (the
+    database slow to answer on a loaded machine) is a "not yet"."""
+    answers = [r.get("/admin/replicas") for r in cluster.replicas]
+    if any(a.status_code != 200 for a in answers):
+        return False
+    ids = {a.json()["this_replica"] for a in answers}
+    listed = [{r["id"] for r in a.json()["replicas"]} for a in answers]
+    return len(ids) == len(cluster.replicas) and all(seen == ids for seen in listed)
 
 
 def canary(replica: Replica) -> dict[str, Any]:
@@ -166,4 +175,4 @@ def test_one_analyst_runs_the_canary_and_another_takes_over(
     assert (metered["key"], metered["model"]) == ("anonymous", MODEL)
     assert {k: metered[k] for k in TOLD} == TOLD
     victim.restart()
-    wait_for(lambda: len(replica_ids(cluster)) == 3, "the killed replica never came back")
+    wait_for(lambda: fleet_whole(cluster), "the killed replica never came back")
