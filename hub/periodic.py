@@ -25,16 +25,27 @@ from hub.sql_worker import SqlWorker, failure_reason
 Write = tuple[Callable[[], object], Callable[[], None]]
 
 
-async def cancel_and_wait(task: asyncio.Task[Any]) -> None:
-    """Cancel `task` and wait until it has ended. Its own cancellation is swallowed; a cancel
-    of the caller while it waits is not, nor an exception the task ended with."""
-    task.cancel()
-    try:
-        await task
-    except asyncio.CancelledError:
-        current = asyncio.current_task()
-        if current is not None and current.cancelling():
-            raise
+async def cancel_and_wait(*tasks: asyncio.Task[Any]) -> None:
+    """Cancel every task at once, then wait until each has ended. Their own cancellation is
+    swallowed; a cancel of the caller while it waits is not. An exception a task ended with
+    is raised once every task has ended: as it is when one task failed, in an
+    `ExceptionGroup` when several did."""
+    for task in tasks:
+        task.cancel()
+    errors: list[Exception] = []
+    for task in tasks:
+        try:
+            await task
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                raise
+        except Exception as e:
+            errors.append(e)
+    if len(errors) == 1:
+        raise errors[0]
+    if errors:
+        raise ExceptionGroup("several background tasks ended with an error", errors)
 
 
 class PeriodicSync(ABC):

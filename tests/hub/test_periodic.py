@@ -190,3 +190,26 @@ async def test_cancel_and_wait_ends_the_task_but_not_a_cancel_of_its_caller() ->
     with pytest.raises(asyncio.CancelledError):
         await stopper
     assert slow.done()
+
+
+async def test_cancel_and_wait_stops_every_task_before_it_raises_what_one_ended_with() -> None:
+    async def fails_on_cancel(message: str) -> None:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            raise RuntimeError(message) from None
+
+    idle = asyncio.create_task(asyncio.Event().wait())
+    broken = asyncio.create_task(fails_on_cancel("one"))
+    later = asyncio.create_task(asyncio.Event().wait())
+    await asyncio.sleep(0)
+    with pytest.raises(RuntimeError, match="one"):
+        await cancel_and_wait(idle, broken, later)
+    assert idle.cancelled() and later.cancelled()
+
+    first = asyncio.create_task(fails_on_cancel("first"))
+    second = asyncio.create_task(fails_on_cancel("second"))
+    await asyncio.sleep(0)
+    with pytest.raises(ExceptionGroup) as group:
+        await cancel_and_wait(first, second)
+    assert [str(e) for e in group.value.exceptions] == ["first", "second"]
