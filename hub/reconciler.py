@@ -27,6 +27,7 @@ from hub.control import Control
 from hub.errors import NotFound
 from hub.manager import ModelManager
 from hub.metrics import HubMetrics
+from hub.periodic import cancel_and_wait
 from registry.drift import Drift
 from registry.errors import DependencyUnavailable
 from registry.views import RegistrySnapshot
@@ -90,12 +91,14 @@ class Reconciler:
             self._task = asyncio.create_task(self._loop(), name="reconciler")
 
     async def stop(self) -> None:
+        """Cancel the loop and the preloads and wait until they have ended. An error one of
+        them ended with is logged, not raised: a raise here would end the hub's shutdown
+        before its later steps (the manager, the usage and rate-limit writes)."""
         tasks = [t for t in (self._task, *self._followups) if t is not None]
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        try:
+            await cancel_and_wait(*tasks)
+        except Exception:  # the loop and the preloads log their own failures: this is a bug
+            log.exception("a reconciler task had ended with an error before the stop")
         self._task = None
 
     async def reconcile(self, *, check_versions: bool = False) -> None:

@@ -32,6 +32,7 @@ from starlette.types import Message, Receive, Scope, Send
 from hub.api.edge import answer_error
 from hub.api.keys_access import routes_for
 from hub.errors import HubError, NotFound, Unavailable
+from hub.periodic import cancel_and_wait
 from hub.placement.forwarding import (
     REPLICA_HEADER,
     ROUTE_HEADER,
@@ -156,9 +157,7 @@ async def _unless_client_leaves(forwarding: Awaitable[bool], receive: Receive) -
         left.cancel()
     if forward.done():
         return forward.result()
-    forward.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await forward
+    await cancel_and_wait(forward)
     return True
 
 

@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry, Gauge
 
 from hub.dependencies.calls import BoundedCalls
 from hub.dependencies.gpu_metrics import GpuGauges, GpuReader, GpuReading, open_nvml
+from hub.periodic import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -162,9 +163,7 @@ class DeviceMonitor:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
             self._task = None
         for calls in self._calls.values():
             calls.close()

@@ -9,7 +9,6 @@ keeps what it saw; `/health/ready`, `hub_dependency_up` and the dashboard read t
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Collection, Mapping
@@ -19,6 +18,7 @@ from prometheus_client import CollectorRegistry, Gauge
 
 from hub.dependencies.calls import BoundedCalls
 from hub.dependencies.devices import DeviceMonitor
+from hub.periodic import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -147,9 +147,7 @@ class DependencyMonitor:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
             self._task = None
         for task in list(self._running):
             task.cancel()

@@ -18,6 +18,8 @@ import logging
 import time
 from collections.abc import Callable
 
+from hub.periodic import cancel_and_wait
+
 log = logging.getLogger(__name__)
 
 FOREVER = -1.0
@@ -58,9 +60,7 @@ class Reaper:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
             self._task = None
 
     async def _run(self) -> None:

@@ -13,7 +13,6 @@ elsewhere at once rather than after its row expires.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -24,6 +23,7 @@ from starlette.types import Scope, Send
 
 from hub.catalog import Catalog
 from hub.manager import ModelManager, ModelStatus
+from hub.periodic import cancel_and_wait
 from hub.placement.decision import (
     RESIDENT_STATES,
     WARM_STATES,
@@ -125,9 +125,7 @@ class Placement:
         for task in self._announcing:
             task.cancel()
         if self._reclaimer is not None:
-            self._reclaimer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reclaimer
+            await cancel_and_wait(self._reclaimer)
             self._reclaimer = None
         await self.forwarder.close()
 

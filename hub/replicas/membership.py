@@ -17,7 +17,6 @@ counted in `hub_replica_heartbeats_total{outcome="failed"}`, nothing else.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -28,6 +27,7 @@ from prometheus_client import CollectorRegistry
 
 from hub.errors import Unavailable
 from hub.manager import ModelManager
+from hub.periodic import cancel_and_wait
 from hub.replicas.identity import advertise_url, replica_id
 from hub.replicas.metrics import ReplicaMetrics
 from hub.replicas.report import build_beat, queue_depth
@@ -104,9 +104,7 @@ class Membership:
     async def stop(self) -> None:
         """Stop beating and delete this replica's row, so peers stop listing it at once."""
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
             self._task = None
         try:
             await self._in_thread(lambda: self.book.leave(self.id))

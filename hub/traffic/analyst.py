@@ -17,6 +17,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 
+from hub.periodic import cancel_and_wait
 from hub.sql_worker import SqlWorker, failure_reason
 from hub.traffic.metrics import TrafficMetrics
 from registry.leases import LeaseBook
@@ -78,9 +79,7 @@ class AnalystLease:
         try:
             yield
         finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await cancel_and_wait(task)
 
     async def release(self, model: str) -> None:
         """Give the lease up (the canary ended, or this replica stops)."""

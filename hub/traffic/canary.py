@@ -27,7 +27,6 @@ flushed; with no baseline traffic at all only the absolute error-rate threshold 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -35,6 +34,7 @@ from typing import Any
 
 from hub.control import Control
 from hub.errors import BadRequest, Conflict, HubError, NotFound
+from hub.periodic import cancel_and_wait
 from hub.promotion import Promoter
 from hub.traffic.analyst import AnalystLease
 from hub.traffic.canary_analysis import Analysis, judge_step
@@ -183,9 +183,7 @@ class CanaryController:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
             self._task = None
         await self.lease.release_all()  # a peer takes over at its next tick
 

@@ -24,7 +24,6 @@ Spearman rank correlation, greedy LLM output by exact match.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import statistics
@@ -38,6 +37,7 @@ import numpy as np
 
 from backends.base import Backend
 from hub.manager import ModelManager
+from hub.periodic import cancel_and_wait
 from hub.traffic.in_flight import InFlight
 from hub.traffic.metrics import TrafficMetrics
 from hub.traffic.stats import TrafficStats
@@ -160,11 +160,7 @@ class ShadowMirror:
             ]
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(*self._tasks)
         self._tasks = []
 
     async def drain(self) -> None:

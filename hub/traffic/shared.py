@@ -14,13 +14,12 @@ after `traffic.sql_timeout` (the engine's own timeouts end the thread, see
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import time
 import uuid
 from dataclasses import dataclass, field
 
+from hub.periodic import PeriodicSync, Write
 from hub.sql_worker import SqlWorker, failure_reason
 from hub.traffic.histogram import LatencyHistogram, Tally
 from hub.traffic.metrics import TrafficMetrics
@@ -54,13 +53,18 @@ class Totals:
         )
 
 
-class SharedStats:
+class SharedStats(PeriodicSync):
     """This replica's side of `hub_traffic_stats`: the flush loop and summed reads.
 
     Contract: `start()` starts flushing every `interval`; `stop()` flushes once more and
     stops; `flush()` writes what changed (False when it failed or one is still outstanding,
     counted in `hub_traffic_stats_flushes_total`); `totals(model, ...)` never raises for a
     database outage: it answers with this replica's numbers and `shared=False`."""
+
+    task_name = "traffic stats flush"
+    outage_log = "traffic statistics flush failed: %(reason)s; retrying every %(interval).1fs"
+    recovery_log = "traffic statistics flushes succeed again"
+    timeout_setting = "traffic.sql_timeout"
 
     def __init__(
         self,
@@ -72,73 +76,43 @@ class SharedStats:
         interval: float,
         sql: SqlWorker,
     ) -> None:
+        # `sql`: the traffic service's worker (hub.traffic.service), shared with the canary
+        # lease on an engine apart from the hub's main pool, so a busy pool never delays a
+        # flush and an outage fails it fast.
+        super().__init__(interval=interval, sql=sql)
         self.stats = stats
         self.book = book
         self.metrics = metrics
         self.replica = replica
         # Unique per process start: a restarted replica adds rows, never overwrites.
         self.incarnation = uuid.uuid4().hex
-        self.interval = interval
-        self.sql = sql
-        self._pending: asyncio.Future[int] | None = None
-        self._task: asyncio.Task[None] | None = None
-        self._failing = False
 
-    def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="traffic stats flush")
+    async def tick(self, instant: float) -> None:
+        await self.flush()
 
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-        if self._pending is not None and not self._pending.done():
-            # A flush still under way would make the last one a skip: let it end first
-            # (a failed one put its tallies back, so the last flush writes them).
-            with contextlib.suppress(Exception):
-                await self.sql.wait(self._pending)
+    async def final_write(self) -> None:
         await self.flush()  # the last seconds of a clean shutdown are not lost
 
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval)
-            await self.flush()
+    def count(self, step: str, outcome: str) -> None:
+        self.metrics.stats_flushes.labels(outcome).inc()
+        if outcome == "ok":
+            self.metrics.stats_last_flush.set(time.time())
 
     async def flush(self) -> bool:
-        if self._pending is not None and not self._pending.done():
-            self.metrics.stats_flushes.labels("skipped").inc()
-            return False
-        changed = self.stats.changed()
-        if not changed:
-            return True
-        entries = [_entry(key, tally) for key, tally in changed.items()]
-        replica, incarnation = self.replica, self.incarnation
-        future = self.sql.submit(lambda: self.book.flush(replica, incarnation, entries))
-        self._pending = future
-        try:
-            await self.sql.wait(future)
-        except asyncio.CancelledError:
-            # Stopped while it waited: whether the write lands is unknown, so the next flush
-            # (stop's last one) writes these keys again; cumulative numbers, never twice.
-            self.stats.unflushed(changed)
-            raise
-        except Exception as e:
-            # Cumulative numbers: the next flush writes these keys again, with what came since.
-            self.stats.unflushed(changed)
-            self.metrics.stats_flushes.labels("failed").inc()
-            if not self._failing:
-                log.warning("traffic statistics flush failed: %s; retrying every %.1fs",
-                            failure_reason(e, "traffic.sql_timeout"), self.interval)  # fmt: skip
-            self._failing = True
-            return False
-        if self._failing:
-            log.info("traffic statistics flushes succeed again")
-        self._failing = False
-        self.metrics.stats_flushes.labels("ok").inc()
-        self.metrics.stats_last_flush.set(time.time())
-        return True
+        def collect() -> Write | None:
+            changed = self.stats.changed()
+            if not changed:
+                return None
+            entries = [_entry(key, tally) for key, tally in changed.items()]
+            replica, incarnation = self.replica, self.incarnation
+            # Cumulative numbers: a failed flush's keys are written again by the next one,
+            # with what came since, and never counted twice.
+            return (
+                lambda: self.book.flush(replica, incarnation, entries),
+                lambda: self.stats.unflushed(changed),
+            )
+
+        return await self.write_step("flush", collect)
 
     async def totals(self, model: str, *, revisions: int, local_revision: int) -> Totals:
         """`model`'s traffic in its last `revisions` policy revisions, summed over replicas.

@@ -4,7 +4,9 @@ followed, and a configured model's new serving version is loaded (and pinned) fo
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -122,3 +124,18 @@ async def test_a_failed_pass_keeps_the_last_snapshot(
     with pytest.raises(ConnectionError):
         await r.reconcile()
     assert r.control.catalog.model("emb").default_version() == 1
+
+
+async def test_stop_logs_an_error_its_loop_ended_with(caplog: pytest.LogCaptureFixture) -> None:
+    class BrokenLoop(Reconciler):
+        async def _loop(self) -> None:
+            raise RuntimeError("a bug in the loop")
+
+    control = SimpleNamespace(catalog=SimpleNamespace(on_change=lambda listener: None))
+    r = BrokenLoop(control, RecordingManager(), HubMetrics(), poll_interval=60)  # type: ignore[arg-type]
+    r.start()
+    await asyncio.sleep(0)
+    with caplog.at_level(logging.ERROR, logger="hub.reconciler"):
+        await r.stop()  # the shutdown's next steps still run
+    [record] = caplog.records
+    assert record.exc_info is not None and "a bug in the loop" in str(record.exc_info[1])
