@@ -78,7 +78,7 @@ class TwoSided(Generic[K]):
             self._buckets[key] = bucket
         return bucket
 
-    def keys(self) -> Iterator[K]:
+    def buckets(self) -> Iterator[K]:
         """The buckets that have been asked about or recorded into, in first-seen order."""
         return iter(list(self._buckets))
 

@@ -13,9 +13,13 @@ measured (`backends.llm.two_sided`):
 - each side is scored by the mean of its window without its slowest step: a stall that
   recurs raises the mean, as it raises the time a stream takes, while a single delay the OS
   caused once does not decide;
-- a bucket's first steps run at the most threads until `MIN_SAMPLES` are in, then at fewer
-  until as many are; after that a step runs on the side that scores lower (the most threads
-  on a tie), and now and then a step takes the other side (`PROBE_FEWER_EVERY`,
+- a bucket not measured on both sides yet runs on the side that wins in the nearest bucket
+  that is (all threads where none is), until `MIN_SAMPLES` are in; the other side is then
+  measured, as many steps, but only on steps that may probe (decodes: a step at half the
+  speed costs one token's latency there, where on a prefill it would cost the time to the
+  first token);
+- after that a step runs on the side that scores lower (the most threads on a tie), and now
+  and then a step that may probe takes the other side (`PROBE_FEWER_EVERY`,
   `PROBE_MOST_EVERY`), so that a change of load turns the choice back.
 
 The thread count changes no result: every output is computed by one thread in the same
@@ -83,11 +87,26 @@ class ThreadChoice:
         """The other side of `most` threads: half as many, at least one."""
         return max(1, most // 2)
 
-    def threads(self, rows: int, most: int) -> int:
-        """Threads a step of `rows` rows should run on, when it may use up to `most`."""
+    def _nearest_winner(self, key: Bucket) -> bool:
+        """Whether fewer threads win in the measured bucket nearest `key` (of the same most
+        threads; the smaller on a tie); False where none is measured."""
+        exponent, most = key
+        sides = self._sides
+        measured = [k for k in sides.buckets() if k[1] == most and k != key and sides.measured(k)]
+        if not measured:
+            return False
+        nearest = min(measured, key=lambda k: (abs(k[0] - exponent), k[0]))
+        return bool(self._sides.winner(nearest, _fewer_wins))
+
+    def threads(self, rows: int, most: int, *, may_probe: bool = True) -> int:
+        """Threads a step of `rows` rows should run on, when it may use up to `most`.
+        `may_probe` False: the step must not be spent measuring the side believed slower
+        (a prefill); it runs on the side believed faster."""
         if most <= 1:
             return 1
-        fewer = self._sides.choose((self.bucket_of(rows), most), _fewer_wins)
+        key = (self.bucket_of(rows), most)
+        first = False if self._sides.measured(key) else self._nearest_winner(key)
+        fewer = self._sides.choose(key, _fewer_wins, first=first, may_probe=may_probe)
         return self.fewer(most) if fewer else most
 
     def observe(self, rows: int, most: int, threads: int, seconds: float) -> None:
@@ -109,5 +128,5 @@ class ThreadChoice:
                 "most": self._sides.score((key, most), False),
                 "fewer": self._sides.score((key, most), True),
             }
-            for key, most in sorted(self._sides.keys())
+            for key, most in sorted(self._sides.buckets())
         }

@@ -94,4 +94,4 @@ class SpeculationCost:
 
     def summary(self) -> dict[str, float | None]:
         """Per bucket (named by its largest batch): the cost ratio (the readout, benchmarks)."""
-        return {str(2**key): self.cost_ratio(2**key) for key in sorted(self._sides.keys())}
+        return {str(2**key): self.cost_ratio(2**key) for key in sorted(self._sides.buckets())}
