@@ -311,9 +311,14 @@ class FusedDecoder:
         s.logits, s.work = logits.data_ptr(), self._work_address
         s.table_len, s.rope_len, s.work_floats = len(step.tables), len(cos), self._work.numel()
         # The calling thread's torch threads, within what the scratch was sized for, or
-        # fewer where `choice` has seen fewer run faster (threads.py).
+        # fewer where `choice` has seen fewer run faster (threads.py). Only a step that
+        # samples every row (decodes, no prompt chunk) may be spent measuring the side
+        # believed slower: a prompt's step is its request's time to first token.
         most = max(1, min(self.threads, torch.get_num_threads()))
-        threads = most if self.choice is None else self.choice.threads(rows, most)
+        if self.choice is None:
+            threads = most
+        else:
+            threads = self.choice.threads(rows, most, may_probe=samples == rows)
         self._model.threads = threads
         if before is not None:
             before()

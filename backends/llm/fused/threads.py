@@ -6,16 +6,20 @@ step). When another process holds a core, the thread that shares it is deschedul
 time slice now and then, and every other thread waits at the next barrier for it: a step of
 a few milliseconds takes tens or hundreds. On a quiet machine the same threads make the step
 faster. Neither count is right everywhere, and the machine's load changes, so both are
-measured:
+measured (`backends.llm.two_sided`):
 
 - steps are timed in two windows per row-count bucket (1, 2, 3-4, 5-8, ...): at the most
   threads the step may use and at half as many (one, on two cores);
 - each side is scored by the mean of its window without its slowest step: a stall that
   recurs raises the mean, as it raises the time a stream takes, while a single delay the OS
   caused once does not decide;
-- a bucket's first steps run at the most threads until `MIN_SAMPLES` are in, then at fewer
-  until as many are; after that a step runs on the side that scores lower (the most threads
-  on a tie), and now and then a step takes the other side (`PROBE_FEWER_EVERY`,
+- a bucket not measured on both sides yet runs on the side that wins in the nearest bucket
+  that is (all threads where none is), until `MIN_SAMPLES` are in; the other side is then
+  measured, as many steps, but only on steps that may probe (decodes: a step at half the
+  speed costs one token's latency there, where on a prefill it would cost the time to the
+  first token);
+- after that a step runs on the side that scores lower (the most threads on a tie), and now
+  and then a step that may probe takes the other side (`PROBE_FEWER_EVERY`,
   `PROBE_MOST_EVERY`), so that a change of load turns the choice back.
 
 The thread count changes no result: every output is computed by one thread in the same
@@ -26,7 +30,9 @@ from __future__ import annotations
 
 import collections
 import statistics
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+
+from backends.llm.two_sided import TwoSided
 
 # Recent steps kept per bucket and side: short, so that the choice follows the load within
 # a few hundred steps once it changes.
@@ -40,33 +46,35 @@ MIN_SAMPLES = 3
 PROBE_FEWER_EVERY = 64
 PROBE_MOST_EVERY = 32
 
-
-def _window() -> collections.deque[float]:
-    return collections.deque(maxlen=WINDOW)
-
-
-@dataclass
-class _Bucket:
-    # Seconds of recent steps at the most threads and at fewer.
-    most: collections.deque[float] = field(default_factory=_window)
-    fewer: collections.deque[float] = field(default_factory=_window)
-    decisions: int = 0
+# A bucket: (the exponent of its largest row count, the most threads its steps may use).
+Bucket = tuple[int, int]
 
 
-def _score(window: collections.deque[float]) -> float:
+def _score(window: Sequence[float]) -> float:
     """The window's mean without its slowest step."""
     if len(window) < 2:
         return statistics.fmean(window)
     return (sum(window) - max(window)) / (len(window) - 1)
 
 
+def _fewer_wins(most: float, fewer: float) -> bool:
+    return fewer < most
+
+
 class ThreadChoice:
     """Per step size, whether a fused step runs on all its threads or on half: `threads`
-    picks for a step, `observe` records what one took. One per model runner (its steps are
-    run one at a time)."""
+    picks for a step, `observe` records what one took; `steps` counts the steps observed by
+    the threads they ran on. One per model runner (its steps are run one at a time)."""
 
     def __init__(self) -> None:
-        self._buckets: dict[tuple[int, int], _Bucket] = {}
+        # Side A: the most threads; side B: fewer.
+        self._sides: TwoSided[Bucket] = TwoSided(
+            window=WINDOW,
+            min_samples=MIN_SAMPLES,
+            score=_score,
+            probe_a_every=PROBE_MOST_EVERY,
+            probe_b_every=PROBE_FEWER_EVERY,
+        )
         self.steps: collections.Counter[int] = collections.Counter()  # steps by threads run
 
     @staticmethod
@@ -79,46 +87,46 @@ class ThreadChoice:
         """The other side of `most` threads: half as many, at least one."""
         return max(1, most // 2)
 
-    def _bucket(self, rows: int, most: int) -> _Bucket:
-        key = (self.bucket_of(rows), most)
-        bucket = self._buckets.get(key)
-        if bucket is None:
-            bucket = self._buckets[key] = _Bucket()
-        return bucket
+    def _nearest_winner(self, key: Bucket) -> bool:
+        """Whether fewer threads win in the measured bucket nearest `key` (of the same most
+        threads; the smaller on a tie); False where none is measured."""
+        exponent, most = key
+        sides = self._sides
+        measured = [k for k in sides.buckets() if k[1] == most and k != key and sides.measured(k)]
+        if not measured:
+            return False
+        nearest = min(measured, key=lambda k: (abs(k[0] - exponent), k[0]))
+        return bool(self._sides.winner(nearest, _fewer_wins))
 
-    def threads(self, rows: int, most: int) -> int:
-        """Threads a step of `rows` rows should run on, when it may use up to `most`."""
+    def threads(self, rows: int, most: int, *, may_probe: bool = True) -> int:
+        """Threads a step of `rows` rows should run on, when it may use up to `most`.
+        `may_probe` False: the step must not be spent measuring the side believed slower
+        (a prefill); it runs on the side believed faster."""
         if most <= 1:
             return 1
-        bucket = self._bucket(rows, most)
-        bucket.decisions += 1
-        if len(bucket.most) < MIN_SAMPLES:
-            return most
-        if len(bucket.fewer) < MIN_SAMPLES:
-            return self.fewer(most)
-        fewer_wins = _score(bucket.fewer) < _score(bucket.most)
-        if bucket.decisions % (PROBE_MOST_EVERY if fewer_wins else PROBE_FEWER_EVERY) == 0:
-            fewer_wins = not fewer_wins
-        return self.fewer(most) if fewer_wins else most
+        key = (self.bucket_of(rows), most)
+        first = False if self._sides.measured(key) else self._nearest_winner(key)
+        fewer = self._sides.choose(key, _fewer_wins, first=first, may_probe=may_probe)
+        return self.fewer(most) if fewer else most
 
     def observe(self, rows: int, most: int, threads: int, seconds: float) -> None:
         """A step of `rows` rows, allowed `most` threads, ran on `threads` in `seconds`."""
         if most <= 1 or rows <= 0 or seconds < 0:
             return
         self.steps[threads] += 1
-        bucket = self._bucket(rows, most)
+        key = (self.bucket_of(rows), most)
         if threads == most:
-            bucket.most.append(seconds)
+            self._sides.record(key, False, seconds)
         elif threads == self.fewer(most):
-            bucket.fewer.append(seconds)
+            self._sides.record(key, True, seconds)
 
     def summary(self) -> dict[str, dict[str, float | None]]:
         """Per bucket (named by its largest row count and the most threads): each side's
         score in seconds, None until measured (benchmarks, the readout)."""
         return {
             f"{2**key}x{most}": {
-                "most": _score(b.most) if b.most else None,
-                "fewer": _score(b.fewer) if b.fewer else None,
+                "most": self._sides.score((key, most), False),
+                "fewer": self._sides.score((key, most), True),
             }
-            for (key, most), b in sorted(self._buckets.items())
+            for key, most in sorted(self._sides.buckets())
         }

@@ -14,17 +14,17 @@ by compute pays for every row). So two things are measured apart:
   `Speculator` keeps it), which follows what the sequence is writing now.
 
 A step speculates when the tokens per sequence it is expected to emit exceed that cost
-ratio by `MARGIN`. Both windows are kept measured: a bucket's first steps run plain until
-`MIN_SAMPLES` are in, then speculate until as many are; after that one step in `PROBE_EVERY`
-takes the choice not currently made, so a change of load or of text turns speculation back
-on (or off).
+ratio by `MARGIN`. Both windows are kept measured (`backends.llm.two_sided`): a bucket's
+first steps run plain until `MIN_SAMPLES` are in, then speculate until as many are; after
+that one step in `PROBE_EVERY` takes the choice not currently made, so a change of load or
+of text turns speculation back on (or off).
 """
 
 from __future__ import annotations
 
-import collections
 import statistics
-from dataclasses import dataclass, field
+
+from backends.llm.two_sided import TwoSided
 
 # Recent steps kept per bucket and side.
 WINDOW = 16
@@ -38,16 +38,9 @@ PROBE_EVERY = 32
 MARGIN = 1.1
 
 
-def _window() -> collections.deque[float]:
-    return collections.deque(maxlen=WINDOW)
-
-
-@dataclass
-class _Bucket:
-    # Seconds per sequence of recent decode steps, without drafts and with.
-    plain: collections.deque[float] = field(default_factory=_window)
-    drafts: collections.deque[float] = field(default_factory=_window)
-    decisions: int = 0
+def _ratio(plain: float, drafts: float) -> float:
+    """Seconds of a step with drafts over one without."""
+    return drafts / max(plain, 1e-12)
 
 
 class SpeculationCost:
@@ -57,51 +50,48 @@ class SpeculationCost:
     def __init__(self, *, by_cost: bool = True) -> None:
         """`by_cost` False: every step speculates (tests of what drafts do, not of when)."""
         self.by_cost = by_cost
-        self._buckets: dict[int, _Bucket] = {}
+        # Per batch-size bucket, seconds per sequence of recent decode steps: side A
+        # without drafts, side B with.
+        self._sides: TwoSided[int] = TwoSided(
+            window=WINDOW,
+            min_samples=MIN_SAMPLES,
+            score=statistics.median,
+            probe_a_every=PROBE_EVERY,
+            probe_b_every=PROBE_EVERY,
+        )
 
     @staticmethod
     def bucket_of(batch: int) -> int:
         """1, 2, 3-4, 5-8, ... share a bucket (the exponent of its largest power of two)."""
         return (batch - 1).bit_length()
 
-    def _bucket(self, batch: int) -> _Bucket:
-        key = self.bucket_of(batch)
-        bucket = self._buckets.get(key)
-        if bucket is None:
-            bucket = self._buckets[key] = _Bucket()
-        return bucket
-
     def speculate(self, batch: int, expected_tokens: float) -> bool:
         """Whether a step of `batch` decoding sequences should propose drafts, when with
         drafts it is expected to emit `expected_tokens` per sequence (1 without)."""
         if not self.by_cost:
             return True
-        bucket = self._bucket(batch)
-        bucket.decisions += 1
-        if len(bucket.plain) < MIN_SAMPLES:
-            return False
-        if len(bucket.drafts) < MIN_SAMPLES:
-            return True
-        ratio = self.cost_ratio(batch)
-        pays = ratio is not None and expected_tokens > MARGIN * ratio
-        return (not pays) if bucket.decisions % PROBE_EVERY == 0 else pays
+
+        def pays(plain: float, drafts: float) -> bool:
+            return expected_tokens > MARGIN * _ratio(plain, drafts)
+
+        return self._sides.choose(self.bucket_of(batch), pays)
 
     def cost_ratio(self, batch: int) -> float | None:
         """Recent seconds of a step with drafts over one without at this batch size (per
         sequence, medians); None until both were measured."""
-        bucket = self._buckets.get(self.bucket_of(batch))
-        if bucket is None or not bucket.plain or not bucket.drafts:
+        key = self.bucket_of(batch)
+        plain, drafts = self._sides.score(key, False), self._sides.score(key, True)
+        if plain is None or drafts is None:
             return None
-        return statistics.median(bucket.drafts) / max(statistics.median(bucket.plain), 1e-12)
+        return _ratio(plain, drafts)
 
     def observe(self, batch: int, drafts: bool, seconds: float) -> None:
         """A decode-only step of `batch` sequences (`drafts`: it verified some) took
         `seconds`."""
         if batch <= 0 or seconds < 0:
             return
-        bucket = self._bucket(batch)
-        (bucket.drafts if drafts else bucket.plain).append(seconds / batch)
+        self._sides.record(self.bucket_of(batch), drafts, seconds / batch)
 
     def summary(self) -> dict[str, float | None]:
         """Per bucket (named by its largest batch): the cost ratio (the readout, benchmarks)."""
-        return {str(2**key): self.cost_ratio(2**key) for key in sorted(self._buckets)}
+        return {str(2**key): self.cost_ratio(2**key) for key in sorted(self._sides.buckets())}

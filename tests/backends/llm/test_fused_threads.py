@@ -1,6 +1,7 @@
 """A fused step runs on all its threads while they are faster and on half while another
 process holds a core and stalls them at their barriers, and turns back when the load lifts;
-its greedy output is the same either way. The machine is simulated: step times are made up
+a prompt's step is never spent measuring the slower side; greedy output is the same either
+way. The machine is simulated: step times are made up
 and handed to the choice, so nothing here depends on the machine's speed or load."""
 
 from __future__ import annotations
@@ -70,6 +71,29 @@ def test_one_step_the_os_delayed_does_not_decide() -> None:
     assert run(choice, PROBE_FEWER_EVERY - 1, lambda _: QUIET).count(1) <= 1
 
 
+def prefill(choice: ThreadChoice, rows: int, machine: dict[int, float]) -> int:
+    """Threads one prompt step of `rows` rows ran on (it may not probe)."""
+    threads = choice.threads(rows, 2, may_probe=False)
+    choice.observe(rows, 2, threads, machine[threads])
+    return threads
+
+
+def test_prompt_steps_run_on_every_thread_until_steps_that_may_probe_say_otherwise() -> None:
+    choice = ThreadChoice()
+    # A fresh engine's prompts, one request after another: nothing measured, all threads.
+    assert [prefill(choice, 40, contended(0)) for _ in range(2 * MIN_SAMPLES)] == [2] * 6
+    assert choice.summary()["64x2"]["fewer"] is None
+    # Its decodes measure both sides and find one thread faster under load ...
+    run(choice, 4 * PROBE_MOST_EVERY, contended)
+    # ... and prompts of any size follow the nearest measured size, for as long as their
+    # own size is not measured on both sides.
+    assert [prefill(choice, rows, contended(0)) for rows in (40, 40, 200)] == [1, 1, 1]
+    assert choice.steps[1] > 3 * PROBE_MOST_EVERY
+    # The load lifts: the decodes' probes turn them back to all threads, and prompts with them.
+    run(choice, (WINDOW + 2) * PROBE_MOST_EVERY, lambda _: QUIET)
+    assert [prefill(choice, rows, QUIET) for rows in (40, 200, 7)] == [2, 2, 2]
+
+
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_model(tmp_path_factory.mktemp("fused-threads"), "llama")
@@ -95,3 +119,19 @@ def test_greedy_output_is_the_same_whichever_count_each_step_runs_on(llama: Path
     finally:
         torch.set_num_threads(before)
     assert outputs[0] == outputs[1]
+
+
+def test_a_fresh_engines_prompt_steps_run_on_every_thread(llama: Path) -> None:
+    kernel = fused_kernel(KernelSettings())
+    if kernel is None or not kernel.threaded or cores() < 2:
+        pytest.skip("no threaded fused kernel or one core: nothing to choose between")
+    first_token = SamplingParams(temperature=0.0, max_tokens=1)  # one prompt step each
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        engine = make_engine(llama)
+        for prompt in random_prompts(2 * MIN_SAMPLES, seed=7, lengths=(20, 30)):
+            run_all(engine, [(prompt, first_token)])
+    finally:
+        torch.set_num_threads(before)
+    assert engine.runner.fused.thread_choice.steps == {2: 2 * MIN_SAMPLES}
