@@ -215,12 +215,6 @@ async def start_generation(
     )
 
 
-def _body_size(request: Request | None) -> int | None:
-    """The request body's size in bytes from its `Content-Length` (None: not sent)."""
-    length = request.headers.get("content-length") if request is not None else None
-    return int(length) if length is not None and length.isdigit() else None
-
-
 async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
     if len(streams) == 1:
         async for out in streams[0]:
@@ -251,3 +245,9 @@ async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
     finally:
         for task in tasks:
             task.cancel()
+
+
+def _body_size(request: Request | None) -> int | None:
+    """The request body's size in bytes from its `Content-Length` (None: not sent)."""
+    length = request.headers.get("content-length") if request is not None else None
+    return int(length) if length is not None and length.isdigit() else None
