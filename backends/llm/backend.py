@@ -82,6 +82,12 @@ T = TypeVar("T")
 
 # Activations of one step (packed hidden states, gathered K/V, logits) on top of weights + KV.
 _RUNTIME_OVERHEAD_BYTES = 64 * 2**20
+# Requests of at most this many bytes are tokenized on the event loop: their prompts (a chat
+# template's text included) encode in well under a millisecond, and a result handed back from
+# the tokenizer thread waits for its turn behind everything else on the loop, which under a
+# burst is every other request's handling. Longer ones go to the thread: the loop never
+# blocks on a long encode.
+INLINE_TOKENIZE_BYTES = 1024
 
 
 def _fused_scratch(
@@ -142,7 +148,7 @@ class LLMBackend(Backend):
         self._metrics = EngineMetrics.disabled()
         self._parked: ParkedWeights | None = None
         self._artifact_dir = Path()
-        # One thread tokenizes this model's prompts, in arrival order: a long prompt takes
+        # One thread tokenizes this model's longer prompts, in arrival order: a long one takes
         # seconds, which the event loop (health probes, every other request) must not wait.
         self._tokenize_pool: ThreadPoolExecutor | None = None
         # Grammars compile on the hub's pool, else on one this backend makes when first needed.
@@ -285,11 +291,13 @@ class LLMBackend(Backend):
         ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False)
         return ids
 
-    async def tokenize(self, build: Callable[[], T]) -> T:
-        """Run `build` (which tokenizes a request's prompts with `encode` / `encode_chat`) on
-        this model's tokenizer thread and return its result; the event loop stays free.
-        CapacityError (503) first when the work on the model's device is over its bound:
-        a refused request costs no tokenizing (engine_work.EngineWork.reserve)."""
+    async def tokenize(self, build: Callable[[], T], *, size: int | None = None) -> T:
+        """Run `build` (which tokenizes a request's prompts with `encode` / `encode_chat`) and
+        return its result: on the event loop when `size` (the request's bytes, which bound
+        the text it tokenizes) is at most INLINE_TOKENIZE_BYTES, else (or None: unknown) on
+        this model's tokenizer thread, so the loop never waits for a long encode. The same
+        ids either way. CapacityError (503) first when the work on the model's device is
+        over its bound: a refused request costs no tokenizing (EngineWork.reserve)."""
         pool = self._tokenize_pool
         if pool is None:
             raise BackendClosedError(f"LLM {self.context.model} is not loaded")
@@ -299,8 +307,10 @@ class LLMBackend(Backend):
         except CapacityError:
             engine.metrics.observe_shed("queue_time")
             raise
-        context = contextvars.copy_context()
         try:
+            if size is not None and size <= INLINE_TOKENIZE_BYTES:
+                return build()
+            context = contextvars.copy_context()
             return await asyncio.get_running_loop().run_in_executor(pool, context.run, build)
         finally:
             engine.work.unreserve()

@@ -383,8 +383,9 @@ class EngineWork:
                 "LLM's)"
             )
         else:
-            # The batch shrinks as its sequences finish: the first frees a seat.
-            saturated = min(work.running, default=0.0) * step_s
+            # The batch shrinks as its sequences finish: the first frees a seat (one still
+            # waiting for its first step finishes no sooner than its whole generation).
+            saturated = min(work.running + work.waiting, default=0.0) * step_s
             excess = max(saturated, max(latency, slowdown) - bound)
             longest = max(work.longest, max_tokens)
             why = (

@@ -190,9 +190,11 @@ async def start_generation(
     backend = req.backend
     streams: list[RequestStream] = []
     try:
-        # Tokenizing runs on the model's tokenizer thread, off the event loop; a grammar
-        # compiles on the grammar pool (its own threads), given up if the client leaves.
-        prompts, params = await backend.tokenize(lambda: build(backend))
+        # A small request is tokenized on the event loop, a long one on the model's
+        # tokenizer thread (LLMBackend.tokenize); a grammar compiles on the grammar pool
+        # (its own threads), given up if the client leaves.
+        size = _body_size(request)
+        prompts, params = await backend.tokenize(lambda: build(backend), size=size)
         if params.structured is not None and request is not None:
             caller = caller_of(request)
             async with cancelled_if_client_leaves(request):
@@ -243,3 +245,9 @@ async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
     finally:
         for task in tasks:
             task.cancel()
+
+
+def _body_size(request: Request | None) -> int | None:
+    """The request body's size in bytes from its `Content-Length` (None: not sent)."""
+    length = request.headers.get("content-length") if request is not None else None
+    return int(length) if length is not None and length.isdigit() else None

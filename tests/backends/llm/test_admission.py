@@ -270,3 +270,16 @@ def test_joining_a_batch_that_it_would_slow_too_much_is_refused() -> None:
     with pytest.raises(CapacityError) as refused:
         work.admit(1, prompt_tokens=20, max_tokens=4)
     assert "the longest generation (60 tokens) 0.06s" in str(refused.value)
+
+
+def test_a_batch_waiting_for_its_first_step_still_saturates_the_model() -> None:
+    work = EngineWork(0.050, max_num_seqs=32, max_num_batched_tokens=512)
+    work.observe_step(tokens=30, seconds=0.001)
+    # Four admitted a moment ago wait for their first step (a burst's start): a fifth of 16
+    # tokens would slow them too much, and no seat frees before the first of them has made
+    # its 16 tokens, so the model's next requests are refused as long (at the HTTP edge).
+    work.publish(_sequences(4, prompt=20, max_tokens=16, generated=0))
+    with pytest.raises(CapacityError) as refused:
+        work.admit(1, prompt_tokens=20, max_tokens=16)
+    assert "5 sequences would share each step" in str(refused.value)
+    assert refused.value.saturated_s == pytest.approx(16 * work.step_at(4))

@@ -4,6 +4,7 @@ and restore, unload, refusal of unverified architectures, aborts that free block
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import shutil
 import threading
@@ -15,7 +16,7 @@ import torch
 from backends.base import BackendContext
 from backends.errors import BackendClosedError, InputError, LoadError
 from backends.kinds import backend_class
-from backends.llm.backend import LLMBackend
+from backends.llm.backend import INLINE_TOKENIZE_BYTES, LLMBackend
 from backends.llm.engine import RequestOutput
 from backends.llm.sampling_params import SamplingParams
 from backends.loading import module_bytes
@@ -314,6 +315,34 @@ async def test_a_step_s_tokens_are_streamed_while_the_next_step_computes(llama: 
         assert len(got) == 5 and got[-1].finished  # the last step's, with no step after it
     finally:
         release.set()
+        await backend.aclose()
+        backend.unload()
+
+
+async def test_a_small_request_is_tokenized_on_the_loop_a_long_one_off_it_same_ids(
+    llama: Path,
+) -> None:
+    backend = loaded(llama)
+    short = "The harbour town woke slowly."
+    long = " ".join(["The harbour town woke slowly on winter mornings."] * 40)
+    assert len(short) < INLINE_TOKENIZE_BYTES < len(long)
+    ran_on: list[threading.Thread] = []
+
+    def build(text: str) -> tuple[list[int], list[int]]:
+        ran_on.append(threading.current_thread())
+        return backend.encode(text), backend.encode_chat([{"role": "user", "content": text}])
+
+    try:
+        for text in (short, long):
+            tokenize = functools.partial(build, text)
+            by_size = await backend.tokenize(tokenize, size=len(text.encode()))
+            unknown = await backend.tokenize(tokenize, size=None)
+            assert by_size == unknown
+            assert by_size[0] == backend.tokenizer.encode(text)
+        loop = threading.current_thread()
+        # Only the small request with its size known ran on the event loop.
+        assert [thread is loop for thread in ran_on] == [True, False, False, False]
+    finally:
         await backend.aclose()
         backend.unload()
 

@@ -87,6 +87,16 @@ def test_chat_completion_answers_from_the_chat_template(
     assert [c["index"] for c in choices] == [0, 1]
     assert all(c["message"] == {"role": "assistant", "content": expected} for c in choices)
     assert r.json()["usage"]["prompt_tokens"] == len(ids)
+    # A request too long to be tokenized on the event loop goes to the tokenizer thread:
+    # its prompt is the template's all the same.
+    long = [{"role": "user", "content": " ".join([PROMPT] * 30)}]
+    r = client.post(
+        "/v1/chat/completions", json={"model": "tiny", "messages": long, "max_tokens": 1}
+    )
+    assert r.status_code == 200, r.text
+    prompt = tokenizer.apply_chat_template(long, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    assert r.json()["usage"]["prompt_tokens"] == len(ids)
 
 
 def test_chat_needs_a_chat_template(client: TestClient, tmp_path: Path, tiny_llm_dir: Path) -> None:
