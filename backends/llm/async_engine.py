@@ -14,6 +14,7 @@ no forward follows.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import threading
@@ -40,9 +41,14 @@ class RequestStream:
     def __init__(self, owner: AsyncLLMEngine, request_id: str, n: int) -> None:
         self.request_id = request_id
         self._owner = owner
-        self._queue: asyncio.Queue[_Item] = asyncio.Queue()
         self._remaining = n
-        self._pending: list[RequestOutput] = []
+        # Delivered, not yet iterated; then the error that ended the stream, if any.
+        self._pending: collections.deque[RequestOutput] = collections.deque()
+        self._error: BaseException | None = None
+        # The iterating task's wait for the next delivery: one future per wait, set by
+        # `_deliver` on the loop (cheaper than a queue's getter bookkeeping per token).
+        self._waiter: asyncio.Future[None] | None = None
+        self._loop = asyncio.get_running_loop()  # the one its deltas arrive on
         self._closed = False
 
     @property
@@ -57,12 +63,15 @@ class RequestStream:
             if self._remaining == 0 or self._closed:
                 self._close()
                 raise StopAsyncIteration
-            item = await self._queue.get()
-            if isinstance(item, BaseException):
+            if self._error is not None:
                 self._close()
-                raise item
-            self._pending.extend(item)
-        out = self._pending.pop(0)
+                raise self._error
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        out = self._pending.popleft()
         if out.finished:
             self._remaining -= 1
         return out
@@ -86,7 +95,15 @@ class RequestStream:
         self._close()
 
     def _deliver(self, item: _Item) -> None:
-        self._queue.put_nowait(item)
+        """On the stream's loop: queue outputs, or the error raised once they are taken."""
+        if isinstance(item, BaseException):
+            if self._error is None:
+                self._error = item
+        else:
+            self._pending.extend(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def _close(self) -> None:
         if not self._closed:

@@ -11,8 +11,6 @@ do.
 
 from __future__ import annotations
 
-import asyncio
-import json
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
@@ -24,7 +22,6 @@ from backends.llm.sampling_params import SamplingParams
 from backends.llm.sequence import Logprob
 from hub.api.bodies import UserBody, openapi_body, route_key_of
 from hub.api.deps import router_of, serving_of
-from hub.api.errors import error_body
 from hub.api.generation import Choice, Generation, start_generation
 from hub.api.openai_ignored import StreamOptions
 from hub.api.openai_schemas import (
@@ -48,6 +45,7 @@ from hub.api.openai_schemas import (
 )
 from hub.api.priority import request_level
 from hub.api.serving import VERSION_HEADER, Serving
+from hub.api.sse import INDEX, TEXT, ChunkTemplate, event, sse_response
 from hub.api.tools import ToolPlan, ToolStream, apply_plan, chat_tool_plan, message_parts
 from hub.errors import BadRequest
 from hub.routing import Route
@@ -130,7 +128,7 @@ def _echo(gen: Generation, index: int, echo: bool) -> str:
     return gen.backend.decode(gen.prompts[index // gen.params.n]) if echo else ""
 
 
-async def _completion_events(gen: Generation, body: CompletionCreate) -> AsyncIterator[str]:
+async def _completion_events(gen: Generation, body: CompletionCreate) -> AsyncIterator[bytes]:
     head: dict[str, Any] = {
         "id": f"cmpl-{gen.id}",
         "object": "text_completion",
@@ -140,10 +138,17 @@ async def _completion_events(gen: Generation, body: CompletionCreate) -> AsyncIt
     include_usage = _include_usage(body.stream_options)
     if include_usage:
         head["usage"] = None
+    # A chunk of new text only, as most are: rendered from a template.
+    fields = {"index": INDEX, "text": TEXT, "logprobs": None, "finish_reason": None}
+    plain = ChunkTemplate({**head, "choices": [{**fields, "stop_reason": None}]})
     # Per choice: the text_offset of its next token (the echoed prompt counts).
     offsets: dict[int, int] = {}
     async for index, out in gen.deltas():
         text = out.text
+        if index in offsets and body.logprobs is None and out.finish_reason is None:
+            if text:  # else held back for a possible stop string
+                yield plain.render(index, text)
+            continue
         if index not in offsets:
             echo = _echo(gen, index, body.echo)
             offsets[index] = len(echo)
@@ -163,9 +168,9 @@ async def _completion_events(gen: Generation, body: CompletionCreate) -> AsyncIt
             "finish_reason": finish,
             "stop_reason": out.stop_reason,
         }
-        yield _event({**head, "choices": [choice]})
+        yield event({**head, "choices": [choice]})
     if include_usage:
-        yield _event({**head, "choices": [], "usage": _usage(gen).model_dump()})
+        yield event({**head, "choices": [], "usage": _usage(gen).model_dump()})
 
 
 def _completion_logprobs(
@@ -246,7 +251,7 @@ async def _chat_events(
     stream_options: StreamOptions | None,
     plan: ToolPlan | None = None,
     parallel: bool = True,
-) -> AsyncIterator[str]:
+) -> AsyncIterator[bytes]:
     head: dict[str, Any] = {
         "id": f"chatcmpl-{gen.id}",
         "object": "chat.completion.chunk",
@@ -256,22 +261,30 @@ async def _chat_events(
     include_usage = _include_usage(stream_options)
     if include_usage:
         head["usage"] = None
+    # A chunk of new content only, as most are: rendered from a template.
+    content = {"index": INDEX, "delta": {"content": TEXT}, "finish_reason": None}
+    plain = ChunkTemplate({**head, "choices": [{**content, "logprobs": None}]})
+    tools_active = plan is not None and plan.active
     started: set[int] = set()
     tool_streams: dict[int, ToolStream] = {}
     async for index, out in gen.deltas():
+        if index in started and not (tools_active or with_logprobs) and out.finish_reason is None:
+            if out.text:
+                yield plain.render(index, out.text)
+            continue
         delta: dict[str, Any] = {}
         if index not in started:
             started.add(index)
             delta["role"] = "assistant"
         finish = out.finish_reason.value if out.finish_reason else None
-        if plan is not None and plan.active:
+        if plan is not None and tools_active:
             # Tool calls: content and call deltas as the ToolStream releases them, one chunk
             # each; the finishing chunk names tool_calls if any call went out.
             tools = tool_streams.setdefault(index, ToolStream(plan, parallel))
             for part in tools.push(out.text, finish is not None):
                 chunk = {"index": index, "delta": {**delta, **part}, "finish_reason": None}
                 delta = {}
-                yield _event({**head, "choices": [{**chunk, "logprobs": None}]})
+                yield event({**head, "choices": [{**chunk, "logprobs": None}]})
             if finish == "stop" and tools.calls:
                 finish = "tool_calls"
         elif out.text:
@@ -286,9 +299,9 @@ async def _chat_events(
         }
         if with_logprobs:
             choice["logprobs"] = _chat_logprobs(gen.backend, out.logprobs).model_dump()
-        yield _event({**head, "choices": [choice]})
+        yield event({**head, "choices": [choice]})
     if include_usage:
-        yield _event({**head, "choices": [], "usage": _usage(gen).model_dump()})
+        yield event({**head, "choices": [], "usage": _usage(gen).model_dump()})
 
 
 def _chat_logprobs(backend: LLMBackend, logprobs: list[Logprob]) -> ChoiceLogprobs:
@@ -385,12 +398,12 @@ def _generated(c: Choice) -> GeneratedChoice:
     )
 
 
-async def _generate_events(gen: Generation) -> AsyncIterator[str]:
+async def _generate_events(gen: Generation) -> AsyncIterator[bytes]:
     async for index, out in gen.deltas():
         choice = Choice(index)
         choice.add(out)
-        yield _event(_generated(choice).model_dump())
-    yield _event({"usage": _usage(gen).model_dump()})
+        yield event(_generated(choice).model_dump())
+    yield event({"usage": _usage(gen).model_dump()})
 
 
 # ---- shared ------------------------------------------------------------------------------
@@ -407,33 +420,3 @@ def _usage(gen: Generation) -> Usage:
         total_tokens=gen.prompt_tokens + gen.completion_tokens,
         prompt_tokens_details={"cached_tokens": gen.cached_tokens},
     )
-
-
-def _event(data: dict[str, Any]) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
-
-
-def sse_response(gen: Generation, events: AsyncIterator[str]) -> StreamingResponse:
-    """Stream `events`; on the way out (done, failed or the client gone) abort what is
-    unfinished and release the model."""
-
-    async def body() -> AsyncIterator[str]:
-        try:
-            async for event in events:
-                yield event
-        except Exception as e:  # the engine failed mid-stream: tell the client, then stop
-            await gen.close(type(e), e, e.__traceback__)
-            yield _event(error_body(str(e), "server_error"))
-        except (asyncio.CancelledError, GeneratorExit):
-            # The client went away mid-stream: recorded as such (499), not as a success.
-            gone = asyncio.CancelledError()
-            await asyncio.shield(gen.close(asyncio.CancelledError, gone, None))
-            raise
-        finally:
-            # Shielded: a client that went away cancels this task, and the model must still
-            # be released (its blocks are freed synchronously, first thing in `close`).
-            await asyncio.shield(gen.close())
-        yield "data: [DONE]\n\n"
-
-    headers = {VERSION_HEADER: gen.route.label, "Cache-Control": "no-cache"}
-    return StreamingResponse(body(), media_type="text/event-stream", headers=headers)

@@ -95,16 +95,24 @@ class Generation:
         """(choice index, delta) as the engine produces them, all prompts interleaved."""
         if self.served is not None and self.served.shadow is not None:
             self._texts = {}
+        if len(self.streams) == 1:  # the common case, without the merge's tasks and queue
+            async for out in self.streams[0]:
+                yield self._count(0, out), out
+            return
         async for prompt, out in _merge(self.streams):
-            self.completion_tokens += len(out.token_ids)
-            if out.index == 0 and out.num_output_tokens == len(out.token_ids):
-                self.cached_tokens += out.num_cached_tokens
-            index = self.choice_index(prompt, out)
-            if self._texts is not None:
-                self._texts[index] = self._texts.get(index, "") + out.text
-            if out.finish_reason is not None:
-                self._finished.add(index)
-            yield index, out
+            yield self._count(prompt, out), out
+
+    def _count(self, prompt: int, out: RequestOutput) -> int:
+        """Account for one delta of prompt `prompt`'s request; its choice index."""
+        self.completion_tokens += len(out.token_ids)
+        if out.index == 0 and out.num_output_tokens == len(out.token_ids):
+            self.cached_tokens += out.num_cached_tokens
+        index = self.choice_index(prompt, out)
+        if self._texts is not None:
+            self._texts[index] = self._texts.get(index, "") + out.text
+        if out.finish_reason is not None:
+            self._finished.add(index)
+        return index
 
     async def collect(self) -> list[Choice]:
         choices = [Choice(i) for i in range(len(self.prompts) * self.params.n)]
@@ -216,10 +224,6 @@ async def start_generation(
 
 
 async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    if len(streams) == 1:
-        async for out in streams[0]:
-            yield 0, out
-        return
     queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
 
     async def pump(i: int, stream: RequestStream) -> None:
