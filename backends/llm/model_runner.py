@@ -261,19 +261,29 @@ class ModelRunner:
         return self.graphs.bytes()
 
     # ---- one step -----------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> SamplerOutput:
         self.sampler.forget(output.finished_seq_ids)
         if output.is_empty:
             return SamplerOutput([], [])
         fused = self.fused.decoder_for(output, self.kv_caches)
-        if fused is not None:
-            step = fused_rows(output.scheduled, self.block_size)
-            fused.check(step)
-            sampling = sampling_rows(output.scheduled)
+        if fused is None:
+            with torch.inference_mode():
+                return self._execute_unfused(output)
+        # The rows agree by construction (no `check`); the kernel refuses any index out of
+        # range itself.
+        step = fused_rows(output.scheduled, self.block_size)
+        sampling = sampling_rows(output.scheduled)
+        if self.sampler.greedy_only(sampling):
+            # Argmax only: the step makes no tensor and runs no torch op at all.
+            tokens = fused.greedy(step, before=self.before_forward)
+            return SamplerOutput(tokens, [None] * len(tokens))
+        with torch.inference_mode():
             self.sampler.prepare(sampling)  # grammar masks fill during the forward
             logits = fused(step, checked=True, before=self.before_forward)
             return self.sampler(logits, sampling)
+
+    def _execute_unfused(self, output: SchedulerOutput) -> SamplerOutput:
+        """The step through the static decode path or the transformers modules."""
         if any(item.drafts for item in output.scheduled):
             return self._execute_packed(output)
         static = self.graphs.for_step(output)
@@ -298,9 +308,7 @@ class ModelRunner:
         fused = self.fused.decoder_for(output, self.kv_caches)
         if fused is None:
             return None
-        step = fused_rows(output.scheduled, self.block_size)
-        fused.check(step)
-        return fused(step, checked=True)
+        return fused(fused_rows(output.scheduled, self.block_size), checked=True)
 
     def _execute_packed(self, output: SchedulerOutput) -> SamplerOutput:
         """The step through the transformers modules, every token in one packed row."""

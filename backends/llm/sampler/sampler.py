@@ -41,6 +41,13 @@ class Sampler:
         self.masks.start(seqs)
         self.noise.start(seqs)
 
+    @staticmethod
+    def greedy_only(seqs: list[Sequence]) -> bool:
+        """Whether every row of `seqs` is its logits' argmax and nothing else (no
+        log-probabilities, bias, penalties, grammar or min_tokens ban): a caller may then
+        take the argmax itself, with nothing to record here."""
+        return all(map(_plain_greedy, seqs))
+
     def forget(self, seq_ids: Iterable[int]) -> None:
         for seq_id in seq_ids:
             self.noise.forget(seq_id)
