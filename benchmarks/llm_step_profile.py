@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO_ROOT))
 from backends.llm import attention, model_runner  # noqa: E402
 from backends.llm.config import EngineConfig  # noqa: E402
 from backends.llm.engine import LLMEngine  # noqa: E402
-from backends.llm.fused.decoder import FusedDecoder  # noqa: E402
+from backends.llm.fused.kernel import FusedKernel  # noqa: E402
 from backends.llm.model_runner import ModelRunner  # noqa: E402
 from backends.llm.quantization import Int8Linear  # noqa: E402
 from backends.llm.sampling_params import SamplingParams  # noqa: E402
@@ -108,7 +108,7 @@ def main() -> None:
     sampler_class = type(runner.sampler)
     sampler_class.__call__ = timed("sampling", sampler_class.__call__)  # type: ignore[method-assign]
     runner.model = timed("forward", runner.model)
-    FusedDecoder.__call__ = timed("fused", FusedDecoder.__call__)  # type: ignore[method-assign]
+    FusedKernel.step = timed("fused", FusedKernel.step)  # type: ignore[method-assign]
     runner._prepare = timed("inputs", runner._prepare)  # type: ignore[method-assign]
     model_runner.fused_rows = timed("inputs", model_runner.fused_rows)
     scheduler.schedule = timed("schedule", scheduler.schedule)  # type: ignore[method-assign]

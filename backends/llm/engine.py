@@ -33,6 +33,7 @@ from backends.llm.isolation import RequestFailedError, blame_is_attributable, fi
 from backends.llm.kv_cache_manager import KVCacheManager
 from backends.llm.metrics import EngineMetrics
 from backends.llm.model_runner import ModelRunner
+from backends.llm.outputs import EngineStepError, RequestOutput
 from backends.llm.request_limits import RequestLimits, checked_max_tokens
 from backends.llm.sampling_params import MAX_COUNT, SamplingParams
 from backends.llm.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
@@ -43,50 +44,6 @@ from backends.llm.structured.guide import TokenGuide
 from backends.llm.structured.metrics import GrammarMetrics
 
 log = logging.getLogger(__name__)
-
-
-class EngineStepError(TransientError):
-    """A step failed; the requests it ended are named. `errors` holds, per request that was
-    to blame alone, its own error (the others of the step go on); when the cause could not be
-    attributed, every request of the engine ended and `errors` is empty, and this error is
-    what they fail with: transient (503 with Retry-After), since the engine recovers and the
-    same request may well succeed when sent again."""
-
-    def __init__(
-        self,
-        request_ids: list[str],
-        cause: BaseException,
-        errors: dict[str, BaseException] | None = None,
-    ) -> None:
-        super().__init__(
-            f"the engine step failed ({type(cause).__name__}: {cause}); the engine recovered, "
-            "send the request again"
-        )
-        self.request_ids = request_ids
-        self.errors = errors or {}
-
-
-@dataclass(frozen=True)
-class RequestOutput:
-    """What one step produced for one sequence (sample `index`) of a request: a delta."""
-
-    request_id: str
-    index: int
-    token_ids: list[int]
-    text: str
-    logprobs: list[Logprob]
-    finish_reason: FinishReason | None
-    # The stop token id or stop string that ended the sequence, if one did.
-    stop_reason: int | str | None
-    num_prompt_tokens: int
-    # Prompt tokens whose KV came from the prefix cache.
-    num_cached_tokens: int
-    # Tokens generated so far by this sequence.
-    num_output_tokens: int
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
 
 @dataclass
@@ -136,6 +93,10 @@ class LLMEngine:
         self._aborts: collections.deque[str] = collections.deque()
         self._aborted_early: set[str] = set()
         self._requests: dict[str, _Request] = {}
+        # Requests not scheduled yet (their queue time is observed when they are).
+        self._unscheduled: set[str] = set()
+        # Whether `work` was published after the scheduler last changed.
+        self._published = False
         # The measured step cost and the outstanding work: admission by queue time here,
         # and this engine's share of its device's work (the backend counts it there).
         self.work = EngineWork(
@@ -173,6 +134,7 @@ class LLMEngine:
             max_loras=self.config.max_loras,
         )
         self.scheduler = Scheduler(limits, self.kv_cache, self.runner.sampler.eos_token_ids)
+        self._published = False
 
     def cache_replaced(self) -> None:
         """The runner's KV cache was allocated anew (a restore): the block pool and the
@@ -274,13 +236,14 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One engine step; outputs for every sequence that got a token or finished."""
-        self._apply_aborts()
-        self._apply_incoming()
+        changed = self._apply_aborts() | self._apply_incoming()
         scheduler = self.scheduler
         queries, hits = self.kv_cache.prefix_queries, self.kv_cache.prefix_hits
         lora = self.runner.lora
         slot_loads = lora.slot_loads
-        self.work.publish(itertools.chain(scheduler.waiting, scheduler.running))
+        if changed or not self._published:
+            self.work.publish(itertools.chain(scheduler.waiting, scheduler.running))
+        self._published = False
         self.work.step_started = self.work.clock()
         started = time.monotonic()
         if self.speculator is not None:
@@ -301,10 +264,11 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.observe(output, updated)
         now = time.monotonic()
-        for item in output.scheduled:
+        for item in output.scheduled if self._unscheduled else ():
             request = self._requests.get(item.seq.request_id)
             if request is not None and request.scheduled_time is None:
                 request.scheduled_time = scheduled_at
+                self._unscheduled.discard(request.request_id)
                 self.metrics.observe_latency("queue", scheduled_at - request.arrival_time)
         outputs = [
             self._emit(seq, [sampled.logprobs[row] for row in rows], now) for seq, rows in updated
@@ -313,27 +277,33 @@ class LLMEngine:
             output.num_batched_tokens, now - started, sequences=len(output.scheduled)
         )
         self.work.publish(itertools.chain(scheduler.waiting, scheduler.running))
+        self._published = True
         self.work.step_started = None
-        self.metrics.observe_step(
-            running=len(scheduler.running),
-            waiting=len(scheduler.waiting),
-            kv_usage=self.kv_cache.usage,
-            prefix_queries=self.kv_cache.prefix_queries - queries,
-            prefix_hits=self.kv_cache.prefix_hits - hits,
-            generated=sum(len(rows) for _, rows in updated),
-            preempted=output.num_preempted,
-            lora_slots=lora.slots_in_use,
-            lora_slot_loads=lora.slot_loads - slot_loads,
-        )
+        if self.metrics.enabled:
+            self.metrics.observe_step(
+                running=len(scheduler.running),
+                waiting=len(scheduler.waiting),
+                kv_usage=self.kv_cache.usage,
+                prefix_queries=self.kv_cache.prefix_queries - queries,
+                prefix_hits=self.kv_cache.prefix_hits - hits,
+                generated=sum(len(rows) for _, rows in updated),
+                preempted=output.num_preempted,
+                lora_slots=lora.slots_in_use,
+                lora_slot_loads=lora.slot_loads - slot_loads,
+            )
         return outputs
 
-    def _apply_incoming(self) -> None:
+    def _apply_incoming(self) -> bool:
+        """Hand the requests added since the last step to the scheduler; whether any was."""
+        if not self._incoming and not self._aborted_early:
+            return False
         while self._incoming:
             request = self._incoming.popleft()
             if request.request_id in self._aborted_early:
                 self._retire(request)
                 continue  # aborted before it ever ran
             self._requests[request.request_id] = request
+            self._unscheduled.add(request.request_id)
             request.last_token_times = [request.arrival_time] * len(request.seqs)
             self.metrics.observe_arrival(request.seqs[0].num_prompt_tokens)
             for seq in request.seqs:
@@ -341,8 +311,13 @@ class LLMEngine:
         # An add always precedes its abort, so any id left here belonged to a request that
         # had already finished.
         self._aborted_early.clear()
+        return True
 
-    def _apply_aborts(self) -> None:
+    def _apply_aborts(self) -> bool:
+        """Finish the sequences of the requests aborted since the last step; whether any
+        abort was asked for."""
+        if not self._aborts:
+            return False
         while self._aborts:
             request_id = self._aborts.popleft()
             request = self._requests.pop(request_id, None)
@@ -354,6 +329,7 @@ class LLMEngine:
             self._retire(request)
             for seq in request.seqs:
                 self.scheduler.finish(seq, FinishReason.ABORT)
+        return True
 
     def _advance_guide(self, seq: Sequence, guide: TokenGuide, rows: list[int]) -> list[int]:
         """Feed the step's tokens (one per row of `rows`) to the sequence's grammar; a
@@ -450,6 +426,7 @@ class LLMEngine:
 
     def _retire(self, request: _Request) -> None:
         """The request left the engine (finished, aborted, failed): its adapter may unload."""
+        self._unscheduled.discard(request.request_id)
         if request.adapter is not None:
             self.runner.lora.release(request.adapter)
 

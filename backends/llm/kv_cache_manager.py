@@ -65,6 +65,13 @@ class KVCacheManager:
         after those (speculative decoding: never registered in the prefix cache, see
         `rollback`). On success the cached blocks are in the block table and counted as
         computed; on failure nothing changed."""
+        if cached_blocks is None and not num_lookahead:
+            # A running sequence's next tokens, most often a decode within its last block.
+            computed = seq.num_computed_tokens
+            total = computed + num_new_tokens
+            if total <= len(seq.block_ids) * self.block_size:
+                self._register_full_blocks(seq, computed, total)
+                return True
         cached = cached_blocks or []
         num_cached_tokens = len(cached) * self.block_size
         computed = seq.num_computed_tokens + num_cached_tokens

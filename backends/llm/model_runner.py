@@ -21,21 +21,18 @@ into a scratch block, one block of the cache past the `num_blocks` the block poo
 
 from __future__ import annotations
 
-import itertools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from backends.errors import LoadError
-from backends.llm import attention, cpu_kernels, cpu_linear, triton_decode, triton_prefill
+from backends.llm import attention, cpu_kernels, cpu_linear, triton_decode
 from backends.llm.architectures import unsupported_reason
 from backends.llm.attention import (
     AttentionParams,
-    NativeDecode,
     PagedAttentionMetadata,
     PrefillChunk,
 )
@@ -44,10 +41,10 @@ from backends.llm.fused.start import FusedPath
 from backends.llm.fused.step import fused_rows
 from backends.llm.int4 import require_int4_kernel
 from backends.llm.lora.manager import LoRAManager
+from backends.llm.packed_inputs import StepInputs, packed_inputs
 from backends.llm.quantization import WeightQuantizer, float32_reference
 from backends.llm.sampler import Sampler, SamplerOutput
 from backends.llm.scheduler import ScheduledSequence, SchedulerOutput
-from backends.llm.sequence import Sequence
 from backends.llm.speculative.verify import sampling_rows
 from backends.llm.static_path import StaticPath
 from backends.load_cancel import check_cancelled
@@ -98,6 +95,7 @@ class ModelRunner:
             limits.append(engine_config.max_model_len)
         self.max_model_len = min(limits)
         self.vocab_size: int = self.config.vocab_size
+        _, self.kv_heads, self.head_dim = kv_shape(self.config)
         self.sampler = Sampler(_eos_ids(model))
         # Called as each step's forward starts, just before it releases the GIL (the fused
         # step's native call, or torch's kernels): the async engine hands the previous step's
@@ -263,19 +261,29 @@ class ModelRunner:
         return self.graphs.bytes()
 
     # ---- one step -----------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> SamplerOutput:
         self.sampler.forget(output.finished_seq_ids)
         if output.is_empty:
             return SamplerOutput([], [])
         fused = self.fused.decoder_for(output, self.kv_caches)
-        if fused is not None:
-            step = fused_rows(output.scheduled, self.block_size)
-            fused.check(step)
-            sampling = sampling_rows(output.scheduled)
+        if fused is None:
+            with torch.inference_mode():
+                return self._execute_unfused(output)
+        # The rows agree by construction (no `check`); the kernel refuses any index out of
+        # range itself.
+        step = fused_rows(output.scheduled, self.block_size)
+        sampling = sampling_rows(output.scheduled)
+        if self.sampler.greedy_only(sampling):
+            # Argmax only: the step makes no tensor and runs no torch op at all.
+            tokens = fused.greedy(step, before=self.before_forward)
+            return SamplerOutput(tokens, [None] * len(tokens))
+        with torch.inference_mode():
             self.sampler.prepare(sampling)  # grammar masks fill during the forward
             logits = fused(step, checked=True, before=self.before_forward)
             return self.sampler(logits, sampling)
+
+    def _execute_unfused(self, output: SchedulerOutput) -> SamplerOutput:
+        """The step through the static decode path or the transformers modules."""
         if any(item.drafts for item in output.scheduled):
             return self._execute_packed(output)
         static = self.graphs.for_step(output)
@@ -300,9 +308,7 @@ class ModelRunner:
         fused = self.fused.decoder_for(output, self.kv_caches)
         if fused is None:
             return None
-        step = fused_rows(output.scheduled, self.block_size)
-        fused.check(step)
-        return fused(step, checked=True)
+        return fused(fused_rows(output.scheduled, self.block_size), checked=True)
 
     def _execute_packed(self, output: SchedulerOutput) -> SamplerOutput:
         """The step through the transformers modules, every token in one packed row."""
@@ -365,115 +371,8 @@ class ModelRunner:
             ).logits[0]
         return logits
 
-    def _prepare(self, output: SchedulerOutput) -> _StepInputs:
-        bs = self.block_size
-        device = self.device
-        token_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        last_token: dict[int, int] = {}  # seq_id -> packed index of its last token
-
-        decode_blocks: list[int] = []  # every decode's table, concatenated
-        decode_widths: list[int] = []
-        decode_lens: list[int] = []
-        for item in output.scheduled:
-            if item.num_tokens != 1:
-                continue
-            seq, pos = item.seq, item.start
-            last_token[seq.seq_id] = len(token_ids)
-            token_ids.append(seq.token_ids[pos])
-            positions.append(pos)
-            slots.append(seq.block_ids[pos // bs] * bs + pos % bs)
-            decode_lens.append(pos + 1)
-            decode_blocks.extend(seq.block_ids[: pos // bs + 1])
-            decode_widths.append(pos // bs + 1)
-        # One tensor for all tables (views of it cost less than a tensor per sequence).
-        all_tables = torch.tensor(decode_blocks, dtype=torch.long, device=device)
-
-        # The chunks: one varlen batch for the kernel where it runs, else one each.
-        prefill_kernel = None
-        if any(item.num_tokens != 1 for item in output.scheduled):
-            _, kv_heads, head_dim = kv_shape(self.config)
-            shape = (self.config.num_attention_heads, kv_heads, head_dim, bs)
-            prefill_kernel = triton_prefill.kernel_for(device, self.dtype, shape)
-        prefills: list[PrefillChunk] = []
-        query_starts, context_starts, chunk_tables = [len(token_ids)], [], []
-        for item in output.scheduled:
-            if item.num_tokens == 1:
-                continue
-            seq, start, end = item.seq, item.start, item.start + item.num_tokens
-            t0 = len(token_ids)
-            table = seq.block_ids
-            token_ids.extend(seq.token_ids[start:end])
-            token_ids.extend(item.drafts)  # past the sequence's tokens: the chunk's end
-            positions.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            last_token[seq.seq_id] = len(token_ids) - 1
-            if prefill_kernel is not None:
-                query_starts.append(len(token_ids))
-                context_starts.append(start)
-                chunk_tables.append(table[: -(-end // bs)])
-                continue
-            blocks = torch.tensor(table[: -(-end // bs)], dtype=torch.long, device=device)
-            prefills.append(PrefillChunk(t0, len(token_ids), start, blocks))
-        prefill_batch = None
-        if prefill_kernel is not None:
-            prefill_batch = triton_prefill.PrefillBatch.build(
-                query_starts, context_starts, chunk_tables, device
-            )
-
-        decode_batch = native = decode_kernel = None
-        decode_tables: list[torch.Tensor] = []
-        batched = self.batched_decode
-        if batched is None:
-            batched = self.device.type != "cpu"
-        kernel = self._native_kernel() if not batched else None
-        if kernel is not None and decode_lens:
-            starts = [0, *itertools.accumulate(decode_widths[:-1])]
-            # Once a step, on the lists (no tensor ops), so that every layer's call skips it.
-            kernel.check_index_lists(decode_blocks, starts, decode_lens, self.num_blocks, bs)
-            starts_t = torch.tensor(starts, dtype=torch.long)
-            lens_t = torch.tensor(decode_lens, dtype=torch.long)
-            native = NativeDecode(kernel, all_tables, starts_t, lens_t, indices_checked=True)
-        elif batched and decode_lens:
-            width = max(decode_widths)
-            rows = [row + [0] * (width - len(row)) for row in _split(decode_blocks, decode_widths)]
-            decode_batch = (
-                torch.tensor(rows, dtype=torch.long, device=device),
-                torch.tensor(decode_lens, dtype=torch.long, device=device),
-            )
-            decode_kernel = triton_decode.kernel_for(device)
-        elif decode_lens:  # the torch path reads each decode's own table
-            decode_tables = list(all_tables.split(decode_widths))
-
-        sampling = sampling_rows(output.scheduled)
-        logits_indices: list[int] = []
-        for item in output.scheduled:
-            if item.sample:  # a row at the last token, and one at each draft after it
-                last = last_token[item.seq.seq_id]
-                logits_indices.extend(range(last - len(item.drafts), last + 1))
-        # The scheduler's order (single tokens first, then the chunks) is the packing order.
-        segments = [(item.seq.adapter, item.num_tokens) for item in output.scheduled]
-        metadata = PagedAttentionMetadata(
-            kv_caches=self.kv_caches,
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-            decode_tables=decode_tables,
-            decode_batch=decode_batch,
-            decode_kernel=decode_kernel,
-            native_decode=native,
-            decode_lens=decode_lens,
-            prefills=prefills,
-            prefill_batch=prefill_batch,
-            prefill_kernel=prefill_kernel,
-        )
-        return _StepInputs(
-            input_ids=torch.tensor([token_ids], dtype=torch.long, device=device),
-            positions=torch.tensor([positions], dtype=torch.long, device=device),
-            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=device),
-            metadata=metadata,
-            sampling_seqs=sampling,
-            adapter_segments=segments,
-        )
+    def _prepare(self, output: SchedulerOutput) -> StepInputs:
+        return packed_inputs(self, output)
 
     def _native_kernel(self) -> cpu_kernels.PagedDecodeKernel | None:
         if self.native_decode is False:
@@ -481,17 +380,6 @@ class ModelRunner:
         if self.device.type != "cpu" or self.dtype != torch.float32:
             return None
         return cpu_kernels.paged_decode(self.kernels)
-
-
-@dataclass(frozen=True, slots=True)
-class _StepInputs:
-    input_ids: torch.Tensor  # (1, T)
-    positions: torch.Tensor  # (1, T)
-    logits_indices: torch.Tensor  # (S,): the packed index of each sampling sequence's token
-    metadata: PagedAttentionMetadata
-    sampling_seqs: list[Sequence]
-    # Runs of packed tokens with one adapter each (None: the base), in packing order.
-    adapter_segments: list[tuple[str | None, int]]
 
 
 def _eos_ids(model: Any) -> list[int]:
@@ -503,11 +391,3 @@ def _eos_ids(model: Any) -> list[int]:
         elif isinstance(value, list | tuple):
             ids.update(int(v) for v in value)
     return sorted(ids)
-
-
-def _split(values: list[int], widths: list[int]) -> list[list[int]]:
-    out, start = [], 0
-    for width in widths:
-        out.append(values[start : start + width])
-        start += width
-    return out

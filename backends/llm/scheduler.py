@@ -34,6 +34,7 @@ the rejected drafts are given back (`KVCacheManager.rollback`).
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -102,6 +103,8 @@ class Scheduler:
         self.kv_cache = kv_cache
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: list[Sequence] = []
+        # In precedence order, kept so as sequences start (a running sequence's precedence
+        # does not change: only waiting ages it).
         self.running: list[Sequence] = []
         self.num_steps = 0
         self.num_preemptions = 0
@@ -151,17 +154,22 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         self.num_steps += 1
         budget = self.limits.max_num_batched_tokens
-        self.running.sort(key=self._precedence)
         chosen: dict[int, ScheduledSequence] = {}
         preempted = 0
 
         # Decodes first, then chunks; within each, in precedence order.
-        decodes = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
-        chunks = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
-        for seq in decodes + chunks:
+        decodes: list[Sequence] = []
+        chunks: list[Sequence] = []
+        for seq in self.running:
+            pending = len(seq.token_ids) - seq.num_computed_tokens
+            if pending == 1:
+                decodes.append(seq)
+            elif pending > 1:
+                chunks.append(seq)
+        for seq in decodes + chunks if chunks else decodes:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             if num_new <= 0:
                 continue
             drafts = self._fitting_drafts(seq, budget) if num_new == 1 else ()
@@ -191,12 +199,15 @@ class Scheduler:
             budget -= num_new
 
         # Admit waiting sequences only when memory is not already short.
-        if not preempted:
+        if not preempted and self.waiting:
             budget, preempted = self._admit(chosen, budget)
 
         for seq in self.running:
-            seq.draft_token_ids = []  # proposed for this step only
-        scheduled = sorted(chosen.values(), key=lambda s: s.num_tokens > 1)
+            if seq.draft_token_ids:
+                seq.draft_token_ids = []  # proposed for this step only
+        scheduled = list(chosen.values())
+        if any(item.num_tokens > 1 for item in scheduled):
+            scheduled.sort(key=lambda s: s.num_tokens > 1)
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(
             scheduled=scheduled,
@@ -217,11 +228,20 @@ class Scheduler:
         self.verified = []
         for item in output.scheduled:
             seq = item.seq
-            first, row = row, row + item.num_samples
+            if not item.sample:
+                if not seq.is_finished:  # else aborted while the step ran
+                    seq.num_computed_tokens = item.start + item.num_tokens
+                continue
+            first = row
+            row += len(item.drafts) + 1
             if seq.is_finished:
                 continue  # aborted while the step ran
-            if not item.sample:
+            if not item.drafts:
+                token = sampled[first]
                 seq.num_computed_tokens = item.start + item.num_tokens
+                seq.append_token(token)
+                self._check_stop(seq, token)
+                updated.append((seq, [first]))
                 continue
             accepted = _agreeing(item.drafts, sampled[first:row])
             seq.num_computed_tokens = item.start + item.num_tokens - len(item.drafts) + accepted
@@ -332,8 +352,8 @@ class Scheduler:
 
     def _start(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
         self._waited[seq.seq_id] += self.num_steps - self._waiting_since.pop(seq.seq_id)
+        bisect.insort(self.running, seq, key=self._precedence)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -359,7 +379,8 @@ class Scheduler:
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         params = seq.params
-        produced = seq.num_output_tokens
+        num_tokens = len(seq.token_ids)
+        produced = num_tokens - seq.num_prompt_tokens
         if produced >= params.min_tokens:
             if not params.ignore_eos and token in self.eos_token_ids:
                 self.finish(seq, FinishReason.STOP)
@@ -367,7 +388,7 @@ class Scheduler:
             if token in params.stop_token_ids:
                 self.finish(seq, FinishReason.STOP, token)
                 return
-        if produced >= seq.max_tokens or seq.num_tokens >= self.limits.max_model_len:
+        if produced >= seq.max_tokens or num_tokens >= self.limits.max_model_len:
             self.finish(seq, FinishReason.LENGTH)
 
 

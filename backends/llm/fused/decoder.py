@@ -34,6 +34,9 @@ LINEAR_TYPES = (torch.nn.Linear, Int8Linear)
 # weight rows of a widened int8 block (csrc/project.h `BLOCK_COLUMNS`), tokens whose attention
 # logits are held at once (csrc/attend.h `ATTEND_CHUNK`).
 _PANEL, _BLOCK_COLUMNS, _ATTEND_CHUNK = 16, 8, 512
+# Sample rows whose logits a decoder keeps a buffer for (a decode batch of up to this many
+# sequences takes its greedy tokens without allocating anything).
+LOGITS_ROWS = 32
 
 
 def scratch_floats(
@@ -83,9 +86,10 @@ def predicted_scratch_bytes(
             rows=max_rows,
             threads=threads,
         )
+        logits = min(LOGITS_ROWS, max_rows) * int(config["vocab_size"])
     except (KeyError, TypeError, ValueError, ZeroDivisionError):
         return 0  # not a config the decoder could read either
-    return 4 * floats + 2 * 4 * max_context * head_dim
+    return 4 * (floats + logits) + 2 * 4 * max_context * head_dim
 
 
 def unsupported_reason(model: Any) -> str | None:
@@ -243,8 +247,18 @@ class FusedDecoder:
             raise ValueError(f"fused step: rotary tables of {cos.shape[-1]} of {m.head_dim} dims")
         self._rope = (torch.empty(0, m.head_dim), torch.empty(0, m.head_dim))  # cos, sin
         self.vocab = int(m.vocab)
-        # What the decoder holds at most: its scratch, and rotary tables of every position.
-        self.scratch_bytes = self._work.nbytes + 2 * 4 * max_context * int(m.head_dim)
+        # The logits of up to LOGITS_ROWS sample rows (`greedy`), and a numpy view of them.
+        self._logits = torch.empty(min(LOGITS_ROWS, max_rows), self.vocab, dtype=torch.float32)
+        self._logits_array = self._logits.numpy()
+        self._logits_address = self._logits.data_ptr()
+        # The step's struct, reused: only its per-step fields are set each step.
+        self._step = CStep()
+        self._step.work, self._step.work_floats = self._work_address, self._work.numel()
+        # What the decoder holds at most: its scratch, the logits buffer, and rotary tables
+        # of every position.
+        self.scratch_bytes = (
+            self._work.nbytes + self._logits.nbytes + 2 * 4 * max_context * int(m.head_dim)
+        )
         self.slots = int(m.num_blocks * m.block_size)
 
     def check(self, step: FusedStep) -> None:
@@ -286,12 +300,32 @@ class FusedDecoder:
         checked: bool = False,
         before: Callable[[], None] | None = None,
     ) -> torch.Tensor:
-        """The logits (S, V) of `step.sample_rows`; `checked`: the caller ran `check`;
-        `before` is called last thing before the native call (which releases the GIL)."""
+        """The logits (S, V) of `step.sample_rows`; `checked`: skip `check` (the caller ran
+        it, or built `step` with `fused_rows`, whose lists agree by construction; the kernel
+        itself still refuses any index out of range); `before` is called last thing before
+        the native call (which releases the GIL)."""
         if not checked:
             self.check(step)
+        logits = torch.empty(len(step.sample_rows), self.vocab, dtype=torch.float32)
+        self._run(step, logits.data_ptr(), before)
+        return logits
+
+    def greedy(self, step: FusedStep, *, before: Callable[[], None] | None = None) -> list[int]:
+        """The argmax token of each of `step.sample_rows` (the first of equal maxima, a NaN
+        counting as the maximum), for a step built by `fused_rows` (not `check`ed: the kernel
+        refuses any index out of range, ValueError). Up to LOGITS_ROWS rows, the logits go
+        to the decoder's own buffer and numpy picks: no tensor is made."""
+        samples = len(step.sample_rows)
+        if samples > len(self._logits_array):
+            return list(self(step, checked=True, before=before).numpy().argmax(axis=1).tolist())
+        self._run(step, self._logits_address, before)
+        tokens: list[int] = self._logits_array[:samples].argmax(axis=1).tolist()
+        return tokens
+
+    def _run(self, step: FusedStep, logits: int, before: Callable[[], None] | None) -> None:
+        """Run `step`, its sample rows' logits written at address `logits`."""
         rows, samples = len(step.tokens), len(step.sample_rows)
-        cos, sin, rope_rows = self._rope_tables(step.positions)
+        rope_rows = self._rope_tables(step.positions)
         # Every index list in one int64 array (its parts at these offsets), pointed at by
         # address (this frame holds it until the kernel returned): a few list copies in C,
         # where a tensor per list cost ~50 us a step.
@@ -300,16 +334,13 @@ class FusedDecoder:
             indices.extend(part)
         indices.extend(step.tables)
         base = indices.buffer_info()[0]
-        logits = torch.empty(samples, self.vocab, dtype=torch.float32)
-        s = CStep()
+        s = self._step
         s.rows, s.samples = rows, samples
         s.tokens, s.slots, s.table_starts, s.lens, s.rope_rows, s.sample_rows = (
             base + 8 * rows * i for i in range(6)
         )
         s.tables = base + 8 * (5 * rows + samples)
-        s.cos, s.sin = cos.data_ptr(), sin.data_ptr()
-        s.logits, s.work = logits.data_ptr(), self._work_address
-        s.table_len, s.rope_len, s.work_floats = len(step.tables), len(cos), self._work.numel()
+        s.logits, s.table_len = logits, len(step.tables)
         # The calling thread's torch threads, within what the scratch was sized for, or
         # fewer where `choice` has seen fewer run faster (threads.py). Only a step that
         # samples every row (decodes, no prompt chunk) may be spent measuring the side
@@ -329,21 +360,26 @@ class FusedDecoder:
             self._model.threads = self.threads
         if self.choice is not None:
             self.choice.observe(rows, most, threads, time.perf_counter() - start)
-        return logits
 
-    def _rope_tables(self, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """cos and sin tables (n, head_dim) from the model's own rotary module, and each row's
-        index into them: a table of every position so far for a static rope type (grown by
-        doubling), this step's positions for one whose frequencies depend on the length."""
-        if not self._static_rope:
-            cos, sin = self._rotary(self._work, torch.tensor([positions], dtype=torch.long))
-            return cos[0].contiguous(), sin[0].contiguous(), list(range(len(positions)))
-        need = max(positions) + 1
-        if need > len(self._rope[0]):
-            size = min(max(need, 2 * len(self._rope[0]), 256), self._model.max_context)
-            cos, sin = self._rotary(self._work, torch.arange(size, dtype=torch.long)[None])
-            self._rope = (cos[0].contiguous(), sin[0].contiguous())
-        return self._rope[0], self._rope[1], positions
+    def _rope_tables(self, positions: list[int]) -> list[int]:
+        """Point the step at cos and sin tables (n, head_dim) from the model's own rotary
+        module, held until the next step at least, and return each row's index into them: a
+        table of every position so far for a static rope type (grown by doubling), this
+        step's positions for one whose frequencies depend on the length."""
+        if self._static_rope:
+            if max(positions) < self._step.rope_len:
+                return positions
+            size = min(
+                max(max(positions) + 1, 2 * self._step.rope_len, 256), self._model.max_context
+            )
+            positions_now = torch.arange(size, dtype=torch.long)[None]
+        else:
+            positions_now = torch.tensor([positions], dtype=torch.long)
+        cos, sin = self._rotary(self._work, positions_now)
+        self._rope = (cos[0].contiguous(), sin[0].contiguous())
+        self._step.cos, self._step.sin = self._rope[0].data_ptr(), self._rope[1].data_ptr()
+        self._step.rope_len = len(self._rope[0])
+        return positions if self._static_rope else list(range(len(positions)))
 
     def _weight(self, linear: Any, rows: slice) -> CWeight:
         """Rows `rows` of a float32 `nn.Linear` or an `Int8Linear` (its bfloat16 scales

@@ -58,6 +58,18 @@ def fused_rows(scheduled: list[ScheduledSequence], block_size: int) -> FusedStep
     step = FusedStep([], [], [], [], [], [], [])
     for item in scheduled:
         seq = item.seq
+        if item.num_tokens == 1:  # a decode: one row, its table up to its position's block
+            pos = item.start
+            width = pos // block_size + 1
+            step.table_starts.append(len(step.tables))
+            step.tables.extend(seq.block_ids[:width])
+            step.tokens.append(seq.token_ids[pos])
+            step.positions.append(pos)
+            step.slots.append(seq.block_ids[width - 1] * block_size + pos % block_size)
+            step.lens.append(pos + 1)
+            if item.sample:
+                step.sample_rows.append(len(step.tokens) - 1)
+            continue
         start, end = item.start, item.start + item.num_tokens
         table = seq.block_ids
         table_start = len(step.tables)

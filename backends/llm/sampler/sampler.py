@@ -12,6 +12,7 @@ from backends.llm.sampler.noise import SeededNoise
 from backends.llm.sampler.penalties import PenaltyCounts
 from backends.llm.sampler.plan import StepPlan
 from backends.llm.sampler.transfer import download, upload_fields
+from backends.llm.sampling_params import GREEDY_EPSILON
 from backends.llm.sequence import Logprob, Sequence
 from backends.llm.structured.guide import MaskFiller
 
@@ -40,6 +41,13 @@ class Sampler:
         self.masks.start(seqs)
         self.noise.start(seqs)
 
+    @staticmethod
+    def greedy_only(seqs: list[Sequence]) -> bool:
+        """Whether every row of `seqs` is its logits' argmax and nothing else (no
+        log-probabilities, bias, penalties, grammar or min_tokens ban): a caller may then
+        take the argmax itself, with nothing to record here."""
+        return all(map(_plain_greedy, seqs))
+
     def forget(self, seq_ids: Iterable[int]) -> None:
         for seq_id in seq_ids:
             self.noise.forget(seq_id)
@@ -52,6 +60,8 @@ class Sampler:
         device once, on the copy of the result."""
         if not seqs:
             return SamplerOutput([], [])
+        if all(map(_plain_greedy, seqs)):
+            return SamplerOutput(_argmax(logits, rows), [None] * len(seqs))
         device, vocab = logits.device, logits.shape[1]
         plan = StepPlan.build(seqs, self.eos_token_ids, vocab)
         ints, floats = plan.fields()
@@ -111,6 +121,37 @@ class Sampler:
         noise = self.noise.draw(sampled, plan.seeded, plan.unseeded, vocab, logits.device, t)
         tokens.index_copy_(0, index, (probs / noise).argmax(dim=-1))
         return tokens
+
+
+def _plain_greedy(seq: Sequence) -> bool:
+    """Whether the row of `seq` is its logits' argmax and nothing else: greedy, no
+    log-probabilities, bias, penalties or grammar, and no min_tokens ban in force."""
+    p = seq.params
+    return (
+        p.temperature < GREEDY_EPSILON
+        and p.logprobs is None
+        and not p.logit_bias
+        and p.repetition_penalty == 1.0
+        and p.presence_penalty == 0.0
+        and p.frequency_penalty == 0.0
+        and seq.guide is None
+        and (not p.min_tokens or seq.num_output_tokens >= p.min_tokens)
+    )
+
+
+def _argmax(logits: torch.Tensor, rows: list[int] | None) -> list[int]:
+    """Each row's (or each of `rows`') argmax, the first of equal maxima. Float32 logits on
+    the CPU go through numpy, whose argmax costs a fraction of torch's per call and over a
+    batch's rows (same result: both take the first maximum, a NaN counting as one)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and not logits.requires_grad:
+        values = logits.numpy()
+        if rows:
+            values = values[rows]
+        tokens: list[int] = values.argmax(axis=1).tolist()
+        return tokens
+    if rows:
+        logits = logits.index_select(0, upload_fields({"rows": rows}, {}, logits.device)["rows"])
+    return list(download(logits.argmax(dim=-1)).tolist())
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 from backends.base import BackendContext
 from backends.llm.backend import LLMBackend
 from backends.llm.config import EngineConfig
-from backends.llm.fused.decoder import scratch_floats, unsupported_reason
+from backends.llm.fused.decoder import LOGITS_ROWS, scratch_floats, unsupported_reason
 from backends.llm.fused.kernel import CModel, fused_kernel
 from backends.llm.fused.step import FusedStep
 from backends.llm.kernel_settings import KernelSettings
@@ -302,6 +302,24 @@ def test_lora_steps_run_through_transformers_and_base_steps_fused(root: Path) ->
     adapted = run_all(engine, [(p, GREEDY) for p in prompts], ["a"] * len(prompts))
     assert [r[0].token_ids for r in adapted] != plain
     assert engine.runner.fused.steps == fused  # no step with the adapter ran fused
+
+
+@pytest.mark.parametrize("rows", [1, 5, LOGITS_ROWS + 3])
+def test_greedy_tokens_are_the_argmax_of_the_logits(llama: Path, rows: int) -> None:
+    """`greedy` (the logits in the decoder's own buffer, or a tensor past its rows) picks
+    what the logits' argmax picks, one chunk at positions 0.. sampled at every row."""
+    runner = make_engine(llama, max_num_batched_tokens=64).runner
+    decoder = runner.fused.decoder
+    assert decoder is not None
+
+    def step() -> FusedStep:
+        every = list(range(rows))
+        tokens = [(7919 * i + 11) % decoder.vocab for i in every]
+        blocks = list(range(-(-rows // runner.block_size)))
+        return FusedStep(tokens, every, every, blocks, [0] * rows, [i + 1 for i in every], every)
+
+    expected = decoder(step()).argmax(dim=-1).tolist()
+    assert decoder.greedy(step()) == expected and len(expected) == rows
 
 
 def test_the_kernel_itself_refuses_indices_out_of_range(llama: Path) -> None:

@@ -17,7 +17,7 @@ from backends.base import BackendContext
 from backends.errors import InputError
 from backends.llm.backend import LLMBackend
 from backends.llm.engine import EngineStepError, LLMEngine
-from backends.llm.fused.decoder import FusedDecoder
+from backends.llm.fused.kernel import FusedKernel
 from backends.llm.isolation import RequestFailedError
 from backends.llm.sampler.plan import StepPlan
 from backends.llm.sampling_params import SamplingParams
@@ -152,7 +152,7 @@ def test_an_error_nobody_can_be_blamed_for_fails_the_step_and_the_engine_serves_
     broken = {"left": 1}
     if path == "fused":  # the step's forward is the fused kernel's call
         assert engine.runner.fused.decoder is not None
-        forward = FusedDecoder.__call__
+        forward = FusedKernel.step
 
         def flaky_call(*args: Any, **kwargs: Any) -> Any:
             if broken["left"]:
@@ -160,7 +160,7 @@ def test_an_error_nobody_can_be_blamed_for_fails_the_step_and_the_engine_serves_
                 raise RuntimeError("device lost")
             return forward(*args, **kwargs)
 
-        monkeypatch.setattr(FusedDecoder, "__call__", flaky_call)
+        monkeypatch.setattr(FusedKernel, "step", flaky_call)
     else:
         engine.runner.fused.forget()  # and never rebuilt: every step runs in transformers
         monkeypatch.setattr(engine.runner.fused, "decoder_for", lambda *a: None)

@@ -42,6 +42,28 @@ def test_greedy_takes_the_argmax() -> None:
     assert sample(SamplingParams(temperature=0.0), FLAT) == 4
 
 
+def test_plain_greedy_rows_pick_as_the_full_path_does() -> None:
+    """Ties go to the first maximum and a NaN row to its first NaN, alone (the argmax-only
+    path) or beside a row that asks for log-probabilities (the full path), on every row or
+    on chosen ones."""
+    rows = [
+        [0.0, 3.0, 1.0, 3.0, 0.0, 0.0, 0.0, 0.0],
+        [1.0, float("nan"), 2.0, float("nan"), 0.0, 0.0, 0.0, 0.0],
+        [float("-inf")] * V,
+        FLAT,
+    ]
+    greedy = SamplingParams(temperature=0.0)
+    seqs = [seq(greedy, seq_id=i) for i in range(4)]
+    plain = Sampler([EOS])(logits(*rows), seqs)
+    assert plain.token_ids == [1, 1, 0, 4] and plain.logprobs == [None] * 4
+    full = Sampler([EOS])(
+        logits(*rows, FLAT), [*seqs, seq(SamplingParams(temperature=0.0, logprobs=1), seq_id=4)]
+    )
+    assert full.token_ids == [*plain.token_ids, 4]
+    chosen = Sampler([EOS])(logits(*rows), seqs[:2], [3, 0])
+    assert chosen.token_ids == [4, 1]
+
+
 def test_logit_bias_and_min_tokens() -> None:
     assert sample(SamplingParams(temperature=0.0, logit_bias={6: 5.0}), FLAT) == 6
     eos_first = [0.0, 9.0, 0.0, 0.0, 2.0, 0.0, 0.0, 0.0]
