@@ -89,6 +89,10 @@ async def test_an_outage_is_logged_once_and_the_loop_writes_everything_after(
     with caplog.at_level(logging.INFO, logger=__name__):
         sync.start()
         await sync.ticks(4)  # each of them failed, and the loop went on
+        # No write in its thread while the database comes back (`writing` is a flag of the
+        # sync, with no event to wait on).
+        while sync.writing:  # noqa: ASYNC110
+            await asyncio.sleep(0.001)
         sync.unwritten.append(3)  # traffic goes on during the outage
         sync.down = False
         await sync.ticks(2)
