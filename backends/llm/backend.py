@@ -47,89 +47,40 @@ from backends.errors import (
     LoadError,
 )
 from backends.llm.async_engine import AsyncLLMEngine, RequestStream
-from backends.llm.config import EngineConfig, kv_cache_reservation, llm_config
+from backends.llm.config import EngineConfig
 from backends.llm.context import draft_dir, grammar_pool, kernel_settings
 from backends.llm.detokenizer import token_bytes
 from backends.llm.engine import LLMEngine, RequestOutput
-from backends.llm.fused.decoder import predicted_scratch_bytes
+from backends.llm.footprint import predict_llm_memory
 from backends.llm.lora.adapter import check_adapter_fits, read_adapter
 from backends.llm.metrics import EngineMetrics
-from backends.llm.model_runner import ModelRunner, kv_bytes_per_block
-from backends.llm.quantization import WeightQuantizer
+from backends.llm.model_runner import ModelRunner
 from backends.llm.sampling_params import SamplingParams
 from backends.llm.speculative.resident import ResidentDraft, load_draft
 from backends.llm.structured.limits import GrammarLimits
 from backends.llm.structured.metrics import GrammarMetrics
 from backends.llm.structured.pool import CompilePool
 from backends.loading import (
-    HeaderTensor,
-    header_tensors,
     module_bytes,
-    parse_dtype,
     require_safe_weights,
-    tensor_bytes,
 )
 from backends.parking import ParkedWeights, park, release
 from backends.runtime_config import LLMConfig, RuntimeConfig
 from backends.text_bounds import MIN_CHARS_PER_TOKEN, CharBound
 from backends.text_input import require_encodable
-from backends.threads import compute_threads, cores
+from backends.threads import compute_threads
 from backends.workers import on_own_thread
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# Activations of one step (packed hidden states, gathered K/V, logits) on top of weights + KV.
-_RUNTIME_OVERHEAD_BYTES = 64 * 2**20
 # Requests of at most this many bytes are tokenized on the event loop: their prompts (a chat
 # template's text included) encode in well under a millisecond, and a result handed back from
 # the tokenizer thread waits for its turn behind everything else on the loop, which under a
 # burst is every other request's handling. Longer ones go to the thread: the loop never
 # blocks on a long encode.
 INLINE_TOKENIZE_BYTES = 1024
-
-
-def _fused_scratch(
-    artifact_dir: Path,
-    tensors: list[HeaderTensor],
-    config: LLMConfig,
-    dtype: torch.dtype | None,
-    quantizer: WeightQuantizer | None,
-    kv_cache: int,
-) -> int:
-    """Bytes the fused CPU step would hold for this model (its scratch grows with
-    `max_num_batched_tokens` and the cores, its rotary tables with the longest context):
-    counted where the step may run: a float32 model (as loaded) of its families, int8 or
-    unquantized, whatever the device (placement is decided later)."""
-    if not config.fused_step:
-        return 0
-    floats = {t.dtype for t in tensors if t.floating}
-    int4 = quantizer is not None and any(
-        quantizer.stores_int4(t.name, t.shape) for t in tensors if t.floating
-    )
-    if int4:  # an int4 layer keeps the model on the transformers path
-        return 0
-    if (dtype is not None and dtype != torch.float32) or (dtype is None and floats != {"F32"}):
-        return 0  # not float32 once loaded
-    try:
-        from transformers import AutoConfig
-
-        # The config as the model is built from it: transformers' defaults filled in.
-        model_config = AutoConfig.from_pretrained(artifact_dir, local_files_only=True)
-        per_block = kv_bytes_per_block(model_config, config.block_size, torch.float32)
-        limits = [int(model_config.max_position_embeddings)]
-        limits.append(kv_cache // per_block * config.block_size)
-    except Exception:  # any config the load refuses: it holds nothing
-        return 0
-    if config.max_model_len is not None:
-        limits.append(config.max_model_len)
-    return predicted_scratch_bytes(
-        model_config.to_dict(),
-        max_context=max(1, min(limits)),
-        max_rows=config.max_num_batched_tokens,
-        threads=cores(),
-    )
 
 
 class LLMBackend(Backend):
@@ -166,23 +117,9 @@ class LLMBackend(Backend):
     ) -> int:
         """Weights, KV cache and one step's activations; on a CUDA `device` each weight is
         counted as the caching allocator rounds it and the CPU's fused scratch is left out."""
-        config = llm_config(runtime_config)
-        files = require_safe_weights(artifact_dir)
-        dtype = parse_dtype(config.dtype)
-        method = config.quantization_method()
-        quantizer = WeightQuantizer(method, config.quantization_group_size) if method else None
-        tensors = header_tensors(files)
-        weights = tensor_bytes(
-            tensors, dtype, size_of=quantizer.tensor_bytes if quantizer else None, device=device
+        return predict_llm_memory(
+            artifact_dir, runtime_config, device_budget_bytes=device_budget_bytes, device=device
         )
-        kv_cache = kv_cache_reservation(config, device_budget_bytes)
-        on_cuda = device is not None and device.startswith("cuda")
-        scratch = (
-            0
-            if on_cuda
-            else _fused_scratch(artifact_dir, tensors, config, dtype, quantizer, kv_cache)
-        )
-        return weights + kv_cache + _RUNTIME_OVERHEAD_BYTES + scratch
 
     def load(self, artifact_dir: Path, device: str, dtype: torch.dtype | None = None) -> None:
         from transformers import AutoTokenizer
