@@ -133,7 +133,32 @@ async def stream_one(session: Any, ep: Endpoint, r: Request) -> Stream:
     return Stream(times[0] - start, gaps, len(times), tokens or len(times), "".join(pieces))
 
 
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, all threads) process `pid` has used so far (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def fused_steps(ep: Endpoint) -> dict[str, float]:
+    """The hub's fused steps so far by the threads each ran on (`hub_llm_fused_steps`
+    on /metrics); empty for a peer."""
+    if ep.name != "hub":
+        return {}
+    import httpx
+
+    text = httpx.get(f"{ep.base}/metrics", timeout=10).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("hub_llm_fused_steps_total{"):
+            labels, value = line.rsplit(" ", 1)
+            threads = labels.split('threads="', 1)[1].split('"', 1)[0]
+            out[threads] = out.get(threads, 0.0) + float(value)
+    return out
+
+
 async def run_phase(ep: Endpoint, requests: list[Request], concurrency: int) -> dict[str, Any]:
+    """`requests` streamed from `ep` at `concurrency`; also what the server's process spent
+    (`server_cpu_s`) and, for the hub, its fused steps by thread count (`fused_steps`)."""
     import aiohttp
 
     timeout = aiohttp.ClientTimeout(total=1800, sock_read=300)
@@ -148,10 +173,18 @@ async def run_phase(ep: Endpoint, requests: list[Request], concurrency: int) -> 
                 streams[i] = await stream_one(session, ep, r)
 
         load = os.getloadavg()[0]
+        steps_before = fused_steps(ep)
+        cpu_before = process_cpu_s(ep.pid)
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         seconds = time.perf_counter() - start
-    return summarize([streams[i] for i in range(len(requests))], requests, seconds, load)
+        cpu = process_cpu_s(ep.pid) - cpu_before
+        steps = {k: v - steps_before.get(k, 0.0) for k, v in fused_steps(ep).items()}
+    summary = summarize([streams[i] for i in range(len(requests))], requests, seconds, load)
+    summary["server_cpu_s"] = round(cpu, 3)
+    if steps:
+        summary["fused_steps"] = steps
+    return summary
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -313,7 +346,10 @@ def run_rounds(
                         tqdm.write(f"round {rnd + 1} {name} c={conc}: "
                                    f"{phase['tokens_per_s']:.0f} tok/s, TTFT p50 "
                                    f"{phase['ttft_p50_ms']:.0f} ms, ITL p50 "
-                                   f"{phase['itl_p50_ms']:.1f} ms")  # fmt: skip
+                                   f"{phase['itl_p50_ms']:.1f} ms, server CPU "
+                                   f"{phase['server_cpu_s']:.1f} s"
+                                   + (f", steps by threads {phase['fused_steps']}"
+                                      if "fused_steps" in phase else ""))  # fmt: skip
                         bar.update()
             rounds.append({n: measured[n] for n in names})
     return rounds, work

@@ -116,6 +116,9 @@ class LLMEngine:
         self.speculator = (
             Speculator(config.speculative, proposer) if config.speculative is not None else None
         )
+        fused = getattr(runner, "fused", None)
+        if fused is not None and self.metrics.enabled:
+            fused.thread_choice.on_step = self.metrics.observe_fused_step
         self.reset_cache()
 
     def reset_cache(self) -> None:

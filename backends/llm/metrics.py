@@ -39,6 +39,7 @@ class _Series:
     preemptions: Counter
     lora_slots: Gauge
     lora_slot_loads: Counter
+    fused_steps: Counter
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> _Series:
@@ -84,6 +85,14 @@ class _Series:
             lora_slot_loads=counter(
                 "hub_llm_lora_slot_loads", "LoRA adapters copied from host memory into a slot"
             ),
+            # The CPU's fused step runs on all its threads or half (backends/llm/fused/
+            # threads.py): steps on fewer mean the machine was contended.
+            fused_steps=Counter(
+                "hub_llm_fused_steps",
+                "Fused CPU steps run, by the threads each ran on",
+                [*labels, "threads"],
+                registry=registry,
+            ),
         )
 
 
@@ -127,6 +136,7 @@ class EngineMetrics:
         self.preemptions = s.preemptions.labels(model, version)
         self.lora_slots = s.lora_slots.labels(model, version)
         self.lora_slot_loads = s.lora_slot_loads.labels(model, version)
+        self._fused_steps: dict[int, Counter] = {}
         self.shed = ShedMetrics(registry, model, version)
 
     @classmethod
@@ -162,6 +172,18 @@ class EngineMetrics:
         self.lora_slots.set(lora_slots)
         if lora_slot_loads:
             self.lora_slot_loads.inc(lora_slot_loads)
+
+    def observe_fused_step(self, threads: int) -> None:
+        """A fused CPU step ran on `threads` threads."""
+        if not self.enabled:
+            return
+        child = self._fused_steps.get(threads)
+        if child is None:
+            model, version = self.labels
+            child = self._fused_steps[threads] = self._series.fused_steps.labels(
+                model, version, str(threads)
+            )
+        child.inc()
 
     def observe_arrival(self, prompt_tokens: int) -> None:
         if self.enabled:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import collections
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from backends.llm.two_sided import TwoSided
 
@@ -76,6 +76,8 @@ class ThreadChoice:
             probe_b_every=PROBE_FEWER_EVERY,
         )
         self.steps: collections.Counter[int] = collections.Counter()  # steps by threads run
+        # Called with each observed step's thread count (the engine's Prometheus counter).
+        self.on_step: Callable[[int], None] | None = None
 
     @staticmethod
     def bucket_of(rows: int) -> int:
@@ -114,6 +116,8 @@ class ThreadChoice:
         if most <= 1 or rows <= 0 or seconds < 0:
             return
         self.steps[threads] += 1
+        if self.on_step is not None:
+            self.on_step(threads)
         key = (self.bucket_of(rows), most)
         if threads == most:
             self._sides.record(key, False, seconds)

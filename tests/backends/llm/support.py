@@ -12,6 +12,7 @@ import torch
 
 from backends.llm.config import EngineConfig
 from backends.llm.engine import LLMEngine
+from backends.llm.metrics import EngineMetrics
 from backends.llm.model_runner import ModelRunner
 from backends.llm.sampling_params import SamplingParams
 from backends.llm.sequence import FinishReason, Logprob
@@ -44,6 +45,7 @@ def make_engine(
     batched_decode: bool | None = None,
     quantization: str | None = None,
     static_decode: bool | None = None,
+    metrics: EngineMetrics | None = None,
     **config: Any,
 ) -> LLMEngine:
     """An engine over `folder` on CPU in float32; `batched_decode` forces the accelerators'
@@ -60,7 +62,7 @@ def make_engine(
         quantization=quantization,
         static_decode=static_decode,
     )
-    return LLMEngine(engine_config, runner, tokenizer)
+    return LLMEngine(engine_config, runner, tokenizer, metrics)
 
 
 def kv_bytes(folder: Path, blocks: int, block_size: int) -> int:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 
 from backends.llm.fused.kernel import fused_kernel
 from backends.llm.fused.threads import (
@@ -21,6 +22,7 @@ from backends.llm.fused.threads import (
     ThreadChoice,
 )
 from backends.llm.kernel_settings import KernelSettings
+from backends.llm.metrics import EngineMetrics
 from backends.llm.sampling_params import SamplingParams
 from backends.threads import cores
 from tests.backends.llm.support import build_model, make_engine, random_prompts, run_all
@@ -110,12 +112,20 @@ def test_greedy_output_is_the_same_whichever_count_each_step_runs_on(llama: Path
     try:
         torch.set_num_threads(2)  # this folder's tests run on one otherwise
         for adaptive in (False, True):
-            engine = make_engine(llama)
+            registry = CollectorRegistry()
+            engine = make_engine(llama, metrics=EngineMetrics(registry, "m", "1"))
             engine.runner.fused.adaptive = adaptive
             done = run_all(engine, [(p, greedy) for p in prompts])
             outputs.append([r[0].token_ids for r in done])
             steps = engine.runner.fused.thread_choice.steps
             assert sorted(steps) == ([1, 2] if adaptive else [])
+            # /metrics says how many steps ran on each count.
+            for threads in (1, 2):
+                counted = registry.get_sample_value(
+                    "hub_llm_fused_steps_total",
+                    {"model": "m", "version": "1", "threads": str(threads)},
+                )
+                assert (counted or 0) == steps[threads]
     finally:
         torch.set_num_threads(before)
     assert outputs[0] == outputs[1]
