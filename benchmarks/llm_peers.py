@@ -173,18 +173,69 @@ async def run_phase(ep: Endpoint, requests: list[Request], concurrency: int) -> 
                 streams[i] = await stream_one(session, ep, r)
 
         load = os.getloadavg()[0]
-        steps_before = fused_steps(ep)
-        cpu_before = process_cpu_s(ep.pid)
-        start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        seconds = time.perf_counter() - start
-        cpu = process_cpu_s(ep.pid) - cpu_before
-        steps = {k: v - steps_before.get(k, 0.0) for k, v in fused_steps(ep).items()}
+        with _server_cost(ep) as cost:
+            start = time.perf_counter()
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+            seconds = time.perf_counter() - start
     summary = summarize([streams[i] for i in range(len(requests))], requests, seconds, load)
-    summary["server_cpu_s"] = round(cpu, 3)
+    return {**summary, **cost}
+
+
+async def run_interleaved(eps: list[Endpoint], requests: list[Request]) -> dict[str, Any]:
+    """`requests` one at a time on every server in turn (request i on each, the servers'
+    order rotated each request), all servers up at once: a change of the machine's speed
+    during the phase falls on every server alike. Per server, as `run_phase` at 1."""
+    import aiohttp
+
+    timeout = aiohttp.ClientTimeout(total=1800, sock_read=300)
+    streams: dict[str, list[Stream]] = {ep.name: [] for ep in eps}
+    seconds = dict.fromkeys(streams, 0.0)
+    costs: dict[str, list[dict[str, Any]]] = {ep.name: [] for ep in eps}
+    load = os.getloadavg()[0]
+    async with contextlib.AsyncExitStack() as stack:
+        sessions = {
+            ep.name: await stack.enter_async_context(
+                aiohttp.ClientSession(
+                    timeout=timeout, connector=aiohttp.TCPConnector(limit=1, force_close=True)
+                )
+            )
+            for ep in eps
+        }
+        for i, r in enumerate(requests):
+            for ep in eps[i % len(eps) :] + eps[: i % len(eps)]:
+                with _server_cost(ep) as cost:
+                    start = time.perf_counter()
+                    streams[ep.name].append(await stream_one(sessions[ep.name], ep, r))
+                    seconds[ep.name] += time.perf_counter() - start
+                costs[ep.name].append(cost)
+    out: dict[str, Any] = {}
+    for ep in eps:
+        summary = summarize(streams[ep.name], requests, seconds[ep.name], load)
+        total: dict[str, Any] = {"server_cpu_s": round(
+            sum(c["server_cpu_s"] for c in costs[ep.name]), 3
+        )}  # fmt: skip
+        steps: dict[str, float] = {}
+        for c in costs[ep.name]:
+            for k, v in c.get("fused_steps", {}).items():
+                steps[k] = steps.get(k, 0.0) + v
+        if steps:
+            total["fused_steps"] = steps
+        out[ep.name] = {**summary, **total, "interleaved": True}
+    return out
+
+
+@contextlib.contextmanager
+def _server_cost(ep: Endpoint) -> Iterator[dict[str, Any]]:
+    """Fills the yielded dict, once the block ends, with the CPU seconds `ep`'s process
+    used meanwhile and (the hub) its fused steps by thread count."""
+    cost: dict[str, Any] = {}
+    steps_before = fused_steps(ep)
+    cpu_before = process_cpu_s(ep.pid)
+    yield cost
+    cost["server_cpu_s"] = round(process_cpu_s(ep.pid) - cpu_before, 3)
+    steps = {k: v - steps_before.get(k, 0.0) for k, v in fused_steps(ep).items()}
     if steps:
-        summary["fused_steps"] = steps
-    return summary
+        cost["fused_steps"] = steps
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -323,35 +374,51 @@ def plot(results: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _report(rnd: int, name: str, conc: int, phase: dict[str, Any]) -> None:
+    tqdm.write(f"round {rnd + 1} {name} c={conc}: "
+               f"{phase['tokens_per_s']:.0f} tok/s, TTFT p50 {phase['ttft_p50_ms']:.0f} ms, "
+               f"ITL p50 {phase['itl_p50_ms']:.1f} ms, server CPU {phase['server_cpu_s']:.1f} s"
+               + (f", steps by threads {phase['fused_steps']}" if "fused_steps" in phase else "")
+               + (" (interleaved)" if phase.get("interleaved") else ""))  # fmt: skip
+
+
 def run_rounds(
     args: argparse.Namespace, tokenizer: Any, factories: dict[str, Callable[[], Any]]
 ) -> tuple[list[dict[str, dict[str, Any]]], list[Request]]:
-    """Every server at every concurrency, once a round, one server running at a time (the
-    order rotated each round); each round's measurements and the last round's workload."""
+    """Every server at every concurrency, once a round; each round's measurements and the
+    last round's workload. Concurrency 1 runs interleaved (every server up, request by
+    request in turn, `run_interleaved`) unless `--sequential`; the other concurrencies one
+    server running at a time (the order rotated each round)."""
     names = list(factories)
     rounds: list[dict[str, dict[str, Any]]] = []
-    steps = args.rounds * len(names) * len(args.concurrency)
+    interleave = 1 in args.concurrency and not args.sequential
+    apart = [c for c in args.concurrency if not (interleave and c == 1)]
+    steps = args.rounds * (len(names) * len(apart) + interleave)
     with tqdm(total=steps, desc="phases") as bar:
         for rnd in range(args.rounds):
             work = workload(tokenizer, args.requests, args.seed, rnd, args.quick)
             warm = Request(work[0].prompt[:8], str(tokenizer.decode(work[0].prompt[:8])), 4)
-            measured: dict[str, dict[str, Any]] = {}
-            for name in names[rnd % len(names) :] + names[: rnd % len(names)]:
+            order = names[rnd % len(names) :] + names[: rnd % len(names)]
+            measured: dict[str, dict[str, Any]] = {n: {} for n in names}
+            if interleave:
+                bar.set_postfix_str(f"round {rnd + 1}: all at 1")
+                with contextlib.ExitStack() as stack:
+                    eps = [stack.enter_context(warmed(factories[n], warm)) for n in order]
+                    phases = asyncio.run(run_interleaved(eps, work[: args.c1_requests]))
+                for name in order:
+                    measured[name]["1"] = phases[name]
+                    _report(rnd, name, 1, phases[name])
+                bar.update()
+            for name in order if apart else []:
                 with warmed(factories[name], warm) as ep:
-                    for conc in args.concurrency:
+                    for conc in apart:
                         requests = work[: args.c1_requests] if conc == 1 else work
                         bar.set_postfix_str(f"round {rnd + 1}: {name} at {conc}")
                         phase = asyncio.run(run_phase(ep, requests, conc))
-                        measured.setdefault(name, {})[str(conc)] = phase
-                        tqdm.write(f"round {rnd + 1} {name} c={conc}: "
-                                   f"{phase['tokens_per_s']:.0f} tok/s, TTFT p50 "
-                                   f"{phase['ttft_p50_ms']:.0f} ms, ITL p50 "
-                                   f"{phase['itl_p50_ms']:.1f} ms, server CPU "
-                                   f"{phase['server_cpu_s']:.1f} s"
-                                   + (f", steps by threads {phase['fused_steps']}"
-                                      if "fused_steps" in phase else ""))  # fmt: skip
+                        measured[name][str(conc)] = phase
+                        _report(rnd, name, conc, phase)
                         bar.update()
-            rounds.append({n: measured[n] for n in names})
+            rounds.append(measured)
     return rounds, work
 
 
@@ -363,6 +430,10 @@ def main() -> None:
     parser.add_argument("--c1-requests", type=int, default=8,
                         help="requests of the concurrency-1 phase (the first N)")  # fmt: skip
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument(
+        "--sequential", action="store_true",
+        help="concurrency 1 too one server at a time (default: request by request in turn)",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2, help="threads of each server")
     parser.add_argument("--model-dir", type=Path, default=CACHE / "model",

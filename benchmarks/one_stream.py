@@ -3,20 +3,25 @@
 
 The model is the target of the trained benchmark pair (`backends/tiny/trained.py`, built and
 cached on first use; llama.cpp reads its F32 GGUF next to it, made by `llm_peers.py` or
-`speculative.py`). Each request is a fresh 100-token prompt and 256 greedy tokens
-(`ignore_eos`). The hub runs in this process, one request at a time through `LLMEngine.step`;
-a token's gap is the time between two steps that emitted. llama.cpp streams from
-`/completion`; a token's gap is the time between two streamed events.
+`speculative.py`), or `--model-dir` with its `--gguf` (`llm_peers.py`'s 26M Llama: its
+cache folder's `model` and `model-f32.gguf`). Each request is a fresh 100-token prompt and
+256 greedy tokens (`ignore_eos`). The hub runs in this process, one request at a time
+through `LLMEngine.step`; a token's gap is the time between two steps that emitted.
+llama.cpp streams from `/completion`; a token's gap is the time between two streamed events.
 
 Two conditions, in one run: quiet, then contended (`--busy` processes spinning on the CPU,
 started here and killed afterwards). Under each, per request, in turn: the hub at `--threads`
 threads with the thread count fixed, at one thread, at `--threads` with its adaptive count
-(the default: `backends/llm/fused/threads.py`), and llama.cpp at `--threads`. Reported per
+(the default: `backends/llm/fused/threads.py`), llama.cpp at `--threads`, and the hub over
+HTTP (`hub serve` on the same model in a process of its own, streamed `/v1/completions`
+read as llama.cpp's stream is; `--no-http` leaves it out): the in-process and HTTP arms side
+by side split what the engine costs from what serving it costs. Reported per
 system and condition: per-token gaps at p50, p90, p99 and max, the mean (what tokens/s is),
 and the 1-minute load average before and after. Results go to
 `benchmarks/results/one_stream.json`.
 
     python benchmarks/one_stream.py [--threads 2] [--busy 1] [--requests 6] [--tokens 256]
+        [--model-dir DIR --gguf FILE] [--no-http]
 """
 
 from __future__ import annotations
@@ -135,6 +140,37 @@ def llama_server(gguf: Path, threads: int, port: int) -> Iterator[Callable[..., 
 
 
 @contextlib.contextmanager
+def hub_over_http(model_dir: Path, threads: int) -> Iterator[Callable[..., list[float]]]:
+    """`hub serve` on the same model in a process of its own (`peer_servers.hub_server`),
+    streamed as llama.cpp is: a token's gap is the time between two streamed events."""
+    import tempfile
+
+    from benchmarks import peer_servers
+
+    with (
+        tempfile.TemporaryDirectory(prefix="one-stream-hub-") as root,
+        peer_servers.hub_server(model_dir, Path(root), threads) as ep,
+    ):
+
+        def gaps(prompt: list[int], tokens: int) -> list[float]:
+            body = {"model": ep.model, "prompt": prompt, "max_tokens": tokens,
+                    "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+            request = urllib.request.Request(
+                f"{ep.base}/v1/completions",
+                json.dumps(body).encode(),
+                {"content-type": "application/json"},
+            )
+            stamps = []
+            with urllib.request.urlopen(request, timeout=300) as response:
+                for line in response:
+                    if line.startswith(b"data: {") and b'"text"' in line:
+                        stamps.append(time.perf_counter())
+            return [b - a for a, b in itertools.pairwise(stamps)]
+
+        yield gaps
+
+
+@contextlib.contextmanager
 def busy(count: int) -> Iterator[None]:
     """`count` processes spinning on the CPU while the block runs."""
     procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
@@ -154,11 +190,24 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=6)
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--port", type=int, default=18555)
+    parser.add_argument(
+        "--model-dir", type=Path,
+        help="another model (default: the trained pair's target), with --gguf",
+    )  # fmt: skip
+    parser.add_argument("--gguf", type=Path, help="llama.cpp's F32 GGUF of --model-dir")
+    parser.add_argument(
+        "--no-http", action="store_true", help="leave out the hub over HTTP (`hub serve`)"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "one_stream.json")
     args = parser.parse_args()
-    pair = build_trained_pair(BENCHMARK_PAIR)
-    gguf = pair.target.parent / "target-f32.gguf"
-    hub = Hub(pair.target)
+    if args.model_dir is not None:
+        if args.gguf is None:
+            parser.error("--model-dir needs --gguf")
+        model_dir, gguf = args.model_dir, args.gguf
+    else:
+        pair = build_trained_pair(BENCHMARK_PAIR)
+        model_dir, gguf = pair.target, pair.target.parent / "target-f32.gguf"
+    hub = Hub(model_dir)
     rng = random.Random(0)
     n = args.threads
     systems: dict[str, Callable[[list[int]], list[float]]] = {
@@ -167,8 +216,12 @@ def main() -> None:
         f"hub {n} threads adaptive": lambda p: hub.gaps(p, args.tokens, n, adaptive=True),
     }
     conditions: dict[str, Any] = {}
-    with llama_server(gguf, n, args.port) as llama:
+    with contextlib.ExitStack() as servers:
+        llama = servers.enter_context(llama_server(gguf, n, args.port))
         systems[f"llama.cpp {n} threads"] = lambda p: llama(p, args.tokens)
+        if not args.no_http:
+            http = servers.enter_context(hub_over_http(model_dir, n))
+            systems[f"hub over HTTP {n} threads"] = lambda p: http(p, args.tokens)
         warm = [rng.randrange(3, 2048) for _ in range(PROMPT_TOKENS)]
         for run in systems.values():
             run(warm)
@@ -197,7 +250,7 @@ def main() -> None:
                       f"mean {s['mean_ms']:6.2f} ms  >20ms {s['over_20ms']}")  # fmt: skip
     result = {
         "benchmark": "one_stream",
-        "model": str(pair.target),
+        "model": str(model_dir),
         "threads": n,
         "requests": args.requests,
         "prompt_tokens": PROMPT_TOKENS,
