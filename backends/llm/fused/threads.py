@@ -20,7 +20,14 @@ measured (`backends.llm.two_sided`):
   first token);
 - after that a step runs on the side that scores lower (the most threads on a tie), and now
   and then a step that may probe takes the other side (`PROBE_FEWER_EVERY`,
-  `PROBE_MOST_EVERY`), so that a change of load turns the choice back.
+  `PROBE_MOST_EVERY`), so that a change of load turns the choice back;
+- while fewer threads win, a probe on all threads that comes back faster than fewer threads
+  score is confirmed at once: the next steps that may probe run on all threads too, up to
+  `CONFIRM_STEPS`, for as long as each is faster than fewer threads score. A burst of
+  stalls while another process woke (a few steps) fills the window of all threads with slow
+  steps, and probes one step in `PROBE_MOST_EVERY` alone took a hundred steps at the slower
+  count to replace them; confirmed, all threads come back within a probe's period. Under
+  load that lasts, a confirmation ends at its first stall: one stalled step more a probe.
 
 The thread count changes no result: every output is computed by one thread in the same
 order however many share a stage.
@@ -45,6 +52,9 @@ MIN_SAMPLES = 3
 # win, so that all threads come back soon after the load lifts.
 PROBE_FEWER_EVERY = 64
 PROBE_MOST_EVERY = 32
+# Steps on all threads after a probe of them that beat fewer threads' score, while each does
+# (a window's worth: enough for all threads to win again if the load has lifted).
+CONFIRM_STEPS = WINDOW - 1
 
 # A bucket: (the exponent of its largest row count, the most threads its steps may use).
 Bucket = tuple[int, int]
@@ -78,6 +88,8 @@ class ThreadChoice:
         self.steps: collections.Counter[int] = collections.Counter()  # steps by threads run
         # Called with each observed step's thread count (the engine's Prometheus counter).
         self.on_step: Callable[[int], None] | None = None
+        # Per bucket: steps on all threads still to confirm a fast probe of them.
+        self._confirm: dict[Bucket, int] = {}
 
     @staticmethod
     def bucket_of(rows: int) -> int:
@@ -107,6 +119,9 @@ class ThreadChoice:
         if most <= 1:
             return 1
         key = (self.bucket_of(rows), most)
+        if may_probe and self._confirm.get(key, 0) > 0:
+            self._confirm[key] -= 1
+            return most
         first = False if self._sides.measured(key) else self._nearest_winner(key)
         fewer = self._sides.choose(key, _fewer_wins, first=first, may_probe=may_probe)
         return self.fewer(most) if fewer else most
@@ -120,7 +135,15 @@ class ThreadChoice:
             self.on_step(threads)
         key = (self.bucket_of(rows), most)
         if threads == most:
+            if self._sides.winner(key, _fewer_wins):  # a probe, or a step confirming one
+                fewer = self._sides.score(key, True)
+                if fewer is None or seconds >= fewer:
+                    self._confirm.pop(key, None)  # slower than fewer threads: no more
+                elif key not in self._confirm:
+                    self._confirm[key] = CONFIRM_STEPS
             self._sides.record(key, False, seconds)
+            if not self._sides.winner(key, _fewer_wins):
+                self._confirm.pop(key, None)  # all threads win again
         elif threads == self.fewer(most):
             self._sides.record(key, True, seconds)
 

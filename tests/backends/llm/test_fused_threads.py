@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from backends.llm.fused.kernel import fused_kernel
 from backends.llm.fused.threads import (
+    CONFIRM_STEPS,
     MIN_SAMPLES,
     PROBE_FEWER_EVERY,
     PROBE_MOST_EVERY,
@@ -61,9 +62,28 @@ def test_a_contended_machine_runs_on_fewer_threads_then_returns_when_it_lifts() 
     choice = ThreadChoice()
     run(choice, 2 * PROBE_FEWER_EVERY, lambda _: QUIET)
     stalled = run(choice, 8 * PROBE_MOST_EVERY, contended)
-    assert stalled[-4 * PROBE_MOST_EVERY :].count(2) == 4  # only the probes stall now
+    # Fewer threads now, but for each probe of all threads and, when the probe came back
+    # fast, the steps confirming it until the first stall: one stalled step per probe.
+    last = stalled[-4 * PROBE_MOST_EVERY :]
+    start = len(stalled) - len(last)
+    stalls = sum(t == 2 and (start + i) % 3 == 0 for i, t in enumerate(last))
+    assert stalls <= 4 and last.count(2) <= 3 * 4
     lifted = run(choice, (WINDOW + 2) * PROBE_MOST_EVERY, lambda _: QUIET)
     assert lifted[-PROBE_FEWER_EVERY:].count(2) == PROBE_FEWER_EVERY - 1
+
+
+def test_a_burst_of_stalls_costs_at_most_a_probe_period_on_fewer_threads() -> None:
+    # Another process woke for a moment: six steps on all threads ran at two and a half
+    # times their time, slower than one thread.
+    choice = ThreadChoice()
+    run(choice, 2 * PROBE_FEWER_EVERY, lambda _: QUIET)
+    burst = run(choice, 6, lambda _: {2: 0.0075, 1: 0.005})
+    assert burst[-1] == 1  # it turned to fewer threads, as it should while the burst lasted
+    after = run(choice, 3 * PROBE_MOST_EVERY, lambda _: QUIET)
+    # The first probe of all threads is confirmed at once: all threads again, but for the
+    # probes of fewer threads.
+    assert after[: PROBE_MOST_EVERY + CONFIRM_STEPS + 1].count(1) <= PROBE_MOST_EVERY
+    assert after[PROBE_MOST_EVERY + CONFIRM_STEPS + 1 :].count(1) <= 2
 
 
 def test_one_step_the_os_delayed_does_not_decide() -> None:
