@@ -18,7 +18,9 @@ measured (`backends.llm.two_sided`):
   measured, as many steps, but only on steps that may probe (decodes: a step at half the
   speed costs one token's latency there, where on a prefill it would cost the time to the
   first token);
-- after that a step runs on the side that scores lower (the most threads on a tie), and now
+- after that a step runs on fewer threads only where they score lower by `FEWER_MARGIN`
+  (else on all threads: a window a few stalls inflated is noise, a contended team's
+  stalls cost far more than the margin), and now
   and then a step that may probe takes the other side (`PROBE_FEWER_EVERY`,
   `PROBE_MOST_EVERY`), so that a change of load turns the choice back;
 - while fewer threads win, a probe on all threads that comes back faster than fewer threads
@@ -52,6 +54,11 @@ MIN_SAMPLES = 3
 # win, so that all threads come back soon after the load lifts.
 PROBE_FEWER_EVERY = 64
 PROBE_MOST_EVERY = 32
+# Fewer threads win only by this fraction of all threads' score: on a quiet machine all
+# threads are a quarter or more faster at every step size, so a window that a few stalls
+# brought within this margin is noise, while a contended machine's stalls make all threads
+# slower by far more.
+FEWER_MARGIN = 0.15
 # Steps on all threads after a probe of them that beat fewer threads' score, while each does
 # (a window's worth: enough for all threads to win again if the load has lifted).
 CONFIRM_STEPS = WINDOW - 1
@@ -68,7 +75,7 @@ def _score(window: Sequence[float]) -> float:
 
 
 def _fewer_wins(most: float, fewer: float) -> bool:
-    return fewer < most
+    return fewer < most * (1.0 - FEWER_MARGIN)
 
 
 class ThreadChoice:

@@ -73,17 +73,35 @@ def test_a_contended_machine_runs_on_fewer_threads_then_returns_when_it_lifts() 
 
 
 def test_a_burst_of_stalls_costs_at_most_a_probe_period_on_fewer_threads() -> None:
-    # Another process woke for a moment: six steps on all threads ran at two and a half
-    # times their time, slower than one thread.
+    # Another process woke for a moment: six steps on all threads ran at three times and
+    # a third their time, twice as long as on one thread.
     choice = ThreadChoice()
     run(choice, 2 * PROBE_FEWER_EVERY, lambda _: QUIET)
-    burst = run(choice, 6, lambda _: {2: 0.0075, 1: 0.005})
+    burst = run(choice, 6, lambda _: {2: 0.01, 1: 0.005})
     assert burst[-1] == 1  # it turned to fewer threads, as it should while the burst lasted
     after = run(choice, 3 * PROBE_MOST_EVERY, lambda _: QUIET)
     # The first probe of all threads is confirmed at once: all threads again, but for the
     # probes of fewer threads.
     assert after[: PROBE_MOST_EVERY + CONFIRM_STEPS + 1].count(1) <= PROBE_MOST_EVERY
     assert after[PROBE_MOST_EVERY + CONFIRM_STEPS + 1 :].count(1) <= 2
+
+
+def test_fewer_threads_must_win_by_a_margin() -> None:
+    # All threads' steps alternate between fast and slow (another process's short wake-ups),
+    # their window's score a few percent over one thread's steady time: within the margin,
+    # so all threads stay (a noisy window does not send a quiet machine to one thread).
+    choice = ThreadChoice()
+
+    def noisy(step: int) -> dict[int, float]:
+        return {2: 0.0032 if step % 2 else 0.0060, 1: 0.0042}
+
+    run(choice, PROBE_FEWER_EVERY, noisy)  # both windows full
+    chosen = run(choice, 4 * PROBE_FEWER_EVERY, noisy)
+    assert chosen.count(1) <= 4  # the probes only
+    # Well past the margin (a contended machine) fewer threads win as before.
+    assert run(choice, 2 * PROBE_MOST_EVERY, contended)[-PROBE_MOST_EVERY:].count(1) > (
+        PROBE_MOST_EVERY // 2
+    )
 
 
 def test_one_step_the_os_delayed_does_not_decide() -> None:
