@@ -14,8 +14,11 @@ One `hub serve` holds every arm: `target` and `draft` as registered versions, an
 speculative arm as another version of the target folder registered with its runtime config
 through the admin API; a hub that refuses the config is reported arm by arm (the runs
 without speculation still complete) and the script exits with status 2. Acceptance comes
-from the hub's `/metrics` (`hub_llm_spec_*`, counted per arm over each phase). Arms run one
-at a time in `--rounds` rounds, the order rotated each round; medians are reported, with
+from the hub's `/metrics` (`hub_llm_spec_*`, counted per arm over each phase). The one-stream
+workloads run their arms in turn request by request (`llm_peers.run_interleaved`: request i
+on each arm, the order rotated each request), so that the machine's drift during a phase
+falls on every arm alike; `concurrent` runs one arm at a time. `--rounds` rounds, the order
+rotated each round; medians are reported, with
 each speculative arm's tokens/s over the plain target's taken per round, and how many
 greedy answers were the same text as the plain target's (speculation must not change them).
 With llama.cpp's `llama-server` at hand (see `llm_peers.py`), `one_stream` also runs on it,
@@ -49,7 +52,7 @@ if str(REPO) not in sys.path:  # run as `python benchmarks/<name>.py` from anywh
 
 from benchmarks import peer_servers  # noqa: E402
 from benchmarks.launch.process import hub_config, hub_process  # noqa: E402
-from benchmarks.llm_peers import CACHE, Request, run_phase  # noqa: E402
+from benchmarks.llm_peers import CACHE, Request, run_interleaved, run_phase  # noqa: E402
 from benchmarks.peer_servers import Endpoint, PeerMissing  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
@@ -196,6 +199,22 @@ def measure_hub(args: argparse.Namespace, pair: Any, work: dict[str, Any], root:
                 measured: dict[str, Any] = {}
                 for name, arms in WORKLOADS.items():
                     order = arms[rnd % len(arms) :] + arms[: rnd % len(arms)]
+                    live = [arm for arm in order if arm not in refused]
+                    if CONCURRENCY[name] == 1 and len(live) > 1:
+                        # One stream: the arms take turns request by request, so a change
+                        # of the machine's speed during the phase falls on all of them.
+                        bar.set_postfix_str(f"round {rnd + 1}: {name}, arms in turn")
+                        bar.update(len(order))
+                        counted = {arm: spec_counters(base, arm) for arm in live}
+                        eps = [dataclasses.replace(ep, name=arm, model=arm) for arm in live]
+                        phases = asyncio.run(run_interleaved(eps, work[name]))
+                        for arm in live:
+                            phase = phases[arm]
+                            after = spec_counters(base, arm)
+                            phase["speculation"] = acceptance(counted[arm], after)
+                            measured.setdefault(name, {})[arm] = phase
+                            _report(rnd, name, arm, phase)
+                        continue
                     for arm in order:
                         bar.set_postfix_str(f"round {rnd + 1}: {name} on {arm}")
                         bar.update()
@@ -206,12 +225,16 @@ def measure_hub(args: argparse.Namespace, pair: Any, work: dict[str, Any], root:
                         phase = asyncio.run(run_phase(arm_ep, work[name], CONCURRENCY[name]))
                         phase["speculation"] = acceptance(before, spec_counters(base, arm))
                         measured.setdefault(name, {})[arm] = phase
-                        tqdm.write(f"round {rnd + 1} {name} {arm}: "
-                                   f"{phase['tokens_per_s']:.0f} tok/s, ITL p50 "
-                                   f"{phase['itl_p50_ms']:.2f} ms, acceptance "
-                                   f"{phase['speculation']['acceptance_rate']}")  # fmt: skip
+                        _report(rnd, name, arm, phase)
                 rounds.append(measured)
     return rounds, refused
+
+
+def _report(rnd: int, name: str, arm: str, phase: dict[str, Any]) -> None:
+    tqdm.write(f"round {rnd + 1} {name} {arm}: {phase['tokens_per_s']:.0f} tok/s, ITL p50 "
+               f"{phase['itl_p50_ms']:.2f} ms, acceptance "
+               f"{phase['speculation']['acceptance_rate']}"
+               + (" (arms in turn)" if phase.get("interleaved") else ""))  # fmt: skip
 
 
 def measure_llama_cpp(args: argparse.Namespace, pair: Any, work: dict[str, Any], root: Path) -> Any:
