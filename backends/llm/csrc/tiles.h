@@ -26,8 +26,8 @@
 #define ROW_COLUMNS 8
 
 /* x . w over k, four chains of 8-wide multiply-adds along k: the row's bytes in address
- * order. */
-static inline float row_dot4(const float *x, const float *w, int64_t k) {
+ * order (also each weight row of a product that no whole tile covers). */
+static inline float row_dot(const float *x, const float *w, int64_t k) {
     v8 b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
     int64_t i = 0;
     for (; i + 32 <= k; i += 32) {
@@ -48,7 +48,7 @@ static inline float row_dot4(const float *x, const float *w, int64_t k) {
  * side by side; x stays in L1 across the rows. */
 __attribute__((noinline)) static void row_tile(const float *x, const float *w, int64_t k,
                                                float *out) {
-    for (int c = 0; c < ROW_COLUMNS; c++) out[c] = row_dot4(x, w + c * k, k);
+    for (int c = 0; c < ROW_COLUMNS; c++) out[c] = row_dot(x, w + c * k, k);
 }
 
 /* Rows of a panel (a narrow one for what is left after whole panels, when that is at most
@@ -163,16 +163,6 @@ static inline void any_panel_tile(const float *xt, struct panels p, int64_t b, c
         panel_tile(xt + b * PANEL * k, w, k, columns, acc);
     else
         narrow_tile(xt + b * PANEL * k, w, k, columns, acc);
-}
-
-/* x . w over k: one weight row (the last of a product that no whole tile covers). */
-static inline float row_dot(const float *x, const float *w, int64_t k) {
-    const int64_t body = k - k % 8;
-    v8 acc = {0};
-    for (int64_t i = 0; i < body; i += 8) acc += load8(x + i) * load8(w + i);
-    float s = hsum8(acc);
-    for (int64_t i = body; i < k; i++) s += x[i] * w[i];
-    return s;
 }
 
 #endif

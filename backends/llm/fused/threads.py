@@ -149,7 +149,7 @@ class ThreadChoice:
                 elif key not in self._confirm:
                     self._confirm[key] = CONFIRM_STEPS
             self._sides.record(key, False, seconds)
-            if not self._sides.winner(key, _fewer_wins):
+            if key in self._confirm and not self._sides.winner(key, _fewer_wins):
                 self._confirm.pop(key, None)  # all threads win again
         elif threads == self.fewer(most):
             self._sides.record(key, True, seconds)
