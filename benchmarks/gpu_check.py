@@ -4,15 +4,18 @@ sentence-transformers on one device, under one overall deadline.
     python benchmarks/gpu_check.py --out DIR                     # one GPU, at most ~6 min
     python benchmarks/gpu_check.py --out DIR --device cpu --small  # every section, toy sizes
     python benchmarks/gpu_check.py --out DIR --engine-config '{"cuda_graphs": false}'
+    python3 benchmarks/gpu_check.py --out /tmp/gc --results "$OUT"  # on a lent machine
 
 Each section (`sections()` below) runs in a child process of its own under
 `timeout` = min(its budget, the time left), so a hang or a crashed CUDA context costs one
 section, not the run; a section that fails records its error and the next one runs. Each
 child writes its figures to DIR/sections/NAME.json as it measures them, and the parent merges
 them into DIR/gpu_check.json after every section, so a run cut short still leaves what it
-measured; the summary is printed at the end. `--engine-config` (JSON) is handed to every
-engine the sections build (EngineConfig keys), so one command measures the engine with and
-without a setting such as `cuda_graphs`.
+measured; the summary is printed at the end. DIR also holds the models the sections build
+(gigabytes): `--results R` copies only gpu_check.json and a tarball of the sections' logs to R
+after every section, which is what a lent machine should send back. `--engine-config` (JSON)
+is handed to every engine the sections build (EngineConfig keys), so one command measures the
+engine with and without a setting such as `cuda_graphs`.
 
 A GPU machine without network runs this with the wheels it lacks carried in the checkout
 (`benchmarks/gpu_wheels.py`).
@@ -23,8 +26,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tarfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -35,7 +40,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 # Seconds the whole run may take, and what each section may take of it (on a GPU; a CPU dry
-# run with --small gets its own budgets).
+# run with --small gets its own budgets). An H200 took 15-32 s a section (2026-11-27).
 TOTAL_S = 360
 SMALL_TOTAL_S = 590
 
@@ -47,15 +52,16 @@ def sections() -> dict[str, tuple[Callable[[Any], None], float, float]]:
 
     return {
         "environment": (g.environment, 20, 60),
-        "throughput": (gpu_llm.throughput, 80, 120),
-        "latency": (gpu_llm.latency, 40, 70),
+        "throughput": (gpu_llm.throughput, 45, 115),
+        "latency": (gpu_llm.latency, 30, 70),
         "hf_static": (gpu_llm.hf_static, 30, 50),
         "hf_cb": (gpu_llm.hf_cb, 35, 60),
         "hf_cb_graphs": (gpu_llm.hf_cb_graphs, 45, 20),
-        "correctness": (g.correctness, 45, 80),
+        "correctness": (g.correctness, 35, 80),
         "restore": (gpu_llm.restore, 25, 50),
-        "embeddings": (gpu_llm.embeddings, 25, 40),
-        "footprint": (g.footprint, 15, 40),
+        "embeddings": (gpu_llm.embeddings, 30, 40),
+        "footprint": (g.footprint, 25, 40),
+        "cuda_tests": (g.cuda_tests, 35, 5),
     }
 
 
@@ -65,6 +71,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default=None, help="cuda:0 (default when CUDA is there) or cpu")
     p.add_argument("--small", action="store_true", help="toy sizes (a CPU dry run)")
     p.add_argument("--engine-config", default="{}", help="JSON of EngineConfig keys")
+    p.add_argument(
+        "--results",
+        type=Path,
+        default=None,
+        help="also copy gpu_check.json and the logs here after each section",
+    )
     p.add_argument("--only", default="", help="comma-separated sections to run (default all)")
     p.add_argument("--total", type=float, default=None, help="overall deadline in seconds")
     p.add_argument("--section", default=None, help=argparse.SUPPRESS)  # a child's one section
@@ -101,8 +113,9 @@ def run_child(args: argparse.Namespace) -> int:
     return 0
 
 
-def merge(out: Path, meta: dict[str, Any]) -> dict[str, Any]:
-    """DIR/gpu_check.json from every section's file so far (written atomically)."""
+def merge(out: Path, meta: dict[str, Any], results: Path | None = None) -> dict[str, Any]:
+    """DIR/gpu_check.json from every section's file so far (written atomically); with
+    `results`, that file and a tarball of the sections' logs copied there too."""
     merged: dict[str, Any] = {"run": meta, "sections": {}}
     for path in sorted((out / "sections").glob("*.json")):
         try:
@@ -112,6 +125,13 @@ def merge(out: Path, meta: dict[str, Any]) -> dict[str, Any]:
     tmp = out / "gpu_check.json.tmp"
     tmp.write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
     os.replace(tmp, out / "gpu_check.json")
+    if results is not None:
+        results.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(out / "gpu_check.json", results / "gpu_check.json")
+        with tarfile.open(results / "gpu_check_logs.tgz.tmp", "w:gz") as tar:
+            for log in sorted((out / "sections").glob("*.log")):
+                tar.add(log, arcname=log.name)
+        os.replace(results / "gpu_check_logs.tgz.tmp", results / "gpu_check_logs.tgz")
     return merged
 
 
@@ -136,7 +156,7 @@ def run_all(args: argparse.Namespace) -> int:
         if limit < 5:
             meta["sections"][name] = {"rc": None, "skipped": f"{left:.0f}s left"}
             print(f"=== {name}: skipped, {left:.0f}s left", flush=True)
-            merge(out, meta)
+            merge(out, meta, args.results)
             continue
         print(f"=== {name} (limit {limit:.0f}s) at +{time.time() - start:.0f}s", flush=True)
         command = [sys.executable, str(Path(__file__).resolve()), "--section", name,
@@ -160,9 +180,9 @@ def run_all(args: argparse.Namespace) -> int:
         if rc != 0:
             tail = (out / "sections" / f"{name}.log").read_text(errors="replace")[-1500:]
             print(tail, flush=True)
-        merge(out, meta)
+        merge(out, meta, args.results)
     meta["seconds"] = round(time.time() - start, 1)
-    merged = merge(out, meta)
+    merged = merge(out, meta, args.results)
     print(summarise(merged), flush=True)
     return 0
 

@@ -207,11 +207,14 @@ def hf_static(ctx: Context) -> None:
 
 
 def _hf_continuous(ctx: Context, graphs: bool) -> None:
-    """transformers' continuous batching (`generate_batch`) over the workload; with `graphs`,
-    its CUDA graphs (a GPU only). The first call warms up (and captures)."""
+    """transformers' continuous batching over the workload, as its own benchmarks run it: a
+    manager opened with the workload's hints (longest prompt, new tokens, request count), its
+    warm-up (with `graphs`, the capture of its CUDA graphs; a GPU only) timed apart, then every
+    request added at once and their results collected."""
     import logging
 
     from transformers import ContinuousBatchingConfig, GenerationConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
 
     if graphs and not ctx.cuda:
         ctx.set("skipped_reason", "CUDA graphs need a GPU")
@@ -226,18 +229,36 @@ def _hf_continuous(ctx: Context, graphs: bool) -> None:
         {"num_blocks": 64, "max_batch_tokens": 256} if ctx.small else {"max_memory_percent": 0.3}
     )
     cb = ContinuousBatchingConfig(use_cuda_graph=graphs, **size)
-
-    def run(batch: list[list[int]]) -> Any:
-        return model.generate_batch(inputs=batch, generation_config=gen,
-                                    continuous_batching_config=cb)  # fmt: skip
-
-    with ctx.part("warmup"):
+    hints = WorkloadHints(max_prompt_length=max(map(len, prompts)), max_generated_length=new,
+                          num_requests=len(prompts))  # fmt: skip
+    with ctx.part("continuous_batching", min_left=10):
         start = time.perf_counter()
-        run(prompts[:4])
-        ctx.set("warmup_s", round(time.perf_counter() - start, 2))
-    with ctx.part("generate_batch", min_left=10):
-        count = lambda r: sum(len(o.generated_tokens) for o in r.values())  # noqa: E731
-        ctx.set("result", _hf_timed(ctx, lambda: run(prompts), count))
+        with model.continuous_batching_context_manager(
+            generation_config=gen, block=True, timeout=10, continuous_batching_config=cb,
+            workload_hints=hints,
+        ) as manager:  # fmt: skip
+            ctx.set("warmup_s", round(time.perf_counter() - start, 2))
+            ctx.sync()
+            start = time.perf_counter()
+            ids = manager.add_requests(inputs=prompts, max_new_tokens=new)
+            produced = finished = 0
+            stop_at = time.time() + max(3.0, ctx.left() - 5)
+            while finished < len(ids) and time.time() < stop_at:
+                result = manager.get_result(timeout=1)
+                if result is None:
+                    if not manager.is_running():
+                        ctx.set("manager_stopped", True)
+                        break
+                    continue
+                if result.is_finished():
+                    finished += 1
+                    produced += len(result.generated_tokens)
+            seconds = time.perf_counter() - start
+            if finished < len(ids):
+                ctx.set("incomplete", f"{finished}/{len(ids)} finished before the deadline")
+                manager.stop(block=False)
+        ctx.set("result", {"output_tokens": produced, "seconds": round(seconds, 3),
+                           "tokens_per_s": round(produced / seconds, 1)})  # fmt: skip
 
 
 def hf_cb(ctx: Context) -> None:
@@ -318,8 +339,8 @@ def embeddings(ctx: Context) -> None:
     batches = [texts[i : i + 32] for i in range(0, len(texts), 32)]
     rounds = 1 if ctx.small else 3
     vectors: dict[str, Any] = {}
+    backend = embedder_backend(ctx, folder)
     with ctx.part("hub"):
-        backend = embedder_backend(ctx, folder)
         ctx.set("hub_dtype", str(next(backend.model.parameters()).dtype))
 
         async def run() -> float:
@@ -334,8 +355,22 @@ def embeddings(ctx: Context) -> None:
             return seconds
 
         seconds = asyncio.run(run())
-        backend.unload()
         ctx.set("hub_texts_per_s", round(rounds * len(texts) / seconds, 1))
+    with ctx.part("hub_stages"):
+        # The same tokenize and forward in this thread, without the batcher's queue and its
+        # threads: what the hub's batching costs beyond the compute.
+        from backends.encoders.embedder import _EmbedRequest
+
+        stages = backend._require()
+        start = time.perf_counter()
+        for _ in range(rounds):
+            for b in batches:
+                items = stages.tokenize([_EmbedRequest(b, True)])[0]
+                assert isinstance(items, list)
+                stages.forward(items)
+        ctx.set("hub_stages_texts_per_s",
+                round(rounds * len(texts) / (time.perf_counter() - start), 1))  # fmt: skip
+    backend.unload()
     dtypes = {"st": torch.float32, "st_fp16": torch.float16} if ctx.cuda else {"st": None}
     for name, dtype in dtypes.items():
         with ctx.part(name):

@@ -286,6 +286,45 @@ def footprint(ctx: Context) -> None:
                 lambda: llm_backend(ctx, folder, config))  # fmt: skip
 
 
+# ---- the tests marked cuda ------------------------------------------------------------------
+CUDA_TESTS = (
+    "tests/backends/llm/test_decode_graphs_cuda.py",
+    "tests/backends/llm/test_sampler_cuda.py",
+    "tests/backends/llm/test_triton_prefill.py",
+    "tests/backends/llm/test_backend.py",
+    "tests/hub/dependencies/test_device_health.py",
+    "tests/hub/manager/test_gpu_footprint.py",
+    "tests/backends/encoders/test_weights_dtype.py",
+)
+
+
+def cuda_tests(ctx: Context) -> None:
+    """The tests marked `cuda` (skipped in CI, which has no GPU), under what is left of the
+    section's time: counts and the names of any that failed."""
+    import re
+    import subprocess
+    import sys
+
+    if not ctx.cuda:
+        ctx.set("skipped_reason", "the tests marked cuda need a GPU")
+        return
+    root = Path(__file__).resolve().parents[1]
+    command = [sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider",
+               "-m", "cuda", *CUDA_TESTS]  # fmt: skip
+    with ctx.part("pytest"):
+        try:
+            run = subprocess.run(command, cwd=root, capture_output=True, text=True,
+                                 timeout=max(5.0, ctx.left() - 2))  # fmt: skip
+            output, rc = run.stdout + run.stderr, run.returncode
+        except subprocess.TimeoutExpired as e:
+            output, rc = str(e.stdout or "") + "\n(timed out)", None
+        print(output[-6000:], flush=True)
+        counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error)", output)}
+        ctx.set("rc", rc)
+        ctx.set("counts", counts)
+        ctx.set("failed", re.findall(r"^FAILED (\S+)", output, re.M)[:20])
+
+
 def summarise(merged: dict[str, Any]) -> str:
     """A few lines a reader compares with the issue's table."""
     s = merged["sections"]
@@ -314,6 +353,7 @@ def summarise(merged: dict[str, Any]) -> str:
         ("embeddings: hub / sentence-transformers", get("embeddings", "ratio")),
         ("footprint predicted / measured (embedder, llm)",
          f"{get('footprint', 'tiny_embedder', 'ratio')} / {get('footprint', 'llm', 'ratio')}"),
+        ("tests marked cuda", get("cuda_tests", "counts")),
     ]  # fmt: skip
     failed = [n for n, v in s.items() if v.get("errors") or v.get("status") == "running"]
     lines = ["", "gpu_check summary", *(f"  {k:<48} {v}" for k, v in rows)]

@@ -30,10 +30,10 @@ ROOT = Path(__file__).resolve().parents[1]
 # the hub's own dependencies, the test runner, and a transformers newer than its own.
 PACKAGES = (  # noqa: SIM905 - one string is easier to keep than 50 quoted names
     "alembic annotated-doc annotated-types anyio cachetools cffi click cloudpickle "
-    "cryptography databricks-sdk fastapi h11 httpcore httpx huggingface-hub idna "
+    "cryptography databricks-sdk fastapi h11 httpcore httpx httpx2 httpcore2 huggingface-hub idna "
     "importlib-metadata iniconfig llguidance mako mlflow-skinny mlflow-tracing nvidia-ml-py "
     "opentelemetry-api opentelemetry-proto opentelemetry-sdk opentelemetry-semantic-conventions "
-    "pluggy prometheus-client protobuf pydantic pydantic-core pydantic-settings pytest "
+    "pluggy prometheus-client protobuf pycparser pydantic pydantic-core pydantic-settings pytest "
     "pytest-asyncio pytest-timeout python-dotenv sentence-transformers sqlalchemy sqlparse "
     "starlette transformers truststore typer typing-extensions typing-inspection uvicorn zipp"
 ).split()
@@ -54,11 +54,18 @@ def pinned(names: list[str]) -> list[str]:
     return out
 
 
-def download(python: str, dest: Path, platform: str) -> int:
+# pip matches a manylinux tag exactly: name every glibc level a wheel may be built for.
+PLATFORMS = ("manylinux_2_35_x86_64", "manylinux_2_34_x86_64", "manylinux_2_31_x86_64",
+             "manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64",
+             "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64")  # fmt: skip
+
+
+def download(python: str, dest: Path, platforms: list[str]) -> int:
     dest.mkdir(parents=True, exist_ok=True)
+    tags = [arg for platform in platforms for arg in ("--platform", platform)]
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--python-version", python, "--platform", platform, "--dest", str(dest),
-               *pinned(PACKAGES)]  # fmt: skip
+               "--python-version", python, "--implementation", "cp", *tags,
+               "--dest", str(dest), *pinned(PACKAGES)]  # fmt: skip
     return subprocess.call(command)
 
 
@@ -99,14 +106,14 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="command", required=True)
     d = sub.add_parser("download", help="fetch the wheels (needs network)")
     d.add_argument("--python", default="3.12", help="the GPU machine's Python (3.12)")
-    d.add_argument("--platform", default="manylinux_2_28_x86_64")
+    d.add_argument("--platform", action="append", help=f"a wheel tag (default: {PLATFORMS})")
     d.add_argument("--dest", type=Path, default=ROOT / "gpu_wheels")
     i = sub.add_parser("install", help="unpack them into a site folder (no network)")
     i.add_argument("--wheels", type=Path, default=ROOT / "gpu_wheels")
     i.add_argument("--site", type=Path, default=Path("/tmp/gpu_site"))
     args = p.parse_args(argv)
     if args.command == "download":
-        return download(args.python, args.dest, args.platform)
+        return download(args.python, args.dest, args.platform or list(PLATFORMS))
     return install(args.wheels, args.site)
 
 

@@ -5,6 +5,7 @@ the pinned versions, unpacked where Python finds them."""
 from __future__ import annotations
 
 import json
+import tarfile
 import zipfile
 from pathlib import Path
 
@@ -29,10 +30,27 @@ def test_sections_merge_into_one_json_and_the_summary_names_the_unfinished(tmp_p
     assert '{"cuda_graphs": true}' in text
 
 
+def test_results_get_the_merged_json_and_the_logs_not_the_models(tmp_path: Path) -> None:
+    out, results = tmp_path / "out", tmp_path / "results"
+    (out / "sections").mkdir(parents=True)
+    (out / "sections" / "latency.json").write_text(json.dumps({"status": "done"}))
+    (out / "sections" / "latency.log").write_text("one stream 5.9 ms\n")
+    (out / "work").mkdir()
+    (out / "work" / "model.safetensors").write_bytes(b"\0" * 4096)
+    merge(out, {"device": "cuda:0", "engine_config": {}}, results)
+    assert sorted(p.name for p in results.iterdir()) == ["gpu_check.json", "gpu_check_logs.tgz"]
+    assert json.loads((results / "gpu_check.json").read_text())["sections"]["latency"]
+    with tarfile.open(results / "gpu_check_logs.tgz") as tar:
+        assert tar.getnames() == ["latency.log"]
+        member = tar.extractfile("latency.log")
+        assert member is not None and member.read() == b"one stream 5.9 ms\n"
+
+
 def test_every_section_has_a_budget_that_fits_the_deadline() -> None:
     table = sections()
     assert {"environment", "throughput", "latency", "correctness", "restore", "embeddings",
-            "footprint", "hf_static", "hf_cb", "hf_cb_graphs"} <= set(table)  # fmt: skip
+            "footprint", "hf_static", "hf_cb", "hf_cb_graphs",
+            "cuda_tests"} <= set(table)  # fmt: skip
     # Within the overall deadline, so no section is skipped when each takes its whole budget.
     assert sum(gpu for _, gpu, _ in table.values()) <= TOTAL_S <= 6 * 60
     assert sum(cpu for _, _, cpu in table.values()) <= SMALL_TOTAL_S < 10 * 60
