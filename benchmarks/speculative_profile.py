@@ -6,8 +6,10 @@ a time, once without speculation and once with each proposer. Wall-clock wrapper
 parts of each engine step: the proposer (the draft model's catch-up and single-token steps,
 or prompt lookup), the scheduler's `schedule` and `update` (rollback included), the target's
 `execute` (the verify step) and the rest of the engine step (output, detokenizing). Prints a
-JSON breakdown in milliseconds per engine step with tokens per step, and which path (fused
-or packed) the target's and the draft's steps took; `--out` also writes it.
+JSON breakdown in milliseconds per engine step with tokens per step, which path (fused
+or packed) the target's and the draft's steps took, and a target step's median time by the
+tokens it ran (a verify step of k drafts runs k + 1 beside a plain decode's one); `--out`
+also writes it.
 
     python benchmarks/speculative_profile.py [--requests 4] [--max-tokens 128] [--threads 2]
         [--num-tokens 4] [--quick] [--out FILE]
@@ -19,6 +21,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import sys
 import time
 from collections import defaultdict
@@ -62,6 +65,23 @@ class Timers:
         setattr(obj, attr, wrapper)
 
 
+def steps_by_tokens(runner: Any) -> dict[int, list[float]]:
+    """Wrap the runner's `execute` to record each step's seconds by its scheduled tokens."""
+    seen: dict[int, list[float]] = defaultdict(list)
+    fn = runner.execute
+
+    def execute(output: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return fn(output)
+        finally:
+            tokens = sum(item.num_tokens for item in output.scheduled)
+            seen[tokens].append(time.perf_counter() - start)
+
+    runner.execute = execute
+    return seen
+
+
 def build_engine(pair: Any, spec: SpeculativeConfig | None, tokenizer: Any) -> LLMEngine:
     config = EngineConfig(speculative=spec, **ENGINE)
     runner = ModelRunner.load(pair.target, "cpu", torch.float32, config)
@@ -96,6 +116,7 @@ def profile(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dic
     t.wrap(engine.scheduler, "schedule", "schedule")
     t.wrap(engine.scheduler, "update", "update")
     t.wrap(engine.runner, "execute", "target_execute")
+    by_tokens = steps_by_tokens(engine.runner)
     draft_runner = None
     if engine.speculator is not None:
         t.wrap(engine.speculator, "propose", "propose")
@@ -127,6 +148,13 @@ def profile(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dic
         "ms_per_engine_step": per_step,
         "calls_per_engine_step": {k: round(v / steps, 3) for k, v in sorted(t.calls.items())},
         "target_steps_fused": engine.runner.fused.steps - target_fused,
+        # A target step's median time by the tokens it ran (one: a plain decode; more: a
+        # verify step; past 9, prefill chunks): what a verify step costs beside a decode.
+        "target_step_ms_by_tokens": {
+            n: {"steps": len(ts), "median_ms": round(1e3 * statistics.median(ts), 4)}
+            for n, ts in sorted(by_tokens.items())
+            if n <= 9
+        },
         "outputs": outputs,
     }
     if draft_runner is not None:

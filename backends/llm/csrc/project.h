@@ -40,10 +40,13 @@ struct hub_weight {
     const float *bias;
 };
 
-/* Rows from which a projection packs its input into panels; below, row tiles. int8 weights
- * are widened in registers by row tiles and into scratch for panels, which pays from more
- * rows on (the widening into scratch costs more than it saves below about ten rows). */
-#define PANEL_MIN_ROWS 4
+/* Rows from which a projection packs its input into panels; below, one row takes row tiles
+ * and 2-5 rows multi-row tiles (which beat panels up to five rows on the trained target's
+ * shapes: 1.9-2.3 against 2.6-2.8 ms for its projections at four and five rows, two
+ * threads). int8 weights are widened in registers by row tiles and into scratch for panels,
+ * which pays from more rows on (the widening into scratch costs more than it saves below
+ * about ten rows). */
+#define PANEL_MIN_ROWS 6
 #define INT8_PANEL_MIN_ROWS 10
 
 static inline int64_t panel_min_rows(const struct hub_weight *w) {
@@ -147,6 +150,10 @@ static void column_block(const struct operand *a, const float *wt, int64_t colum
                 for (int64_t r = 0; r < rows; r++) out[(first + r) * columns + c] = t[r];
             }
         }
+        return;
+    }
+    if (m > 1 && columns == ROW_COLUMNS) {
+        multi_rows(a->x, a->ldx, m, wt, k, out);
         return;
     }
     for (int64_t r = 0; r < m; r++) {

@@ -1,16 +1,21 @@
 /*
  * Register tiles of y = x W^T for a few rows of x, float32, W in its natural (out, in)
  * layout (the layout torch keeps a linear layer's weight in, so nothing is copied or
- * repacked), in two shapes:
+ * repacked), in three shapes:
  *
- * - Row tiles, for a few rows (a memory-bound stream of the weights): one input row by 8
+ * - Row tiles, for one row (a memory-bound stream of the weights): one input row by 8
  *   weight rows, each weight row's dot product in turn (four chains of 8-wide multiply-adds
  *   along `k`), so the tile's weights, adjacent rows, are read as one stream in address
- *   order; the input rows take turns on the tile's weights while they are in cache. One
- *   stream reads memory faster than eight side by side (the hardware prefetchers follow
- *   it), with or without software prefetches: on two cores 10-14% in a microbenchmark of
- *   88 MB, and a quarter less time per decode step of the 26M benchmark Llama.
- * - Panel tiles, from about eight rows on (compute-bound): the input rows are first packed
+ *   order. One stream reads memory faster than eight side by side (the hardware
+ *   prefetchers follow it), with or without software prefetches: on two cores 10-14% in a
+ *   microbenchmark of 88 MB, and a quarter less time per decode step of the 26M benchmark
+ *   Llama.
+ * - Multi-row tiles, for two to five rows (a verify step of speculative decoding, a few
+ *   streams): the same stream of weights, each 8 weights loaded once for every row of a
+ *   group whose inputs fit L1. Row tiles per input row were bound by the load ports (two
+ *   loads a multiply-add); four weight rows side by side against the rows ran at half the
+ *   memory bandwidth.
+ * - Panel tiles, from six rows on (compute-bound): the input rows are first packed
  *   transposed, 16 rows to a panel ((k, 16) floats), and a tile is 16 rows by 6 weight rows
  *   with the rows along the vector lanes: per step of k, two panel loads and six broadcast
  *   weights feed 12 multiply-adds into 12 accumulators, with no sums across lanes at the
@@ -49,6 +54,70 @@ static inline float row_dot(const float *x, const float *w, int64_t k) {
 __attribute__((noinline)) static void row_tile(const float *x, const float *w, int64_t k,
                                                float *out) {
     for (int c = 0; c < ROW_COLUMNS; c++) out[c] = row_dot(x, w + c * k, k);
+}
+
+/* Input rows a multi-row tile takes at once: the most a projection below PANEL_MIN_ROWS has
+ * (ten accumulators and two weight vectors, of AVX2's 16 vector registers). */
+#define MULTI_ROWS 5
+/* Bytes of input rows a group may hold: they stay in L1 (32 KiB a core) while the weights
+ * stream past them (three rows of 1,408 floats took half again the time of two and one). */
+#define MULTI_X_BYTES 12288
+
+/* out[r * ldo + c] = x_r . w_c over k for R input rows x_r = x + r * ldx and the
+ * ROW_COLUMNS weight rows w_c = w + c * k, one weight row after the other (the weights one
+ * stream in address order, as in row_tile): each 8 weights loaded feed all R rows, two
+ * chains a row along k, the inputs read from L1. A step of 16 along k is then 2 + 2R loads
+ * for 2R multiply-adds, where a row tile per input row loads twice for every multiply-add:
+ * a few rows (a verify step of speculative decoding) were bound by the load ports. */
+#define MULTI_TILE(R)                                                                           \
+    __attribute__((noinline)) static void multi_tile_##R(const float *x, int64_t ldx,          \
+                                                         const float *w, int64_t k, float *out, \
+                                                         int64_t ldo) {                         \
+        const int64_t body = k - k % 16;                                                        \
+        for (int c = 0; c < ROW_COLUMNS; c++) {                                                 \
+            const float *wc = w + c * k;                                                        \
+            v8 a[R], b[R];                                                                      \
+            for (int r = 0; r < R; r++) a[r] = b[r] = (v8){0};                                  \
+            for (int64_t i = 0; i < body; i += 16) {                                            \
+                const v8 w0 = load8(wc + i), w1 = load8(wc + i + 8);                            \
+                for (int r = 0; r < R; r++) {                                                   \
+                    a[r] += load8(x + r * ldx + i) * w0;                                        \
+                    b[r] += load8(x + r * ldx + i + 8) * w1;                                    \
+                }                                                                               \
+            }                                                                                   \
+            for (int r = 0; r < R; r++) {                                                       \
+                const float *xr = x + r * ldx;                                                  \
+                float sum = hsum8(a[r] + b[r]);                                                 \
+                for (int64_t i = body; i < k; i++) sum += xr[i] * wc[i];                        \
+                out[r * ldo + c] = sum;                                                         \
+            }                                                                                   \
+        }                                                                                       \
+    }
+MULTI_TILE(2)
+MULTI_TILE(3)
+MULTI_TILE(4)
+MULTI_TILE(5)
+
+/* out (m rows of ROW_COLUMNS, row-major) = x_r . w_c for the m rows x_r = x + r * ldx and
+ * the ROW_COLUMNS weight rows of a block, up to MULTI_ROWS input rows at a time (a block's
+ * weights stay in cache while later groups take their turn). */
+static inline void multi_rows(const float *x, int64_t ldx, int64_t m, const float *w, int64_t k,
+                              float *out) {
+    int64_t most = MULTI_X_BYTES / (4 * k);
+    most = most < 2 ? 2 : most > MULTI_ROWS ? MULTI_ROWS : most;
+    for (int64_t r = 0; r < m;) {
+        const int64_t left = m - r, rows = left < most ? left : most;
+        const float *xr = x + r * ldx;
+        float *o = out + r * ROW_COLUMNS;
+        switch (rows) {
+        case 1: row_tile(xr, w, k, o); break;
+        case 2: multi_tile_2(xr, ldx, w, k, o, ROW_COLUMNS); break;
+        case 3: multi_tile_3(xr, ldx, w, k, o, ROW_COLUMNS); break;
+        case 4: multi_tile_4(xr, ldx, w, k, o, ROW_COLUMNS); break;
+        default: multi_tile_5(xr, ldx, w, k, o, ROW_COLUMNS); break;
+        }
+        r += rows;
+    }
 }
 
 /* Rows of a panel (a narrow one for what is left after whole panels, when that is at most
