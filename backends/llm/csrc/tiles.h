@@ -60,7 +60,7 @@ __attribute__((noinline)) static void row_tile(const float *x, const float *w, i
  * (ten accumulators and two weight vectors, of AVX2's 16 vector registers). */
 #define MULTI_ROWS 5
 /* Bytes of input rows a group may hold: they stay in L1 (32 KiB a core) while the weights
- * stream past them (three rows of 1,408 floats took half again the time of two and one). */
+ * stream past them (three rows of 1,408 floats took a third again the time of two and one). */
 #define MULTI_X_BYTES 12288
 
 /* out[r * ldo + c] = x_r . w_c over k for R input rows x_r = x + r * ldx and the
