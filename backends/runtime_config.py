@@ -292,6 +292,9 @@ class LLMConfig(RuntimeConfig):
     # torch.compile(mode="reduce-overhead") make them instead of capturing them by hand.
     cuda_graphs: Annotated[bool | Literal["auto"], BeforeValidator(_graphs_setting)] = "auto"
     cuda_graph_mode: Literal["capture", "compile"] = "capture"
+    # On CUDA, RMSNorm, the rotary embedding and SiLU-and-multiply of Llama-family code run as
+    # one Triton kernel each (backends/llm/triton_fused.py); false: the transformers code.
+    gpu_fused_ops: Flag = True
     # Structured outputs (backends/llm/structured/limits.py): the largest JSON schema, regex
     # or lark grammar, choice list (strings, and their bytes together) a request may send,
     # and how long a request waits for its grammar to compile (then 503 + Retry-After).

@@ -27,6 +27,7 @@ read by the loader; `keep_alive`, `pin`, `device`, read by the hub) are left to 
 | `cuda_graphs` | auto | decode steps on CUDA replay captured graphs (`decode_graphs`); auto: on |
 | `speculative` | none | drafts verified in one step (`backends.llm.speculative`) |
 | `cuda_graph_mode` | capture | "compile": torch.compile(mode="reduce-overhead") makes them |
+| `gpu_fused_ops` | true | CUDA: RMSNorm, rotary, SiLU-and-multiply one Triton kernel each |
 """
 
 from __future__ import annotations
@@ -93,6 +94,7 @@ class EngineConfig:
     fused_step: bool = _CONFIG.fused_step
     cuda_graphs: bool | Literal["auto"] = _CONFIG.cuda_graphs
     cuda_graph_mode: Literal["capture", "compile"] = _CONFIG.cuda_graph_mode
+    gpu_fused_ops: bool = _CONFIG.gpu_fused_ops
     # Speculative decoding; None: off.
     speculative: SpeculativeConfig | None = None
 
@@ -124,5 +126,6 @@ class EngineConfig:
             fused_step=config.fused_step,
             cuda_graphs=config.cuda_graphs,
             cuda_graph_mode=config.cuda_graph_mode,
+            gpu_fused_ops=config.gpu_fused_ops,
             speculative=config.speculative,
         )

@@ -46,6 +46,7 @@ from typing import Any, Literal
 
 import torch
 
+from backends.llm import triton_fused
 from backends.llm.attention import PagedAttentionMetadata
 from backends.llm.scheduler import ScheduledSequence
 
@@ -276,8 +277,10 @@ class StaticDecode:
             self.stats.capture_seconds += time.perf_counter() - began
 
     def _forward(self, size: int) -> None:
-        """The model over the first `size` rows of the buffers, logits into `self.logits`."""
-        logits = self._model_logits(size)
+        """The model over the first `size` rows of the buffers, logits into `self.logits`,
+        with the fused Triton kernels on (`triton_fused`; where the runner installed them)."""
+        with triton_fused.active():
+            logits = self._model_logits(size)
         if self.logits is None:
             self.logits = torch.empty(
                 self.buckets[-1], logits.shape[-1], dtype=logits.dtype, device=self.device

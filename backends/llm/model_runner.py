@@ -29,7 +29,14 @@ from typing import Any
 import torch
 
 from backends.errors import LoadError
-from backends.llm import attention, cpu_kernels, cpu_linear, triton_decode
+from backends.llm import (
+    attention,
+    cpu_kernels,
+    cpu_linear,
+    triton_decode,
+    triton_fused,
+    triton_prefill,
+)
 from backends.llm.architectures import unsupported_reason
 from backends.llm.attention import (
     AttentionParams,
@@ -133,7 +140,17 @@ class ModelRunner:
         )
         if engine_config.fused_step and native_decode is not False:
             self.fused.start(self.kv_caches)
+        # Inductor fuses these itself in compile mode (and would trace the kernels' checks).
+        self.gpu_fused_ops = 0
+        if engine_config.gpu_fused_ops and engine_config.cuda_graph_mode == "capture":
+            self.gpu_fused_ops = triton_fused.install(model)
         self.graphs.capture_all()  # at load: counted in its time
+        if self.device.type == "cuda":
+            # The prefill kernel's first compile (0.7 s on an H200) at load, not in the first
+            # request's prefill: its self-check compiles the variant the steps then run.
+            heads = self.config.num_attention_heads
+            shape = (heads, self.kv_heads, self.head_dim, self.block_size)
+            triton_prefill.kernel_for(self.device, self.dtype, shape)
 
     @classmethod
     def load(

@@ -139,7 +139,9 @@ def _build() -> Any:
     except Exception:  # not installed, or an install that cannot load here
         return None
 
-    @triton.jit  # type: ignore[misc,unused-ignore]
+    # Block tables and lengths change with every eager step (their width, their offset in
+    # the step's packed tensor): specializing on them would compile a variant mid-serving.
+    @triton.jit(do_not_specialize=["tables_ptr", "lens_ptr", "stride_table"])  # type: ignore[misc,unused-ignore]
     def _paged_decode_kernel(  # type: ignore[no-untyped-def]
         q_ptr,
         k_ptr,
@@ -180,7 +182,11 @@ def _build() -> Any:
         heads = kv_head * GROUP + g
         q_mask = g_ok[:, None] & d_ok[None, :]
         q_offsets = row * stride_q_token + heads[:, None] * stride_q_head + d[None, :]
-        q = tl.load(q_ptr + q_offsets, mask=q_mask, other=0.0).to(tl.float32) * scale
+        # Float arguments may arrive as float64 (Inductor passes Python floats so): the
+        # products are cast back so that the loop's carried values stay float32.
+        q = (tl.load(q_ptr + q_offsets, mask=q_mask, other=0.0).to(tl.float32) * scale).to(
+            tl.float32
+        )
         m_i = tl.full([GROUP_P], float("-inf"), tl.float32)
         l_i = tl.zeros([GROUP_P], tl.float32)
         acc = tl.zeros([GROUP_P, HEAD_DIM_P], tl.float32)
@@ -198,7 +204,7 @@ def _build() -> Any:
             k = tl.load(k_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
             s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)  # (G, TILE)
             if HAS_SOFTCAP:
-                s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)  # softcap * tanh
+                s = (softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)).to(tl.float32)  # tanh
             s = tl.where(ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp(m_i - m_new)
