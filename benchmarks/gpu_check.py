@@ -79,6 +79,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--only", default="", help="comma-separated sections to run (default all)")
     p.add_argument("--total", type=float, default=None, help="overall deadline in seconds")
+    p.add_argument(
+        "--budget",
+        action="append",
+        default=[],
+        metavar="SECTION=SECONDS",
+        help="a section's own limit instead of its default (repeatable)",
+    )
     p.add_argument("--section", default=None, help=argparse.SUPPRESS)  # a child's one section
     p.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -144,6 +151,7 @@ def run_all(args: argparse.Namespace) -> int:
     total = args.total or (SMALL_TOTAL_S if args.small else TOTAL_S)
     end = start + total
     only = [s for s in args.only.split(",") if s]
+    budgets = dict(b.split("=", 1) for b in args.budget)
     meta: dict[str, Any] = {"device": args.device, "small": args.small, "total_s": total,
                             "engine_config": json.loads(args.engine_config),
                             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(start)),
@@ -152,7 +160,8 @@ def run_all(args: argparse.Namespace) -> int:
         if only and name not in only:
             continue
         left = end - time.time() - 3
-        limit = min(small_budget if args.small else budget, left)
+        own = float(budgets[name]) if name in budgets else None
+        limit = min(own or (small_budget if args.small else budget), left)
         if limit < 5:
             meta["sections"][name] = {"rc": None, "skipped": f"{left:.0f}s left"}
             print(f"=== {name}: skipped, {left:.0f}s left", flush=True)

@@ -13,6 +13,7 @@ import asyncio
 import itertools
 import random
 import time
+from pathlib import Path
 from typing import Any
 
 from benchmarks.gpu_models import (
@@ -66,15 +67,29 @@ def drain(engine: Any, prompts: list[list[int]], new: int, tag: str) -> dict[str
     for i, p in enumerate(prompts):
         engine.add_request(f"{tag}-{i}", p, greedy(new))
     produced, steps = 0, []
+    stats = engine.runner.graphs.stats
+    static: list[float] = []  # steps that ran the static decode step (replayed or not)
+    other: list[float] = []  # the others (prefill chunks, mixed steps)
     start = time.perf_counter()
     while engine.has_work():
         t = time.perf_counter()
+        before = stats.replays + stats.eager_steps
         produced += sum(len(o.token_ids) for o in engine.step())
         steps.append(time.perf_counter() - t)
+        if stats.replays + stats.eager_steps > before:
+            static.append(steps[-1])
+        else:
+            other.append(steps[-1])
     seconds = time.perf_counter() - start
+    slowest = sorted(other, reverse=True)[:8]
     return {"output_tokens": produced, "seconds": round(seconds, 3),
             "tokens_per_s": round(produced / seconds, 1), "steps": len(steps),
-            "step_ms_median": ms(median(steps))}  # fmt: skip
+            "step_ms_median": ms(median(steps)), "static_steps": len(static),
+            "static_seconds": round(sum(static), 3),
+            "static_step_ms_median": ms(median(static)) if static else None,
+            "other_seconds": round(seconds - sum(static), 3),
+            "other_step_ms_median": ms(median(other)) if other else None,
+            "other_slowest_ms": [ms(t) for t in slowest]}  # fmt: skip
 
 
 def throughput(ctx: Context) -> None:
@@ -93,6 +108,11 @@ def throughput(ctx: Context) -> None:
         drain(engine, prompts[:4], 4, "warm")
     with ctx.part("engine", min_left=10):
         ctx.set("engine", drain(engine, prompts, new, "run"))
+    # The same lengths again with other tokens (no prefix-cache hits): what a warm engine
+    # does, every kernel compiled for these shapes by the first run.
+    shifted = [[7 + (t + 1000) % (max(p) + 1 - 7) for t in p] for p in prompts]
+    with ctx.part("engine_again", min_left=10):
+        ctx.set("engine_again", drain(engine, shifted, new, "again"))
 
 
 def one_stream(ctx: Context, engine: Any, prompt: list[int], new: int) -> dict[str, Any]:
@@ -128,13 +148,52 @@ def busy_share(ctx: Context, engine: Any, rows: int) -> dict[str, Any]:
     while engine.has_work():
         engine.step()
     events = prof.key_averages()
+    host = sorted(events, key=lambda e: -e.self_cpu_time_total)[:12]
+    top_host = [[e.key[:60], e.count // steps, round(e.self_cpu_time_total / steps)]
+                for e in host]  # fmt: skip
+    python = host_profile(engine, ctx, rows)
     if ctx.cuda:
         device_us = sum(e.self_device_time_total for e in events) / steps
         kernels = sum(e.count for e in events if e.self_device_time_total > 0) / steps
+        top = sorted(events, key=lambda e: -e.self_device_time_total)[:12]
+        top_device = [[e.key[:60], e.count // steps, round(e.self_device_time_total / steps)]
+                      for e in top]  # fmt: skip
     else:  # a CPU is busy for the whole step: only the wall time means something
-        return {"step_ms": ms(wall), "device_ms": None, "busy": None, "kernels_per_step": None}
+        return {"step_ms": ms(wall), "device_ms": None, "busy": None, "kernels_per_step": None,
+                "top_host_us": top_host, "python": python}  # fmt: skip
     return {"step_ms": ms(wall), "device_ms": round(device_us / 1000, 3),
-            "busy": round(device_us / 1e6 / wall, 3), "kernels_per_step": kernels}  # fmt: skip
+            "busy": round(device_us / 1e6 / wall, 3), "kernels_per_step": kernels,
+            "top_device_us": top_device, "top_host_us": top_host,
+            "python": python}  # fmt: skip
+
+
+def host_profile(engine: Any, ctx: Context, rows: int) -> list[str]:
+    """Where the host's time goes in steady decode steps at `rows` sequences: cProfile's
+    top functions by own time (name, calls per step, microseconds per step)."""
+    import cProfile
+    import pstats
+
+    for i, p in enumerate(workload(ctx, rows, (32, 32))):
+        engine.add_request(f"cprof{rows}-{i}", p, greedy(16))
+    started: set[str] = set()
+    while len(started) < rows and engine.has_work():
+        started.update(o.request_id for o in engine.step() if o.token_ids)
+    steps = 8
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        engine.step()
+    profiler.disable()
+    while engine.has_work():
+        engine.step()
+    stats = pstats.Stats(profiler)
+    table = stats.stats  # type: ignore[attr-defined]
+    top = sorted(table.items(), key=lambda kv: -kv[1][2])[:20]
+    return [
+        f"{Path(f).name}:{line}:{name} {calls // steps} {tt / steps * 1e6:.0f}us "
+        f"cum {ct / steps * 1e6:.0f}us"
+        for (f, line, name), (_, calls, tt, ct, _) in top
+    ]
 
 
 def latency(ctx: Context) -> None:
@@ -340,6 +399,7 @@ def embeddings(ctx: Context) -> None:
     rounds = 1 if ctx.small else 3
     vectors: dict[str, Any] = {}
     backend = embedder_backend(ctx, folder)
+    timings = _time_stages(backend._require())
     with ctx.part("hub"):
         ctx.set("hub_dtype", str(next(backend.model.parameters()).dtype))
 
@@ -356,6 +416,12 @@ def embeddings(ctx: Context) -> None:
 
         seconds = asyncio.run(run())
         ctx.set("hub_texts_per_s", round(rounds * len(texts) / seconds, 1))
+        stage_use = {
+            name: {"calls": len(t), "inputs": sum(n for n, _ in t),
+                   "seconds": round(sum(x for _, x in t), 3)}
+            for name, t in timings.items()
+        }  # fmt: skip
+        ctx.set("hub_batcher_stages", stage_use)
     with ctx.part("hub_stages"):
         # The same tokenize and forward in this thread, without the batcher's queue and its
         # threads: what the hub's batching costs beyond the compute.
@@ -395,3 +461,20 @@ def embeddings(ctx: Context) -> None:
         if ctx.data.get("hub_texts_per_s") and ctx.data.get(f"{name}_texts_per_s"):
             ratio = ctx.data["hub_texts_per_s"] / ctx.data[f"{name}_texts_per_s"]
             ctx.set("ratio" if name == "st" else f"ratio_vs_{name}", round(ratio, 2))
+
+
+def _time_stages(stages: Any) -> dict[str, list[tuple[int, float]]]:
+    """Record each `tokenize` and `forward` call the batcher makes on `stages` (inputs,
+    seconds): whether the batcher's time is the stages' own or the hand-offs between them."""
+    timings: dict[str, list[tuple[int, float]]] = {"tokenize": [], "forward": []}
+    for name, record in timings.items():
+        original = getattr(stages, name)
+
+        def timed(items: Any, _original: Any = original, _record: Any = record) -> Any:
+            start = time.perf_counter()
+            result = _original(items)
+            _record.append((len(items), time.perf_counter() - start))
+            return result
+
+        setattr(stages, name, timed)
+    return timings

@@ -339,6 +339,7 @@ def summarise(merged: dict[str, Any]) -> str:
         ("engine config", json.dumps(merged["run"]["engine_config"])),
         ("greedy == transformers", get("correctness", "exact")),
         ("64 requests, tok/s: hub", get("throughput", "engine", "tokens_per_s")),
+        ("  hub again (warm, other prompts)", get("throughput", "engine_again", "tokens_per_s")),
         ("  transformers static batch", get("hf_static", "result", "tokens_per_s")),
         ("  transformers CB", get("hf_cb", "result", "tokens_per_s")),
         ("  transformers CB + CUDA graphs", get("hf_cb_graphs", "result", "tokens_per_s")),
