@@ -308,7 +308,9 @@ def cuda_tests(ctx: Context) -> None:
         ctx.set("skipped_reason", "the tests marked cuda need a GPU")
         return
     root = Path(__file__).resolve().parents[1]
-    command = [sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider",
+    # -v: each test's name and outcome as it ends, so a run the deadline cuts still names
+    # its failures.
+    command = [sys.executable, "-m", "pytest", "-v", "-rf", "-p", "no:cacheprovider",
                "-m", "cuda", *cuda_test_files(root)]  # fmt: skip
     with ctx.part("pytest"):
         try:
@@ -321,7 +323,10 @@ def cuda_tests(ctx: Context) -> None:
         counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error)", output)}
         ctx.set("rc", rc)
         ctx.set("counts", counts)
-        ctx.set("failed", re.findall(r"^FAILED (\S+)", output, re.M)[:20])
+        failed = re.findall(r"^FAILED (\S+)", output, re.M)
+        failed += [n for n in re.findall(r"^(\S+::\S+) FAILED", output, re.M) if n not in failed]
+        ctx.set("passed_so_far", len(re.findall(r"^\S+::\S+ PASSED", output, re.M)))
+        ctx.set("failed", failed[:20])
 
 
 def summarise(merged: dict[str, Any]) -> str:

@@ -31,6 +31,10 @@ pytestmark = [
 ]
 
 
+# Mixture-of-experts architectures: their graphs may not capture (see below).
+MOE_ARCHS = {"mixtral", "qwen2_moe", "qwen3_moe"}
+
+
 @pytest.fixture(scope="module")
 def models_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("decode-graph-cuda-models")
@@ -130,8 +134,13 @@ def test_greedy_on_the_graph_path_equals_transformers(arch: str, models_root: Pa
     requests = workload()
     ours = run_all(engine, requests)
     stats = engine.runner.graphs.stats
-    assert engine.runner.graphs.graphs_enabled, engine.runner.graphs.failed
-    assert stats.replays > 0 and stats.eager_steps == 0
+    if arch in MOE_ARCHS and engine.runner.graphs.failed is not None:
+        # transformers' expert dispatch asks the host which experts a step hit (`nonzero`),
+        # which no graph can record: such a model decodes eagerly, said once in the log.
+        assert stats.replays == 0
+    else:
+        assert engine.runner.graphs.graphs_enabled, engine.runner.graphs.failed
+        assert stats.replays > 0 and stats.eager_steps == 0
 
     model = AutoModelForCausalLM.from_pretrained(
         folder, dtype=torch.float32, attn_implementation="eager"

@@ -113,8 +113,16 @@ def test_rotary_equals_llamas(dtype: torch.dtype, layout: str) -> None:
     with torch.inference_mode():
         want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin)
         got_q, got_k = triton_fused.rotary(q, cos, sin), triton_fused.rotary(k, cos, sin)
-    torch.testing.assert_close(got_q, want_q, **_tolerance(dtype))
-    torch.testing.assert_close(got_k, want_k, **_tolerance(dtype))
+        for x, got, want in ((q, got_q, want_q), (k, got_k, want_k)):
+            # Each of the two products is rounded to the dtype before the sum: where the sum
+            # cancels, a different rounding shows at the scale of the products, not the sum's.
+            x, c, s = x.float(), cos.float()[:, None], sin.float()[:, None]
+            half = x.shape[-1] // 2
+            rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+            scale = (x * c).abs() + (rotated * s).abs()
+            limit = 2 * torch.finfo(dtype).eps * scale + 1e-6
+            assert got.dtype == want.dtype and got.shape == want.shape
+            assert ((got.float() - want.float()).abs() <= limit).all()
 
 
 @cuda
@@ -143,33 +151,29 @@ def test_an_engine_with_fused_kernels_keeps_its_tokens_and_launches_fewer(
     from backends.llm.sampling_params import SamplingParams
 
     folder = build_model(models_root, "llama")
-    tokens, kernels = {}, {}
+    logits, kernels = {}, {}
     for fused in (False, True):
         # The static decode step, eagerly (graphs off), so that the profiler sees its kernels.
         config = EngineConfig(kv_cache_bytes=64 * 2**20, cuda_graphs=False, gpu_fused_ops=fused)
         runner = ModelRunner.load(folder, "cuda:0", torch.float32, config, static_decode=True)
         assert (runner.gpu_fused_ops > 0) == fused
         engine = LLMEngine(config, runner)
-        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
         for i in range(3):
             engine.add_request(f"r{i}", [5 + i, 9, 14, 30, 2 + i], params)
-        out: dict[str, list[int]] = {}
-        for _ in range(2):  # the prefill, then the first decode
-            for o in engine.step():
-                out.setdefault(o.request_id, []).extend(o.token_ids)
+        engine.step()  # the prefill (the torch code either way): the same first tokens
         eager_steps = runner.graphs.stats.eager_steps
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for o in engine.step():  # one static decode step
-                out.setdefault(o.request_id, []).extend(o.token_ids)
+            engine.step()  # the first decode, through the static step
             torch.cuda.synchronize()
         assert runner.graphs.stats.eager_steps == eager_steps + 1
+        assert runner.graphs.step is not None and runner.graphs.step.logits is not None
+        logits[fused] = runner.graphs.step.logits[:3].clone()
         kernels[fused] = sum(e.count for e in prof.key_averages() if e.self_device_time_total > 0)
         while engine.has_work():
-            for o in engine.step():
-                out.setdefault(o.request_id, []).extend(o.token_ids)
-        tokens[fused] = out
-    # float32: only the order of the norms' sums differs, so greedy tokens agree.
-    assert tokens[True] == tokens[False]
+            engine.step()
+    # float32, the same inputs: only the order of the norms' sums differs.
+    torch.testing.assert_close(logits[True], logits[False], atol=1e-4, rtol=1e-4)
     # Two layers: each float32 RMSNorm 6 kernels -> 1 (two a layer and the final one), the
     # rotary 10 -> 2, SiLU-and-multiply 2 -> 1: 43 fewer.
     assert kernels[False] - kernels[True] >= 30, kernels
