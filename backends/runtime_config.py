@@ -295,6 +295,9 @@ class LLMConfig(RuntimeConfig):
     # On CUDA, RMSNorm, the rotary embedding and SiLU-and-multiply of Llama-family code run as
     # one Triton kernel each (backends/llm/triton_fused.py); false: the transformers code.
     gpu_fused_ops: Flag = True
+    # A decode step is launched before the previous one's tokens reach the host, so the
+    # host's scheduling and output handling overlap the device (backends/llm/engine.py).
+    async_steps: Flag = False
     # Structured outputs (backends/llm/structured/limits.py): the largest JSON schema, regex
     # or lark grammar, choice list (strings, and their bytes together) a request may send,
     # and how long a request waits for its grammar to compile (then 503 + Retry-After).

@@ -28,6 +28,7 @@ read by the loader; `keep_alive`, `pin`, `device`, read by the hub) are left to 
 | `speculative` | none | drafts verified in one step (`backends.llm.speculative`) |
 | `cuda_graph_mode` | capture | "compile": torch.compile(mode="reduce-overhead") makes them |
 | `gpu_fused_ops` | true | CUDA: RMSNorm, rotary, SiLU-and-multiply one Triton kernel each |
+| `async_steps` | false | a greedy decode step launches before the last one's tokens land |
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ class EngineConfig:
     cuda_graphs: bool | Literal["auto"] = _CONFIG.cuda_graphs
     cuda_graph_mode: Literal["capture", "compile"] = _CONFIG.cuda_graph_mode
     gpu_fused_ops: bool = _CONFIG.gpu_fused_ops
+    async_steps: bool = _CONFIG.async_steps
     # Speculative decoding; None: off.
     speculative: SpeculativeConfig | None = None
 
@@ -127,5 +129,6 @@ class EngineConfig:
             cuda_graphs=config.cuda_graphs,
             cuda_graph_mode=config.cuda_graph_mode,
             gpu_fused_ops=config.gpu_fused_ops,
+            async_steps=config.async_steps,
             speculative=config.speculative,
         )

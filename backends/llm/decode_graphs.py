@@ -9,8 +9,9 @@ values into those buffers.
 
 Buffers, sized for the largest bucket `B` and allocated once per KV cache:
 
-- `inputs` `(4, B)` int64: token ids, positions, cache slots, context lengths (rows of one
-  tensor, so one host-to-device copy fills them all);
+- `inputs` `(5, B)` int64: token ids, positions, cache slots, context lengths, and for an
+  asynchronous step the row of the previous step whose sampled token is a row's input (-1:
+  the host knows it); rows of one tensor, so one host-to-device copy fills them all;
 - `tables` `(B, W)` int64: block tables, `W = ceil(max_model_len / block_size)`; a row's
   columns past its own blocks hold ids that are valid but never attended;
 - `logits` `(B, V)`: each captured forward copies its rows here.
@@ -40,7 +41,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -123,7 +124,7 @@ class StaticDecode:
         self.stats = stats
         self.decode_kernel = decode_kernel
         largest = buckets[-1]
-        self.inputs = torch.zeros(4, largest, dtype=torch.long, device=device)
+        self.inputs = torch.zeros(5, largest, dtype=torch.long, device=device)
         self.tables = torch.empty(largest, self.width, dtype=torch.long, device=device)
         self.logits: torch.Tensor | None = None  # allocated by the first forward (its dtype)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -142,18 +143,24 @@ class StaticDecode:
         return bucket_for(self.buckets, rows)
 
     def run(
-        self, items: Sequence[ScheduledSequence], before: Callable[[], None] | None = None
+        self,
+        items: Sequence[ScheduledSequence],
+        before: Callable[[], None] | None = None,
+        previous: tuple[torch.Tensor, Mapping[int, int]] | None = None,
     ) -> torch.Tensor:
         """Logits `(len(items), V)` of one decode step; every item is one token (the caller
         checks, with `bucket_for`, that they fit). `before` is called just before the
-        forward starts. The rows are views of the static buffer: valid until the next run."""
+        forward starts. An item whose input token is still in flight (past its sequence's
+        `token_ids`) takes it from `previous`: the previous step's sampled tokens on the
+        device and the row of each of its sequences. The rows are views of the static
+        buffer: valid until the next run."""
         n = len(items)
         size = self.bucket_for(n)
         if size is None:
             raise ValueError(f"{n} decodes exceed the largest bucket ({self.buckets[-1]})")
         if self.capture and self.mode == "capture" and size not in self.graphs:
             self.capture_bucket(size)
-        self._fill(items, size)
+        self._fill(items, size, previous)
         self.stats.steps_by_bucket[size] = self.stats.steps_by_bucket.get(size, 0) + 1
         if before is not None:
             before()
@@ -219,14 +226,26 @@ class StaticDecode:
         self.inputs[3].fill_(1)
         self.tables.fill_(self.scratch_block)
 
-    def _fill(self, items: Sequence[ScheduledSequence], size: int) -> None:
+    def _fill(
+        self,
+        items: Sequence[ScheduledSequence],
+        size: int,
+        previous: tuple[torch.Tensor, Mapping[int, int]] | None = None,
+    ) -> None:
         bs, scratch = self.block_size, self.scratch_block
         pad = size - len(items)
-        ids, positions, slots, lens = [], [], [], []
+        ids, positions, slots, lens, sources = [], [], [], [], []
         widths = []
         for item in items:
             seq, pos = item.seq, item.start
-            ids.append(seq.token_ids[pos])
+            if pos < len(seq.token_ids):
+                ids.append(seq.token_ids[pos])
+                sources.append(-1)
+            else:  # sampled by the previous step, not landed yet
+                if previous is None:
+                    raise ValueError(f"{seq!r}: its input token is in flight")
+                ids.append(0)
+                sources.append(previous[1][seq.seq_id])
             positions.append(pos)
             slots.append(seq.block_ids[pos // bs] * bs + pos % bs)
             lens.append(pos + 1)
@@ -243,10 +262,15 @@ class StaticDecode:
                 positions + [0] * pad,
                 slots + [scratch * bs] * pad,
                 lens + [1] * pad,
+                sources + [-1] * pad,
             ],
             dtype=torch.long,
         )
         self.inputs[:, :size].copy_(host)
+        if previous is not None and any(s >= 0 for s in sources):
+            ids_now, source = self.inputs[0, :size], self.inputs[4, :size]
+            fed = previous[0].index_select(0, source.clamp(min=0))
+            ids_now.copy_(torch.where(source >= 0, fed, ids_now))
         self.tables[:size, :width].copy_(torch.tensor(rows, dtype=torch.long).view(size, width))
 
     def _run_eager(self, size: int) -> None:

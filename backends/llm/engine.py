@@ -14,11 +14,23 @@ with a tokenizer it also produces text deltas and honours stop strings.
 With speculative decoding configured (`EngineConfig.speculative`), a `Speculator` drafts
 tokens for decoding sequences before each schedule; a step may then give a sequence several
 tokens, emitted as one output and cut at a stop string or a finished grammar.
+
+With `EngineConfig.async_steps`, a step of greedy decodes may be launched before the previous
+one's tokens are on the host:
+
+    output = scheduler.schedule()         # each sequence counted a token ahead
+    launched = runner.launch(output, in_flight)   # in-flight inputs fed on the device
+    scheduler.advance(output)
+    scheduler.resolve(in_flight.output, runner.collect(in_flight))   # the previous one lands
+
+and `step` returns the landed step's outputs. `_may_launch_ahead` says when (see
+docs/engine.md, "Decode steps on a GPU"); any other step lands the one in flight first.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import logging
 import time
@@ -32,7 +44,7 @@ from backends.llm.engine_work import EngineWork
 from backends.llm.isolation import RequestFailedError, blame_is_attributable, find_culprits
 from backends.llm.kv_cache_manager import KVCacheManager
 from backends.llm.metrics import EngineMetrics
-from backends.llm.model_runner import ModelRunner
+from backends.llm.model_runner import LaunchedStep, ModelRunner
 from backends.llm.outputs import EngineStepError, RequestOutput
 from backends.llm.request_limits import RequestLimits, checked_max_tokens
 from backends.llm.sampling_params import MAX_COUNT, SamplingParams
@@ -44,6 +56,28 @@ from backends.llm.structured.guide import TokenGuide
 from backends.llm.structured.metrics import GrammarMetrics
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Inflight:
+    """A step launched without waiting for its tokens (`async_steps`)."""
+
+    output: SchedulerOutput
+    launched: LaunchedStep
+    started: float
+    scheduled_at: float
+    marks: tuple[int, int, int]
+
+
+def _unfinished(output: SchedulerOutput) -> SchedulerOutput:
+    """`output` without the entries of sequences that ended since it was scheduled (a token
+    that landed meanwhile ended them; their blocks are free)."""
+    kept = [item for item in output.scheduled if not item.seq.is_finished]
+    if len(kept) == len(output.scheduled):
+        return output
+    return dataclasses.replace(
+        output, scheduled=kept, num_batched_tokens=sum(item.num_tokens for item in kept)
+    )
 
 
 @dataclass
@@ -119,6 +153,8 @@ class LLMEngine:
         fused = getattr(runner, "fused", None)
         if fused is not None and self.metrics.enabled:
             fused.thread_choice.on_step = self.metrics.observe_fused_step
+        # The step launched and not landed yet (`async_steps`).
+        self._inflight: _Inflight | None = None
         self.reset_cache()
 
     def reset_cache(self) -> None:
@@ -235,15 +271,24 @@ class LLMEngine:
 
     # ---- the loop (engine thread) ------------------------------------------------------
     def has_work(self) -> bool:
-        return bool(self._incoming or self._aborts or self.scheduler.num_unfinished)
+        return bool(
+            self._incoming
+            or self._aborts
+            or self.scheduler.num_unfinished
+            or self._inflight is not None
+        )
 
     def step(self) -> list[RequestOutput]:
-        """One engine step; outputs for every sequence that got a token or finished."""
+        """One engine step; outputs for every sequence that got a token or finished. With
+        `async_steps`, a step of greedy decodes is launched and the outputs returned are
+        those of the step launched before it (see `_may_launch_ahead`)."""
         changed = self._apply_aborts() | self._apply_incoming()
+        inflight = self._inflight
+        if inflight is not None and not self._may_launch_ahead():
+            self._inflight = None
+            return self._land(inflight)
         scheduler = self.scheduler
-        queries, hits = self.kv_cache.prefix_queries, self.kv_cache.prefix_hits
-        lora = self.runner.lora
-        slot_loads = lora.slot_loads
+        marks = self._marks()
         if changed or not self._published:
             self.work.publish(itertools.chain(scheduler.waiting, scheduler.running))
         self._published = False
@@ -253,6 +298,25 @@ class LLMEngine:
             self.speculator.propose(scheduler.running)
         output = scheduler.schedule()
         scheduled_at = time.monotonic()
+        if self.config.async_steps and self.runner.can_launch(output):
+            previous = None if inflight is None else inflight.launched
+            try:
+                launched = self.runner.launch(output, previous)
+            except Exception as e:
+                self._inflight = None
+                self.work.step_started = None
+                raise self._recover(output, e, inflight) from e
+            scheduler.advance(output)
+            self._inflight = _Inflight(output, launched, started, scheduled_at, marks)
+            return self._land(inflight) if inflight is not None else []
+        landed: list[RequestOutput] = []
+        if inflight is not None:  # it could not launch after all: land the one in flight
+            self._inflight = None
+            landed = self._land(inflight)
+            output = _unfinished(output)
+            if output.is_empty:
+                self.work.step_started = None
+                return landed
         try:
             sampled = self.runner.execute(output)
         except Exception as e:
@@ -266,6 +330,57 @@ class LLMEngine:
                 updated[i] = (seq, self._advance_guide(seq, seq.guide, rows))
         if self.speculator is not None:
             self.speculator.observe(output, updated)
+        return landed + self._complete(output, updated, sampled.logprobs, started, scheduled_at,
+                                       marks)  # fmt: skip
+
+    def _may_launch_ahead(self) -> bool:
+        """With a step in flight: whether the next one can be scheduled before its tokens
+        land. Only decodes of greedy sequences that need no host state after a token (no
+        grammar, penalties, logprobs, adapter or drafts), and nothing waiting to start, so
+        that the scheduler gives every running sequence exactly its next position."""
+        scheduler = self.scheduler
+        if scheduler.waiting or self._incoming or self.speculator is not None:
+            return False
+        if len(scheduler.running) > self.runner.graphs.buckets[-1]:
+            return False
+        greedy_only = self.runner.sampler.greedy_only
+        return greedy_only(scheduler.running) and all(
+            seq.adapter is None
+            and len(seq.token_ids) + seq.num_inflight - seq.num_computed_tokens == 1
+            for seq in scheduler.running
+        )
+
+    def _land(self, inflight: _Inflight) -> list[RequestOutput]:
+        """Wait for a launched step's tokens and record them (its outputs)."""
+        output = inflight.output
+        try:
+            tokens = self.runner.collect(inflight.launched)
+        except Exception as e:
+            self.work.step_started = None
+            raise self._recover(output, e, inflight) from e
+        updated = self.scheduler.resolve(output, tokens)
+        logprobs: list[Logprob | None] = [None] * len(tokens)
+        return self._complete(
+            output, updated, logprobs, inflight.started, inflight.scheduled_at, inflight.marks
+        )
+
+    def _marks(self) -> tuple[int, int, int]:
+        """Counters a step's metrics report the growth of: prefix queries and hits, LoRA
+        slot loads."""
+        kv = self.kv_cache
+        return kv.prefix_queries, kv.prefix_hits, self.runner.lora.slot_loads
+
+    def _complete(
+        self,
+        output: SchedulerOutput,
+        updated: list[tuple[Sequence, list[int]]],
+        logprobs: list[Logprob | None],
+        started: float,
+        scheduled_at: float,
+        marks: tuple[int, int, int],
+    ) -> list[RequestOutput]:
+        """After a step's tokens are recorded: its latencies, outputs, work and metrics."""
+        scheduler = self.scheduler
         now = time.monotonic()
         for item in output.scheduled if self._unscheduled else ():
             request = self._requests.get(item.seq.request_id)
@@ -273,9 +388,7 @@ class LLMEngine:
                 request.scheduled_time = scheduled_at
                 self._unscheduled.discard(request.request_id)
                 self.metrics.observe_latency("queue", scheduled_at - request.arrival_time)
-        outputs = [
-            self._emit(seq, [sampled.logprobs[row] for row in rows], now) for seq, rows in updated
-        ]
+        outputs = [self._emit(seq, [logprobs[row] for row in rows], now) for seq, rows in updated]
         self.work.observe_step(
             output.num_batched_tokens, now - started, sequences=len(output.scheduled)
         )
@@ -283,6 +396,8 @@ class LLMEngine:
         self._published = True
         self.work.step_started = None
         if self.metrics.enabled:
+            queries, hits, slot_loads = marks
+            lora = self.runner.lora
             self.metrics.observe_step(
                 running=len(scheduler.running),
                 waiting=len(scheduler.waiting),
@@ -403,12 +518,25 @@ class LLMEngine:
             num_output_tokens=seq.num_output_tokens,
         )
 
-    def _recover(self, output: SchedulerOutput, error: Exception) -> EngineStepError:
+    def _recover(
+        self, output: SchedulerOutput, error: Exception, landing: _Inflight | None = None
+    ) -> EngineStepError:
         """After a failed step: end the requests to blame alone when there are such (see
         backends.llm.isolation), else every request. The step's other sequences go back to
         waiting and are recomputed: the blocks this step registered were never written, and
         a neighbour may already share them through the prefix cache, which is therefore reset.
-        (A seeded neighbour may then sample differently than it would have.)"""
+        (A seeded neighbour may then sample differently than it would have.) Tokens still in
+        flight (`landing`, and any step launched) are given up: their sequences are
+        recomputed from the tokens they have."""
+        lost = [s for s in (landing, self._inflight) if s is not None]
+        self._inflight = None
+        for step in lost:
+            for item in step.output.scheduled:
+                item.seq.num_inflight = 0
+                if not item.seq.is_finished:
+                    self.scheduler.requeue(item.seq)
+        for item in output.scheduled:
+            item.seq.num_inflight = 0
         culprits = find_culprits(self.runner, output)
         if not blame_is_attributable(culprits, output):
             return EngineStepError(self._fail_all(), error)

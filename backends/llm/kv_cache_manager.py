@@ -117,6 +117,18 @@ class KVCacheManager:
             del seq.block_ids[keep:]
         self._register_full_blocks(seq, verified_from, seq.num_computed_tokens)
 
+    def register_filled(self, seq: Sequence) -> None:
+        """After a token in flight landed: register the block it filled, if the step that
+        computes that token's KV is already scheduled (else that step's allocation will)."""
+        if not self.enable_prefix_caching:
+            return
+        n = len(seq.token_ids)
+        i = n // self.block_size - 1
+        if n % self.block_size or seq.num_computed_tokens < n or i >= len(seq.block_ids):
+            return
+        parent = seq.block_hashes[i - 1] if i else seq.root_hash
+        self.pool.register(seq.block_ids[i], seq.block_hashes[i], parent, seq.block_tokens(i))
+
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()
 
@@ -124,6 +136,8 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        for i in range(computed // bs, total // bs):
+        # A block whose last token is still in flight (asynchronous steps) has no hash yet:
+        # `register_filled` registers it when that token lands.
+        for i in range(computed // bs, min(total // bs, len(seq.block_hashes))):
             parent = seq.block_hashes[i - 1] if i else seq.root_hash
             self.pool.register(seq.block_ids[i], seq.block_hashes[i], parent, seq.block_tokens(i))

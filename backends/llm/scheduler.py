@@ -161,7 +161,9 @@ class Scheduler:
         decodes: list[Sequence] = []
         chunks: list[Sequence] = []
         for seq in self.running:
-            pending = len(seq.token_ids) - seq.num_computed_tokens
+            pending = len(seq.token_ids) + seq.num_inflight - seq.num_computed_tokens
+            if seq.num_inflight and self._ends_in_flight(seq):
+                continue  # the token in flight ends it: nothing more to compute
             if pending == 1:
                 decodes.append(seq)
             elif pending > 1:
@@ -169,10 +171,11 @@ class Scheduler:
         for seq in decodes + chunks if chunks else decodes:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            num_new = min(len(seq.token_ids) + seq.num_inflight - seq.num_computed_tokens, budget)
             if num_new <= 0:
                 continue
             drafts = self._fitting_drafts(seq, budget) if num_new == 1 else ()
+            drafts = () if seq.num_inflight else drafts
             if drafts and self.kv_cache.allocate_slots(seq, 1, num_lookahead=len(drafts)):
                 chosen[seq.seq_id] = ScheduledSequence(
                     seq, seq.num_computed_tokens, 1 + len(drafts), True, drafts
@@ -194,7 +197,7 @@ class Scheduler:
                 seq,
                 seq.num_computed_tokens,
                 num_new,
-                seq.num_computed_tokens + num_new == seq.num_tokens,
+                seq.num_computed_tokens + num_new == seq.num_tokens + seq.num_inflight,
             )
             budget -= num_new
 
@@ -260,6 +263,49 @@ class Scheduler:
                     self.kv_cache.rollback(seq, item.start)
             updated.append((seq, rows))
         return updated
+
+    # ---- asynchronous steps -----------------------------------------------------------
+    # A step may be launched before the previous one's tokens reach the host (the engine's
+    # `async_steps`): `advance` records a launched step of single-token decodes as if its
+    # tokens were known (each sequence's next position computed, one token in flight), so
+    # the next `schedule` can already give each sequence its following position; `resolve`
+    # lands the tokens when they arrive. A sequence that a landed token ends was maybe
+    # scheduled once more: that row is dropped when it lands (it is finished by then), its
+    # KV written into blocks freed meanwhile, which later steps only reuse after it in the
+    # device's order.
+
+    def advance(self, output: SchedulerOutput) -> None:
+        """`output` (single-token decodes only) was launched: its tokens are in flight."""
+        for item in output.scheduled:
+            seq = item.seq
+            seq.num_computed_tokens = item.start + 1
+            seq.num_inflight += 1
+
+    def resolve(
+        self, output: SchedulerOutput, sampled: list[int]
+    ) -> list[tuple[Sequence, list[int]]]:
+        """The tokens of an `advance`d step landed (one per entry, in order): append them and
+        check stops, as `update` does. A sequence aborted, ended or preempted meanwhile keeps
+        what it is owed: a finished one nothing, a preempted one its token (it was computed
+        from its KV before the blocks were freed)."""
+        updated = []
+        self.verified = []
+        for row, item in enumerate(output.scheduled):
+            seq = item.seq
+            seq.num_inflight -= 1
+            if seq.is_finished:
+                continue
+            token = sampled[row]
+            seq.append_token(token)
+            self.kv_cache.register_filled(seq)
+            self._check_stop(seq, token)
+            updated.append((seq, [row]))
+        return updated
+
+    def _ends_in_flight(self, seq: Sequence) -> bool:
+        """Whether `seq`'s tokens in flight reach its length limits (it ends when they land)."""
+        total = len(seq.token_ids) + seq.num_inflight
+        return total - seq.num_prompt_tokens >= seq.max_tokens or total >= self.limits.max_model_len
 
     # ---- helpers ----------------------------------------------------------------------
     def _fitting_drafts(self, seq: Sequence, budget: int) -> tuple[int, ...]:

@@ -67,6 +67,7 @@ class Sequence:
         "max_tokens",
         "num_cached_tokens",
         "num_computed_tokens",
+        "num_inflight",
         "num_preemptions",
         "num_prompt_tokens",
         "params",
@@ -112,6 +113,10 @@ class Sequence:
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
+        # Tokens sampled by steps launched but not landed yet (asynchronous steps,
+        # `Scheduler.advance`): they follow `token_ids`, and the next step may already
+        # compute the first of them on the device.
+        self.num_inflight = 0
         # Prompt tokens served from the prefix cache when first scheduled.
         self.num_cached_tokens = 0
         self.num_preemptions = 0

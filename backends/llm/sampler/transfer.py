@@ -9,6 +9,8 @@ once. On the CPU both are plain tensors, no copy.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -45,13 +47,32 @@ def upload_fields(
 
 def download(packed: torch.Tensor) -> torch.Tensor:
     """`packed` on the host: one device-to-host copy into pinned memory, then one wait."""
+    return start_download(packed).wait()
+
+
+class Download:
+    """A device-to-host copy queued on the device's stream; `wait` returns the host tensor
+    once the copy (and everything queued before it) is done."""
+
+    def __init__(self, host: torch.Tensor, done: Any | None) -> None:
+        self.host = host
+        self.done = done
+
+    def wait(self) -> torch.Tensor:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host
+
+
+def start_download(packed: torch.Tensor) -> Download:
+    """Queue the copy of `packed` to pinned host memory without waiting (CUDA); elsewhere
+    the tensor itself, or a plain copy."""
     if packed.device.type == "cpu":
-        return packed
+        return Download(packed, None)
     if packed.device.type != "cuda":
-        return packed.cpu()
+        return Download(packed.cpu(), None)
     host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
     host.copy_(packed, non_blocking=True)
     done = torch.cuda.Event()
     done.record(torch.cuda.current_stream(packed.device))
-    done.synchronize()
-    return host
+    return Download(host, done)

@@ -1,0 +1,156 @@
+"""Asynchronous steps (`async_steps`): a greedy decode step is launched before the previous
+one's tokens land, its in-flight inputs fed on the device. The static decode step runs
+eagerly on the CPU here, which is the code a GPU replays: what a client sees must not change
+(tokens, finish reasons, stop strings, aborts, preemption, prefix-cache hits), and steps must
+really be launched ahead."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from backends.llm.engine import LLMEngine
+from backends.llm.sampling_params import SamplingParams
+from backends.llm.sequence import FinishReason
+from tests.backends.llm.support import build_model, kv_bytes, make_engine, random_prompts, run_all
+
+BLOCK_SIZE = 4
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_model(tmp_path_factory.mktemp("async-steps"), "llama")
+
+
+def engine(folder: Path, asynchronous: bool, **config: Any) -> LLMEngine:
+    settings: dict[str, Any] = {
+        "block_size": BLOCK_SIZE,
+        "max_num_seqs": 8,
+        "max_model_len": 96,
+        "fused_step": False,
+        "kv_cache_bytes": kv_bytes(folder, 200, BLOCK_SIZE),
+        "async_steps": asynchronous,
+    }
+    settings.update(config)
+    return make_engine(folder, static_decode=True, **settings)
+
+
+def count_launches(eng: LLMEngine) -> list[int]:
+    """A counter (one element) of the steps `eng` launches ahead."""
+    launched = [0]
+    original = eng.runner.launch
+
+    def counting(*args: Any) -> Any:
+        launched[0] += 1
+        return original(*args)
+
+    eng.runner.launch = counting  # type: ignore[method-assign,assignment]
+    return launched
+
+
+def outcomes(results: list[list[Any]]) -> list[tuple[list[int], Any]]:
+    return [(c.token_ids, c.finish_reason) for samples in results for c in samples]
+
+
+def greedy(max_tokens: int, **kwargs: Any) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kwargs)
+
+
+def test_greedy_tokens_are_the_same_and_steps_launch_ahead(folder: Path) -> None:
+    prompts = random_prompts(6, seed=3, lengths=(3, 30))
+    lengths = [1, 5, 9, 17, 30, 40]
+    requests = [(p, greedy(m, ignore_eos=True)) for p, m in zip(prompts, lengths, strict=True)]
+    sync = outcomes(run_all(engine(folder, False), requests))
+    eng = engine(folder, True)
+    launched = count_launches(eng)
+    assert outcomes(run_all(eng, requests)) == sync
+    assert launched[0] > 30  # decode steps went ahead (prefills are synchronous)
+    assert not eng.has_work() and eng._inflight is None
+    assert all(not seq.block_ids for seq in eng.scheduler.running)
+
+
+def test_stops_end_where_synchronous_steps_end_them(folder: Path) -> None:
+    """An EOS, a stop token or a stop string that lands while the next step is already in
+    flight ends the sequence at the same token; the extra row computed for it is dropped."""
+    prompts = random_prompts(5, seed=11, lengths=(4, 20))
+    base = run_all(engine(folder, False), [(p, greedy(20, ignore_eos=True)) for p in prompts])
+    requests = []
+    for p, samples in zip(prompts, base, strict=True):
+        produced = samples[0].token_ids
+        requests.append((p, greedy(20, stop_token_ids=[produced[6]])))  # ends at its 1st use
+    sync = outcomes(run_all(engine(folder, False), requests))
+    assert any(reason is FinishReason.STOP for _, reason in sync)
+    assert outcomes(run_all(engine(folder, True), requests)) == sync
+
+
+def test_preemption_and_prefix_hits_keep_the_tokens(folder: Path) -> None:
+    """A pool too small for every sequence preempts some mid-flight; shared prefixes hit the
+    prefix cache, whose blocks are registered only once their last token has landed."""
+    rng = random.Random(5)
+    shared = [rng.randrange(3, 400) for _ in range(13)]
+    prompts = [shared + [rng.randrange(3, 400) for _ in range(rng.randint(1, 6))] for _ in range(6)]
+    requests = [(p, greedy(24, ignore_eos=True)) for p in prompts]
+    small = {"kv_cache_bytes": kv_bytes(folder, 40, BLOCK_SIZE)}
+    sync_engine, async_engine = engine(folder, False, **small), engine(folder, True, **small)
+    sync = outcomes(run_all(sync_engine, requests))
+    assert outcomes(run_all(async_engine, requests)) == sync
+    assert async_engine.scheduler.num_preemptions > 0
+    again = outcomes(run_all(async_engine, requests))  # prefixes now cached
+    assert again == sync
+    assert async_engine.kv_cache.prefix_hits > 0
+
+
+def test_an_abort_mid_flight_frees_everything(folder: Path) -> None:
+    eng = engine(folder, True)
+    for i, p in enumerate(random_prompts(3, seed=2, lengths=(5, 9))):
+        eng.add_request(str(i), p, greedy(40, ignore_eos=True))
+    for _ in range(6):
+        eng.step()
+    assert eng._inflight is not None
+    eng.abort_request("1")
+    finished: dict[str, Any] = {}
+    while eng.has_work():
+        for out in eng.step():
+            if out.finish_reason is not None:
+                finished[out.request_id] = out.finish_reason
+    assert finished.get("0") is FinishReason.LENGTH and finished.get("2") is FinishReason.LENGTH
+    assert eng.kv_cache.usage == 0.0
+
+
+def test_arrivals_between_steps_get_the_same_tokens(folder: Path) -> None:
+    """Requests that arrive while steps are in flight land the step first and start
+    synchronously; the decodes then go ahead again."""
+    prompts = random_prompts(4, seed=9, lengths=(3, 25))
+    params = greedy(12, ignore_eos=True)
+
+    def staggered(eng: LLMEngine) -> dict[str, list[int]]:
+        tokens: dict[str, list[int]] = {}
+        pending = list(enumerate(prompts))
+        while pending or eng.has_work():
+            if pending:
+                i, p = pending.pop(0)
+                eng.add_request(str(i), p, params)
+            for out in eng.step():
+                tokens.setdefault(out.request_id, []).extend(out.token_ids)
+        return tokens
+
+    assert staggered(engine(folder, True)) == staggered(engine(folder, False))
+
+
+def test_sampled_and_logprob_requests_take_synchronous_steps(folder: Path) -> None:
+    prompts = random_prompts(3, seed=4, lengths=(4, 12))
+    requests = [
+        (prompts[0], greedy(10, ignore_eos=True, logprobs=2)),
+        (prompts[1], SamplingParams(temperature=0.8, seed=3, max_tokens=10, ignore_eos=True)),
+        (prompts[2], greedy(10, ignore_eos=True)),
+    ]
+    eng = engine(folder, True)
+    launched = count_launches(eng)
+    results = run_all(eng, requests)
+    sync = run_all(engine(folder, False), requests)
+    assert outcomes(results) == outcomes(sync)
+    assert [c.logprobs for c in results[0]] == [c.logprobs for c in sync[0]]
+    assert launched[0] == 0  # a logprobs or sampled row keeps every step synchronous
