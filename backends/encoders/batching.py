@@ -15,14 +15,16 @@ a token id out of range) fails as a whole, before any of it reaches the model.
 
 Batches. Whenever a forward thread is free it takes the oldest pooled input of the best-ranked
 priority level (`backends.encoders.batch_queue`: interactive ahead of standard ahead of batch,
-with aging) and grows a batch around it in length order while the batch's cost per real token
-falls, the cost being a fixed `batch_overhead_tokens` per forward pass plus `size * longest`
-padded tokens; `size * longest <= max_batch_tokens` and `size <= max_batch_size` bound it. A
-model that runs batches unpadded (`BatchLimits.unpadded`) pays only for real tokens, so its
-batches grow to the budgets, which then count real tokens. Starting from the oldest input (of a
-level, aged) means no input starves; the cost rule groups similar lengths (padding is paid for)
-unless a pass is dear enough that one big batch wins. One payload's inputs may land in several
-batches and are reassembled in order. An idle model waits up to `batch_wait_s` after the oldest
+with aging) and grows a batch around it in length order while the next input costs less in the
+batch than in a pass of its own: a pass costs a fixed `batch_overhead_tokens` plus its
+`size * longest` padded tokens, so an input joins while the padding it adds (its own, or that
+of every input it makes longer) is at most that overhead plus its own length;
+`size * longest <= max_batch_tokens` and `size <= max_batch_size` bound it. A model that runs
+batches unpadded (`BatchLimits.unpadded`) pays only for real tokens, so its batches grow to the
+budgets, which then count real tokens. Starting from the oldest input (of a level, aged) means
+no input starves; the cost rule groups similar lengths where a pass is cheap (a CPU) and fills
+whole batches where it is dear (a GPU). One payload's inputs may land in several batches
+and are reassembled in order. An idle model waits up to `batch_wait_s` after the oldest
 input arrived, but only while the pool is smaller than the previous batch: a steady stream of
 concurrent requests gets full batches, a lone client pays no wait. With several forward threads
 (`forward_workers`) each runs its own batch.
@@ -284,8 +286,8 @@ class DynamicBatcher(Generic[P, I, R]):
             return self._take_batch(oldest)
 
     def _take_batch(self, oldest: PooledInput[I]) -> list[PooledInput[I]]:
-        """Grow a batch around `oldest` in length order while its cost per real token falls,
-        under the token and size budgets."""
+        """Grow a batch around `oldest` in length order while a neighbour costs less in it
+        than in a pass of its own, under the token and size budgets."""
         pool = self._pool
         lo = bisect.bisect_left(pool, oldest.key, key=pool_order)
         hi = lo + 1  # the batch is pool[lo:hi]
@@ -293,35 +295,35 @@ class DynamicBatcher(Generic[P, I, R]):
         real = max(1, longest)
         overhead = self.limits.batch_overhead_tokens
         max_tokens, max_size = self.limits.max_batch_tokens, self.limits.max_batch_size
-        cost = (overhead + longest) / real
         unpadded = self.limits.unpadded
         while hi - lo < max_size:
             size = hi - lo + 1
-            # A shorter neighbour (left) is padded up to `longest`; a longer one (right) pads
-            # every input already in the batch up to its own length. Unpadded, a batch costs
-            # its real tokens, so it grows to its budgets.
+            now = real if unpadded else (size - 1) * longest
+            # What a neighbour adds to the batch's tokens (a shorter one, left, is padded up
+            # to `longest`; a longer one, right, pads every input already in the batch up to
+            # its own length) less what it would cost in a pass of its own: worth taking
+            # while that is not positive. Unpadded, a batch costs its real tokens, so it
+            # grows to its budgets.
             left = right = float("inf")
             if lo > 0:
                 left_len = pool[lo - 1].item.length
                 tokens = real + left_len if unpadded else size * longest
                 if tokens <= max_tokens:
-                    left = (overhead + tokens) / (real + left_len)
+                    left = tokens - now - (overhead + left_len)
             right_len = pool[hi].item.length if hi < len(pool) else 0
             if hi < len(pool):
                 tokens = real + right_len if unpadded else size * right_len
                 if tokens <= max_tokens:
-                    right = (overhead + tokens) / (real + right_len)
-            if min(left, right) > cost:
-                break  # any neighbour would cost more per token than it brings
+                    right = tokens - now - (overhead + right_len)
+            if min(left, right) > 0:
+                break  # any neighbour costs more here than in a pass of its own
             if left <= right:
                 lo -= 1
                 real += pool[lo].item.length
-                cost = left
             else:
                 hi += 1
                 real += right_len
                 longest = right_len
-                cost = right
         batch = pool[lo:hi]
         del pool[lo:hi]
         for slot in batch:

@@ -4,6 +4,7 @@ its token count): order, budgets, length grouping, capacity, refusal, cancellati
 from __future__ import annotations
 
 import asyncio
+import random
 import threading
 import time
 from collections.abc import Sequence
@@ -136,7 +137,7 @@ async def test_concurrent_requests_share_batches_under_the_token_budget(
     ("overhead", "batches"),
     [(2, [["s"] * 5, ["L" * 20] * 5]), (10**6, [["s"] * 5 + ["L" * 20] * 5])],
 )
-async def test_a_batch_grows_while_its_cost_per_token_falls(
+async def test_a_batch_grows_while_an_input_costs_less_in_it_than_alone(
     model: UpperModel, overhead: int, batches: list[list[str]]
 ) -> None:
     # Five short and five long inputs, interleaved. With a small per-pass overhead, mixing
@@ -145,6 +146,18 @@ async def test_a_batch_grows_while_its_cost_per_token_falls(
     texts = ["L" * 20, "s"] * 5
     assert await submit(b, texts) == [t.upper() for t in texts]
     assert sorted(sorted(batch) for batch in model.batches) == sorted(sorted(x) for x in batches)
+    b.close()
+
+
+async def test_a_dear_pass_takes_a_request_of_mixed_lengths_whole(model: UpperModel) -> None:
+    # A GPU's pass costs about the same for any small batch (its default overhead, 4096
+    # tokens): a request of 32 inputs of 8 to 60 tokens is one pass, not its bulk and then
+    # its longest few on their own.
+    b = batcher(model, batch_overhead_tokens=4096, max_batch_size=32)
+    rng = random.Random(1)
+    texts = ["x" * rng.randint(8, 60) for _ in range(32)]
+    assert await submit(b, texts) == [t.upper() for t in texts]
+    assert [len(batch) for batch in model.batches] == [32]
     b.close()
 
 
