@@ -1,4 +1,4 @@
-"""Decode attention over the paged KV cache as one Triton kernel (CUDA); safe in a CUDA graph.
+"""Decode attention over the paged KV cache in Triton (CUDA); safe in a CUDA graph.
 
 Contract: `paged_decode(query, kv_cache, tables, lens, out, scaling, sliding_window, softcap)`
 computes, for each of the first `B = tables.shape[0]` packed tokens (one decode each), the
@@ -8,12 +8,19 @@ in the cache `(2, num_blocks, block_size, kv_heads, head_dim)`. It writes `out[:
 nothing else. It is exact attention (what `attention._decode_batched` computes with a padded
 gather and a mask, the reference it is tested against), accumulated in float32.
 
-How: one program per (row, KV head) handles that head's group of query heads. It walks the
-row's context a tile of tokens at a time, looking each token's block up in the table, so a
-row reads its own blocks up to its own length and never pads to the longest context; the
-softmax is online (running maximum and sum). Block ids and lengths are read from device
-tensors, so a launch records no host value: captured once in a graph, it stays right for
-whatever the buffers hold at replay.
+How: a program handles one KV head's group of query heads for one row and one split of
+`SPLIT` context tokens (flash-decoding): it walks its split a tile of tokens at a time,
+looking each token's block up in the table, so a row reads its own blocks up to its own
+length and never pads to the longest context, and keeps an online softmax (running maximum
+and sum, float32); a second kernel merges a row's splits. Splitting the context keeps a GPU
+busy when a batch has few rows and long contexts: one program per (row, KV head) walking the
+whole context gave an H200's 132 SMs about two programs each at 64 rows of a model with 4 KV
+heads, each walking hundreds of tokens in series. The splits cover the width of the block tables,
+fixed for a captured graph; a split past a row's length does nothing. Where the split
+kernels fail their check on a device, the one-pass kernel (one program per row and KV head
+over the whole context) runs instead. Block ids and lengths are read from device tensors,
+so a launch records no host value: captured once in a graph, it stays right for whatever the
+buffers hold at replay.
 
 Triton ships with torch's CUDA builds; it is imported on first use, and `kernel_for(device)`
 is None where it is missing or the device is not CUDA (callers then take the torch path).
@@ -23,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +40,14 @@ log = logging.getLogger(__name__)
 
 # Tokens a program handles per iteration of its loop over the context.
 TILE = 16
+# The split kernel: context tokens per program (a long context is spread over many programs,
+# so a batch of a few rows still fills the GPU), and per iteration of its loop.
+SPLIT = 256
+SPLIT_TILE = 16
+# Splits a row may have (contexts up to 32k tokens); longer ones take the one-pass kernel.
+MAX_SPLITS = 128
+# Per device: whether the split kernel passed its check there (else the one-pass kernel).
+_SPLIT_ON: dict[str, bool] = {}
 
 
 def available() -> bool:
@@ -49,28 +65,41 @@ def kernel_for(device: torch.device) -> Callable[..., None] | None:
 
 @functools.cache
 def _works_on(device: str) -> bool:
-    """One small decode through the kernel and through torch: a Triton that cannot compile
-    for this device (or computes something else) is not used, and says so once."""
+    """A small decode (three rows, one of them over several splits) through each kernel and
+    through torch, the split kernel first: a Triton that cannot compile one for this device
+    (or computes something else) falls back to the other, or to the torch path, and says so
+    once."""
+    for split in (True, False):
+        _SPLIT_ON[device] = split
+        ok, reason = _check(device)
+        if ok:
+            return True
+        kind = "split-context" if split else "one-pass"
+        log.warning("Triton %s decode kernel not used on %s: %s", kind, device, reason)
+    return False
+
+
+def _check(device: str) -> tuple[bool, str]:
     from backends.llm.attention import PagedAttentionMetadata, _decode_batched
 
     try:
         gen = torch.Generator().manual_seed(0)
-        kv = torch.randn(2, 4, 4, 2, 16, generator=gen).to(device)
-        query = torch.randn(1, 4, 2, 16, generator=gen).to(device)
-        tables = torch.tensor([[2, 0], [1, 3]], device=device)
-        lens = torch.tensor([7, 3], device=device)
-        expected = torch.zeros(2, 4, 16, device=device)
+        blocks, block_size = 48, 16
+        kv = torch.randn(2, blocks, block_size, 2, 16, generator=gen).to(device)
+        query = torch.randn(1, 4, 3, 16, generator=gen).to(device)
+        tables = torch.stack([torch.randperm(blocks, generator=gen)[:40] for _ in range(3)])
+        tables = tables.to(device)
+        lens = torch.tensor([7, 3, 40 * block_size - 5], device=device)
+        expected = torch.zeros(3, 4, 16, device=device)
         meta = PagedAttentionMetadata([kv], torch.zeros(0), decode_batch=(tables, lens))
-        _decode_batched(meta, query, kv.view(2, 4, -1), expected, 0.25, None, None)
+        _decode_batched(meta, query, kv.view(2, blocks, -1), expected, 0.25, None, None)
         out = torch.zeros_like(expected)
         paged_decode(query, kv, tables, lens, out, 0.25, None, None)
-        ok = torch.allclose(out, expected, atol=1e-4, rtol=1e-4)
-        reason = "it disagrees with the torch path"
+        if torch.allclose(out, expected, atol=1e-4, rtol=1e-4):
+            return True, ""
+        return False, "it disagrees with the torch path"
     except Exception as e:
-        ok, reason = False, f"{type(e).__name__}: {e}"
-    if not ok:
-        log.warning("Triton decode kernel not used on %s: %s", device, reason)
-    return ok
+        return False, f"{type(e).__name__}: {e}"
 
 
 def paged_decode(
@@ -85,17 +114,37 @@ def paged_decode(
 ) -> None:
     """Decode attention of the first B packed tokens over their paged contexts (see the
     module docstring)."""
-    kernel = _build()
-    if kernel is None:
+    kernels = _build()
+    if kernels is None:
         raise RuntimeError("paged_decode needs Triton, which is not installed")
+    if query.stride(3) != 1:
+        query = query.contiguous()
+    if _SPLIT_ON.get(str(query.device), False):
+        _split_decode(kernels, query, kv_cache, tables, lens, out, scaling, sliding_window, softcap)
+    else:
+        _one_pass_decode(
+            kernels, query, kv_cache, tables, lens, out, scaling, sliding_window, softcap
+        )
+
+
+def _one_pass_decode(
+    kernels: Any,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    out: torch.Tensor,
+    scaling: float,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> None:
+    """One program per (row, KV head) walks the row's whole context."""
     b = tables.shape[0]
     num_heads, head_dim = query.shape[1], query.shape[3]
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     group = num_heads // num_kv_heads
-    if query.stride(3) != 1:
-        query = query.contiguous()
     keys, values = kv_cache[0], kv_cache[1]
-    kernel[(b, num_kv_heads)](
+    kernels.one_pass[(b, num_kv_heads)](
         query,
         keys,
         values,
@@ -125,6 +174,54 @@ def paged_decode(
     )
 
 
+def _split_decode(
+    kernels: Any,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    out: torch.Tensor,
+    scaling: float,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> None:
+    """One program per (row, KV head, split of SPLIT context tokens) keeps a partial softmax
+    (its maximum, sum and weighted values, float32); a second kernel merges a row's splits.
+    The splits cover the width of `tables` (fixed for a captured graph); a split past a row's
+    length does no work."""
+    b, width = tables.shape
+    num_heads, head_dim = query.shape[1], query.shape[3]
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    group = num_heads // num_kv_heads
+    group_p, head_dim_p = max(2, next_pow2(group)), max(16, next_pow2(head_dim))
+    splits = max(1, -(-width * block_size // SPLIT))
+    if splits > MAX_SPLITS:  # a context past MAX_SPLITS * SPLIT tokens: one pass per row
+        _one_pass_decode(kernels, query, kv_cache, tables, lens, out, scaling, sliding_window,
+                         softcap)  # fmt: skip
+        return
+    device = query.device
+    maxima = torch.empty(b, num_kv_heads, splits, group_p, device=device, dtype=torch.float32)
+    sums = torch.empty_like(maxima)
+    partial = torch.empty(
+        b, num_kv_heads, splits, group_p, head_dim_p, device=device, dtype=torch.float32
+    )
+    keys, values = kv_cache[0], kv_cache[1]
+    kernels.split[(b, num_kv_heads, splits)](
+        query, keys, values, tables, lens, maxima, sums, partial,
+        float(scaling), float(softcap or 0.0), int(sliding_window or 0),
+        query.stride(2), query.stride(1), tables.stride(0),
+        keys.stride(0), keys.stride(1), keys.stride(2),
+        BLOCK_SIZE=block_size, GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim,
+        HEAD_DIM_P=head_dim_p, TILE=SPLIT_TILE, SPLIT=SPLIT,
+        HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None, num_warps=4,
+    )  # fmt: skip
+    kernels.merge[(b, num_kv_heads)](
+        maxima, sums, partial, out, out.stride(0), out.stride(1), splits,
+        GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
+        MAX_SPLITS=MAX_SPLITS, num_warps=4,
+    )  # fmt: skip
+
+
 def next_pow2(n: int) -> int:
     """The smallest power of two at least `n` (Triton block shapes are powers of two)."""
     return 1 << (n - 1).bit_length()
@@ -132,7 +229,8 @@ def next_pow2(n: int) -> int:
 
 @functools.cache
 def _build() -> Any:
-    """The jitted kernel, or None without Triton (defined here: its decorator needs it)."""
+    """The jitted kernels, or None without Triton (defined here: their decorator needs
+    it)."""
     try:
         import triton
         import triton.language as tl
@@ -218,4 +316,113 @@ def _build() -> Any:
         o_offsets = row * stride_o_token + heads[:, None] * stride_o_head + d[None, :]
         tl.store(out_ptr + o_offsets, o.to(out_ptr.dtype.element_ty), mask=q_mask)
 
-    return _paged_decode_kernel
+    @triton.jit(do_not_specialize=["tables_ptr", "lens_ptr", "stride_table"])  # type: ignore[misc,unused-ignore]
+    def _paged_decode_split_kernel(  # type: ignore[no-untyped-def]
+        q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, max_ptr, sum_ptr, acc_ptr,
+        scale, softcap, window,
+        stride_q_token, stride_q_head, stride_table, stride_k_block, stride_k_slot,
+        stride_k_head,
+        BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
+        HEAD_DIM: tl.constexpr, HEAD_DIM_P: tl.constexpr, TILE: tl.constexpr,
+        SPLIT: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+        splits = tl.num_programs(2)
+        length = tl.load(lens_ptr + row).to(tl.int32)
+        start = length * 0
+        if HAS_WINDOW:
+            start = tl.maximum(length - window, 0)
+        g = tl.arange(0, GROUP_P)
+        d = tl.arange(0, HEAD_DIM_P)
+        g_ok = g < GROUP
+        d_ok = d < HEAD_DIM
+        heads = kv_head * GROUP + g
+        q_mask = g_ok[:, None] & d_ok[None, :]
+        q_offsets = row * stride_q_token + heads[:, None] * stride_q_head + d[None, :]
+        q = (tl.load(q_ptr + q_offsets, mask=q_mask, other=0.0).to(tl.float32) * scale).to(
+            tl.float32
+        )
+        m_i = tl.full([GROUP_P], float("-inf"), tl.float32)
+        l_i = tl.zeros([GROUP_P], tl.float32)
+        acc = tl.zeros([GROUP_P, HEAD_DIM_P], tl.float32)
+        t = tl.arange(0, TILE)
+        first = split * SPLIT
+        # A fixed number of tiles, masked past the row's context (constant bounds: one
+        # compiled variant); a split wholly past it skips them.
+        if first < length:
+            for i in range(SPLIT // TILE):
+                pos = first + i * TILE + t
+                ok = (pos < length) & (pos >= start)
+                block = tl.load(
+                    tables_ptr + row * stride_table + pos // BLOCK_SIZE, mask=ok, other=0
+                )
+                base = (
+                    block.to(tl.int64) * stride_k_block
+                    + (pos % BLOCK_SIZE) * stride_k_slot
+                    + kv_head * stride_k_head
+                )
+                kv_mask = ok[:, None] & d_ok[None, :]
+                k = tl.load(k_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
+                s = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)  # (G, TILE)
+                if HAS_SOFTCAP:
+                    s = (softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)).to(tl.float32)
+                s = tl.where(ok[None, :], s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, axis=1))
+                # A tile with no key yet (all -inf) must not make exp(-inf - -inf) = NaN.
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp(m_i - m_safe)
+                p = tl.exp(s - m_safe[:, None])
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                v = tl.load(v_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
+                pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)  # (G, D)
+                acc = acc * alpha[:, None] + pv
+                m_i = m_new
+        at = (row * tl.num_programs(1) + kv_head) * splits + split
+        tl.store(max_ptr + at * GROUP_P + g, m_i)
+        tl.store(sum_ptr + at * GROUP_P + g, l_i)
+        tl.store(acc_ptr + (at * GROUP_P + g[:, None]) * HEAD_DIM_P + d[None, :], acc)
+
+    # `splits` follows the step's table width in eager steps: one variant for any count.
+    @triton.jit(do_not_specialize=["splits"])  # type: ignore[misc,unused-ignore]
+    def _paged_decode_merge_kernel(  # type: ignore[no-untyped-def]
+        max_ptr, sum_ptr, acc_ptr, out_ptr, stride_o_token, stride_o_head, splits,
+        GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr,
+        HEAD_DIM_P: tl.constexpr, MAX_SPLITS: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        g = tl.arange(0, GROUP_P)
+        d = tl.arange(0, HEAD_DIM_P)
+        base = (row * tl.num_programs(1) + kv_head) * splits
+        top = tl.full([GROUP_P], float("-inf"), tl.float32)
+        total = tl.zeros([GROUP_P], tl.float32)
+        o = tl.zeros([GROUP_P, HEAD_DIM_P], tl.float32)
+        # The splits' partial softmaxes, merged in order (an empty split: -inf and zeros).
+        # A constant bound with the splits past `splits` masked: one compiled variant.
+        for sp in range(0, MAX_SPLITS):
+            valid = (g * 0 + sp) < splits
+            at = (base + sp) * GROUP_P + g
+            m = tl.load(max_ptr + at, mask=valid, other=float("-inf"))
+            top_new = tl.maximum(top, m)
+            safe = tl.where(top_new == float("-inf"), 0.0, top_new)
+            keep = tl.exp(top - safe)
+            add = tl.exp(m - safe)
+            total = total * keep + tl.load(sum_ptr + at, mask=valid, other=0.0) * add
+            part = tl.load(
+                acc_ptr + at[:, None] * HEAD_DIM_P + d[None, :], mask=valid[:, None], other=0.0
+            )
+            o = o * keep[:, None] + part * add[:, None]
+            top = top_new
+        o = o / total[:, None]
+        heads = kv_head * GROUP + g
+        o_mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
+        o_offsets = row * stride_o_token + heads[:, None] * stride_o_head + d[None, :]
+        tl.store(out_ptr + o_offsets, o.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+    return types.SimpleNamespace(
+        one_pass=_paged_decode_kernel,
+        split=_paged_decode_split_kernel,
+        merge=_paged_decode_merge_kernel,
+    )

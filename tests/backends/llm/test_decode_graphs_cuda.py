@@ -53,6 +53,7 @@ def cuda_engine(folder: Path, blocks: int = 2048, **config: Any) -> LLMEngine:
     return LLMEngine(engine_config, runner)
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["one-pass", "split"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("window", "softcap"), [(None, None), (20, None), (None, 30.0), (9, 5.0)])
 @pytest.mark.parametrize("shape", [(16, 8, 2, 64), (4, 4, 4, 96), (5, 6, 2, 80), (16, 8, 1, 128)])
@@ -61,12 +62,18 @@ def test_triton_decode_equals_the_torch_reference(
     window: int | None,
     softcap: float | None,
     shape: tuple[int, int, int, int],
+    split: bool,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # Both kernels: the split-context one (contexts over several splits of
+    # `triton_decode.SPLIT` tokens, merged) and the one-pass one it falls back to.
+    monkeypatch.setitem(triton_decode._SPLIT_ON, "cuda:0", split)
     block_size, heads, kv_heads, head_dim = shape
     gen = torch.Generator().manual_seed(0)
-    num_blocks, width = 48, 12
+    num_blocks, width = 48, 40
     kv = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen).to("cuda", dtype)
-    lens = [1, 2, block_size, block_size + 1, 37, width * block_size, 3 * block_size - 1]
+    long = min(300, width * block_size - 3)
+    lens = [1, 2, block_size, block_size + 1, long, width * block_size, 3 * block_size - 1]
     b = len(lens)
     tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:width] for _ in range(b)])
     tables, lens_t = tables.cuda(), torch.tensor(lens, device="cuda")
