@@ -107,16 +107,23 @@ class Work:
         prefill = generate = longest = count = 0
         running: list[float] = []
         waiting: list[float] = []
+        is_running = SequenceStatus.RUNNING
         for seq in sequences:
             # Once a token was sampled, the last one is computed by the next decode: only
-            # the rest (what a preemption dropped) is prefilled.
-            pending = seq.num_tokens - seq.num_computed_tokens
-            prefill += pending if seq.num_output_tokens == 0 else max(0, pending - 1)
-            left = max(0, seq.max_tokens - seq.num_output_tokens)
+            # the rest (what a preemption dropped) is prefilled. (Attributes read directly:
+            # this runs over every sequence twice a step.)
+            tokens = len(seq.token_ids)
+            produced = tokens - seq.num_prompt_tokens
+            pending = tokens - seq.num_computed_tokens
+            prefill += pending if produced == 0 else max(0, pending - 1)
+            left = seq.max_tokens - produced
+            if left < 0:
+                left = 0
             generate += left
-            longest = max(longest, left)
+            if left > longest:
+                longest = left
             count += 1
-            (running if seq.status is SequenceStatus.RUNNING else waiting).append(left)
+            (running if seq.status is is_running else waiting).append(left)
         return cls(prefill, generate, longest, count, tuple(running), tuple(waiting))
 
 
