@@ -221,6 +221,10 @@ class AsyncLLMEngine:
                 self._flush()
             if outputs:
                 self._post(outputs)
+                if self.engine.in_flight:
+                    # An asynchronous step: the next forward started before these landed,
+                    # so no forward start is left to hand them over; do it now.
+                    self._flush()
         self._flush()
 
     def _forward_starts(self) -> None:

@@ -270,6 +270,11 @@ class LLMEngine:
         return checked_max_tokens(prompt_token_ids, params, self.limits)
 
     # ---- the loop (engine thread) ------------------------------------------------------
+    @property
+    def in_flight(self) -> bool:
+        """Whether a step was launched and its tokens have not landed (`async_steps`)."""
+        return self._inflight is not None
+
     def has_work(self) -> bool:
         return bool(
             self._incoming

@@ -154,3 +154,33 @@ def test_sampled_and_logprob_requests_take_synchronous_steps(folder: Path) -> No
     assert outcomes(results) == outcomes(sync)
     assert [c.logprobs for c in results[0]] == [c.logprobs for c in sync[0]]
     assert launched[0] == 0  # a logprobs or sampled row keeps every step synchronous
+
+
+async def test_streams_through_the_engine_thread_get_the_same_tokens(folder: Path) -> None:
+    """The engine thread (`AsyncLLMEngine`) with steps launched ahead: every stream gets the
+    tokens a synchronous engine gives, and ends."""
+    import asyncio
+
+    from backends.llm.async_engine import AsyncLLMEngine
+
+    prompts = random_prompts(4, seed=21, lengths=(3, 20))
+    params = greedy(16, ignore_eos=True)
+    sync = outcomes(run_all(engine(folder, False), [(p, params) for p in prompts]))
+    eng = engine(folder, True)
+    launched = count_launches(eng)
+    threaded = AsyncLLMEngine(eng)
+    try:
+
+        async def one(prompt: list[int]) -> tuple[list[int], Any]:
+            tokens: list[int] = []
+            reason = None
+            async for out in threaded.generate(prompt, params):
+                tokens.extend(out.token_ids)
+                reason = out.finish_reason
+            return tokens, reason
+
+        got = await asyncio.wait_for(asyncio.gather(*(one(p) for p in prompts)), 60)
+    finally:
+        threaded.shutdown()
+    assert list(got) == sync
+    assert launched[0] > 0
