@@ -53,10 +53,10 @@ def sections() -> dict[str, tuple[Callable[[Any], None], float, float]]:
     return {
         "environment": (g.environment, 20, 60),
         "throughput": (gpu_llm.throughput, 45, 115),
-        "latency": (gpu_llm.latency, 30, 70),
+        "latency": (gpu_llm.latency, 40, 70),
         "hf_static": (gpu_llm.hf_static, 30, 50),
         "hf_cb": (gpu_llm.hf_cb, 35, 60),
-        "hf_cb_graphs": (gpu_llm.hf_cb_graphs, 45, 20),
+        "hf_cb_graphs": (gpu_llm.hf_cb_graphs, 40, 20),
         "correctness": (g.correctness, 35, 80),
         "restore": (gpu_llm.restore, 25, 50),
         "embeddings": (gpu_llm.embeddings, 30, 40),

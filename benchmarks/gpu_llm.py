@@ -70,12 +70,14 @@ def drain(engine: Any, prompts: list[list[int]], new: int, tag: str) -> dict[str
     stats = engine.runner.graphs.stats
     static: list[float] = []  # steps that ran the static decode step (replayed or not)
     other: list[float] = []  # the others (prefill chunks, mixed steps)
+    ahead = 0  # steps launched before the previous one's tokens landed (async_steps)
     start = time.perf_counter()
     while engine.has_work():
         t = time.perf_counter()
         before = stats.replays + stats.eager_steps
         produced += sum(len(o.token_ids) for o in engine.step())
         steps.append(time.perf_counter() - t)
+        ahead += engine.in_flight
         if stats.replays + stats.eager_steps > before:
             static.append(steps[-1])
         else:
@@ -89,7 +91,8 @@ def drain(engine: Any, prompts: list[list[int]], new: int, tag: str) -> dict[str
             "static_step_ms_median": ms(median(static)) if static else None,
             "other_seconds": round(seconds - sum(static), 3),
             "other_step_ms_median": ms(median(other)) if other else None,
-            "other_slowest_ms": [ms(t) for t in slowest]}  # fmt: skip
+            "other_slowest_ms": [ms(t) for t in slowest],
+            "launched_ahead": ahead}  # fmt: skip
 
 
 def throughput(ctx: Context) -> None:
@@ -167,6 +170,53 @@ def busy_share(ctx: Context, engine: Any, rows: int) -> dict[str, Any]:
             "python": python}  # fmt: skip
 
 
+def mixed_step(ctx: Context, engine: Any) -> dict[str, Any]:
+    """A step holding a prefill chunk beside running decodes (32 of them and a 448-token
+    prompt; 4 and 48 small), which runs eagerly: its wall time, its kernels, and where its
+    host time goes (cProfile's top functions by own time)."""
+    import cProfile
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    decodes, chunk = (4, 48) if ctx.small else (32, 448)
+    for i, p in enumerate(workload(ctx, decodes, (32, 32))):
+        engine.add_request(f"mix-{i}", p, greedy(8))
+    started: set[str] = set()
+    while len(started) < decodes and engine.has_work():
+        started.update(o.request_id for o in engine.step() if o.token_ids)
+    result: dict[str, Any] = {"decodes": decodes, "prefill_tokens": chunk}
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.cuda else [])
+    for k, mode in enumerate(("wall", "kernels", "python")):
+        [prompt] = workload(ctx, 1, (chunk, chunk))
+        engine.add_request(f"mix-prefill-{k}", [9 + k, *prompt[1:]], greedy(1))
+        ctx.sync()
+        if mode == "wall":
+            t = time.perf_counter()
+            engine.step()
+            ctx.sync()
+            result["step_ms"] = ms(time.perf_counter() - t)
+        elif mode == "kernels":
+            with profile(activities=activities) as prof:
+                engine.step()
+                ctx.sync()
+            events = prof.key_averages()
+            result["kernels"] = sum(e.count for e in events if e.self_device_time_total > 0)
+        else:
+            profiler = cProfile.Profile()
+            profiler.enable()
+            engine.step()
+            ctx.sync()
+            profiler.disable()
+            table = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
+            top = sorted(table.items(), key=lambda kv: -kv[1][2])[:15]
+            result["python"] = [f"{Path(f).name}:{line}:{name} {calls} {tt * 1e6:.0f}us"
+                                for (f, line, name), (_, calls, tt, _, _) in top]  # fmt: skip
+    while engine.has_work():
+        engine.step()
+    return result
+
+
 def host_profile(engine: Any, ctx: Context, rows: int) -> list[str]:
     """Where the host's time goes in steady decode steps at `rows` sequences: cProfile's
     top functions by own time (name, calls per step, microseconds per step)."""
@@ -221,6 +271,8 @@ def latency(ctx: Context) -> None:
                 engine.step()
         ctx.set("prefill_tokens", size)
         ctx.set("prefill_step_ms", ms(median(times[1:])))
+    with ctx.part("mixed_step", min_left=10):
+        ctx.set("mixed_step", mixed_step(ctx, engine))
     profile: dict[str, Any] = ctx.set("profile", {})
     for rows in (1, 8 if ctx.small else 64):
         with ctx.part(f"profile_{rows}", min_left=8):
