@@ -256,6 +256,9 @@ class StaticDecode:
             rows.extend(item.seq.block_ids[:w])
             rows.extend([scratch] * (width - w))
         rows.extend([scratch] * (width * pad))
+        # From pinned memory without a wait: a copy from pageable memory synchronizes the
+        # stream, which would hold this step's launch until the step before it is done.
+        pinned = self.device.type == "cuda"
         host = torch.tensor(
             [
                 ids + [0] * pad,
@@ -265,13 +268,15 @@ class StaticDecode:
                 sources + [-1] * pad,
             ],
             dtype=torch.long,
+            pin_memory=pinned,
         )
-        self.inputs[:, :size].copy_(host)
+        self.inputs[:, :size].copy_(host, non_blocking=pinned)
         if previous is not None and any(s >= 0 for s in sources):
             ids_now, source = self.inputs[0, :size], self.inputs[4, :size]
             fed = previous[0].index_select(0, source.clamp(min=0))
             ids_now.copy_(torch.where(source >= 0, fed, ids_now))
-        self.tables[:size, :width].copy_(torch.tensor(rows, dtype=torch.long).view(size, width))
+        table = torch.tensor(rows, dtype=torch.long, pin_memory=pinned).view(size, width)
+        self.tables[:size, :width].copy_(table, non_blocking=pinned)
 
     def _run_eager(self, size: int) -> None:
         if self.mode != "compile" or self.device.type != "cuda":

@@ -153,8 +153,9 @@ class LLMEngine:
         fused = getattr(runner, "fused", None)
         if fused is not None and self.metrics.enabled:
             fused.thread_choice.on_step = self.metrics.observe_fused_step
-        # The step launched and not landed yet (`async_steps`).
+        # The step launched and not landed yet (`async_steps`), and when the last one landed.
         self._inflight: _Inflight | None = None
+        self._landed_at = 0.0
         self.reset_cache()
 
     def reset_cache(self) -> None:
@@ -297,28 +298,35 @@ class LLMEngine:
         if changed or not self._published:
             self.work.publish(itertools.chain(scheduler.waiting, scheduler.running))
         self._published = False
-        self.work.step_started = self.work.clock()
+        step_clock = self.work.step_started = self.work.clock()
         started = time.monotonic()
         if self.speculator is not None:
             self.speculator.propose(scheduler.running)
         output = scheduler.schedule()
         scheduled_at = time.monotonic()
-        if self.config.async_steps and self.runner.can_launch(output):
+        if self.config.async_steps and self.speculator is None and self.runner.can_launch(output):
             previous = None if inflight is None else inflight.launched
             try:
                 launched = self.runner.launch(output, previous)
             except Exception as e:
-                self._inflight = None
-                self.work.step_started = None
-                raise self._recover(output, e, inflight) from e
+                raise self._async_failed(e) from e
             scheduler.advance(output)
             self._inflight = _Inflight(output, launched, started, scheduled_at, marks)
-            return self._land(inflight) if inflight is not None else []
-        landed: list[RequestOutput] = []
+            if inflight is None:
+                return []
+            landed = self._land(inflight)
+            self.work.step_started = step_clock  # the step just launched is running
+            return landed
+        landed = []
         if inflight is not None:  # it could not launch after all: land the one in flight
             self._inflight = None
             landed = self._land(inflight)
+            self.work.step_started = step_clock
             output = _unfinished(output)
+            # Blocks whose last token was in flight when they were allocated get their hash
+            # only now: register those this step computes.
+            for item in output.scheduled:
+                self.kv_cache.register_computed(item.seq, item.start, item.start + item.num_tokens)
             if output.is_empty:
                 self.work.step_started = None
                 return landed
@@ -335,7 +343,8 @@ class LLMEngine:
                 updated[i] = (seq, self._advance_guide(seq, seq.guide, rows))
         if self.speculator is not None:
             self.speculator.observe(output, updated)
-        return landed + self._complete(output, updated, sampled.logprobs, started, scheduled_at,
+        elapsed = time.monotonic() - started
+        return landed + self._complete(output, updated, sampled.logprobs, elapsed, scheduled_at,
                                        marks)  # fmt: skip
 
     def _may_launch_ahead(self) -> bool:
@@ -356,18 +365,34 @@ class LLMEngine:
         )
 
     def _land(self, inflight: _Inflight) -> list[RequestOutput]:
-        """Wait for a launched step's tokens and record them (its outputs)."""
+        """Wait for a launched step's tokens and record them (its outputs). Its time is from
+        its launch, or from the previous landing where that came later (the steps overlap:
+        in steady state a step takes the time between two landings)."""
         output = inflight.output
         try:
             tokens = self.runner.collect(inflight.launched)
         except Exception as e:
-            self.work.step_started = None
-            raise self._recover(output, e, inflight) from e
+            self._inflight = None
+            raise self._async_failed(e) from e
         updated = self.scheduler.resolve(output, tokens)
+        now = time.monotonic()
+        elapsed = now - max(inflight.started, self._landed_at)
+        self._landed_at = now
         logprobs: list[Logprob | None] = [None] * len(tokens)
         return self._complete(
-            output, updated, logprobs, inflight.started, inflight.scheduled_at, inflight.marks
+            output, updated, logprobs, elapsed, inflight.scheduled_at, inflight.marks
         )
+
+    def _async_failed(self, error: Exception) -> EngineStepError:
+        """A step launched ahead failed, at its launch or its landing. Every input of such a
+        step was checked on arrival and its rows are plain decodes, so the failure is the
+        device's, not a request's: every request fails, as an unattributable synchronous
+        failure does (their tokens in flight are lost)."""
+        self._inflight = None
+        self.work.step_started = None
+        for seq in self.scheduler.running:
+            seq.num_inflight = 0
+        return EngineStepError(self._fail_all(), error)
 
     def _marks(self) -> tuple[int, int, int]:
         """Counters a step's metrics report the growth of: prefix queries and hits, LoRA
@@ -380,11 +405,12 @@ class LLMEngine:
         output: SchedulerOutput,
         updated: list[tuple[Sequence, list[int]]],
         logprobs: list[Logprob | None],
-        started: float,
+        elapsed: float,
         scheduled_at: float,
         marks: tuple[int, int, int],
     ) -> list[RequestOutput]:
-        """After a step's tokens are recorded: its latencies, outputs, work and metrics."""
+        """After a step's tokens are recorded (it took `elapsed` seconds): its latencies,
+        outputs, work and metrics."""
         scheduler = self.scheduler
         now = time.monotonic()
         for item in output.scheduled if self._unscheduled else ():
@@ -394,9 +420,7 @@ class LLMEngine:
                 self._unscheduled.discard(request.request_id)
                 self.metrics.observe_latency("queue", scheduled_at - request.arrival_time)
         outputs = [self._emit(seq, [logprobs[row] for row in rows], now) for seq, rows in updated]
-        self.work.observe_step(
-            output.num_batched_tokens, now - started, sequences=len(output.scheduled)
-        )
+        self.work.observe_step(output.num_batched_tokens, elapsed, sequences=len(output.scheduled))
         self.work.publish(itertools.chain(scheduler.waiting, scheduler.running))
         self._published = True
         self.work.step_started = None
@@ -523,25 +547,12 @@ class LLMEngine:
             num_output_tokens=seq.num_output_tokens,
         )
 
-    def _recover(
-        self, output: SchedulerOutput, error: Exception, landing: _Inflight | None = None
-    ) -> EngineStepError:
+    def _recover(self, output: SchedulerOutput, error: Exception) -> EngineStepError:
         """After a failed step: end the requests to blame alone when there are such (see
         backends.llm.isolation), else every request. The step's other sequences go back to
         waiting and are recomputed: the blocks this step registered were never written, and
         a neighbour may already share them through the prefix cache, which is therefore reset.
-        (A seeded neighbour may then sample differently than it would have.) Tokens still in
-        flight (`landing`, and any step launched) are given up: their sequences are
-        recomputed from the tokens they have."""
-        lost = [s for s in (landing, self._inflight) if s is not None]
-        self._inflight = None
-        for step in lost:
-            for item in step.output.scheduled:
-                item.seq.num_inflight = 0
-                if not item.seq.is_finished:
-                    self.scheduler.requeue(item.seq)
-        for item in output.scheduled:
-            item.seq.num_inflight = 0
+        (A seeded neighbour may then sample differently than it would have.)"""
         culprits = find_culprits(self.runner, output)
         if not blame_is_attributable(culprits, output):
             return EngineStepError(self._fail_all(), error)

@@ -117,6 +117,11 @@ class KVCacheManager:
             del seq.block_ids[keep:]
         self._register_full_blocks(seq, verified_from, seq.num_computed_tokens)
 
+    def register_computed(self, seq: Sequence, start: int, end: int) -> None:
+        """Register the full blocks that positions `[start, end)` of `seq` complete (those
+        with a hash; again is harmless)."""
+        self._register_full_blocks(seq, start, end)
+
     def register_filled(self, seq: Sequence) -> None:
         """After a token in flight landed: register the block it filled, if the step that
         computes that token's KV is already scheduled (else that step's allocation will)."""

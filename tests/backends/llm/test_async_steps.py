@@ -184,3 +184,37 @@ async def test_streams_through_the_engine_thread_get_the_same_tokens(folder: Pat
         threaded.shutdown()
     assert list(got) == sync
     assert launched[0] > 0
+
+
+@pytest.mark.parametrize("where", ["launch", "collect"])
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_device_failure_mid_flight_is_the_servers_not_a_requests(
+    folder: Path, where: str, n: int
+) -> None:
+    """A step launched ahead that fails at its launch or its landing fails every request as
+    a server error (no request is blamed: its inputs were checked on arrival), and the
+    engine serves the next request."""
+    from backends.llm.outputs import EngineStepError
+
+    eng = engine(folder, True)
+    [prompt] = random_prompts(1, seed=1, lengths=(6, 6))
+    eng.add_request("0", prompt, greedy(30, ignore_eos=True, n=n))
+    for _ in range(5):
+        eng.step()
+    assert eng.in_flight
+    original = getattr(eng.runner, where)
+
+    def device_lost(*args: Any) -> Any:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    setattr(eng.runner, where, device_lost)
+    with pytest.raises(EngineStepError) as failure:
+        while eng.has_work():
+            eng.step()
+    assert failure.value.request_ids == ["0"] and not failure.value.errors
+    assert not eng.in_flight and not eng.has_work() and eng.kv_cache.usage == 0.0
+    setattr(eng.runner, where, original)
+    results = run_all(eng, [(prompt, greedy(6, ignore_eos=True))])
+    assert outcomes(results) == outcomes(
+        run_all(engine(folder, False), [(prompt, greedy(6, ignore_eos=True))])
+    )
