@@ -38,10 +38,14 @@ def leaving_requests() -> list[tuple[str, dict[str, Any]]]:
         ("/models/tiny/generate", {"prompt": PROMPT, "max_tokens": LONG, "ignore_eos": True}),
         ("/models/tiny/versions/1/generate", {"prompt": PROMPT, "max_tokens": LONG,
                                               "ignore_eos": True}),
-        # No ignore_eos here: greedy, the tiny model's first end-of-text comes after ~1000
-        # tokens, long after the client has left.
+        # The Responses API has no ignore_eos: a format that cannot be complete within
+        # max_output_tokens (an array of at least LONG numbers) keeps it from ending on its
+        # own before the client leaves.
         ("/v1/responses", {"model": "tiny", "input": "Tell me a long story.",
-                           "max_output_tokens": LONG, "temperature": 0}),
+                           "max_output_tokens": LONG, "temperature": 0,
+                           "text": {"format": {"type": "json_schema", "name": "numbers",
+                                               "schema": {"type": "array", "minItems": LONG,
+                                                          "items": {"type": "integer"}}}}}),
     ]  # fmt: skip
 
 
