@@ -42,9 +42,9 @@ log = logging.getLogger(__name__)
 TILE = 16
 # The split kernel: context tokens per program (a long context is spread over many programs,
 # so a batch of a few rows still fills the GPU), and per iteration of its loop.
-SPLIT = 256
+SPLIT = 128
 SPLIT_TILE = 16
-# Splits a row may have (contexts up to 32k tokens); longer ones take the one-pass kernel.
+# Splits a row may have (contexts up to 16k tokens); longer ones take the one-pass kernel.
 MAX_SPLITS = 128
 # Per device: whether the split kernel passed its check there (else the one-pass kernel).
 _SPLIT_ON: dict[str, bool] = {}
@@ -218,7 +218,7 @@ def _split_decode(
     kernels.merge[(b, num_kv_heads)](
         maxima, sums, partial, out, out.stride(0), out.stride(1), splits,
         GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p,
-        MAX_SPLITS=MAX_SPLITS, num_warps=4,
+        MAX_SPLITS=MAX_SPLITS, RUNTIME_BOUND=device.type == "cuda", num_warps=4,
     )  # fmt: skip
 
 
@@ -389,7 +389,7 @@ def _build() -> Any:
     def _paged_decode_merge_kernel(  # type: ignore[no-untyped-def]
         max_ptr, sum_ptr, acc_ptr, out_ptr, stride_o_token, stride_o_head, splits,
         GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr,
-        HEAD_DIM_P: tl.constexpr, MAX_SPLITS: tl.constexpr,
+        HEAD_DIM_P: tl.constexpr, MAX_SPLITS: tl.constexpr, RUNTIME_BOUND: tl.constexpr,
     ):  # fmt: skip
         row = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -400,21 +400,43 @@ def _build() -> Any:
         total = tl.zeros([GROUP_P], tl.float32)
         o = tl.zeros([GROUP_P, HEAD_DIM_P], tl.float32)
         # The splits' partial softmaxes, merged in order (an empty split: -inf and zeros).
-        # A constant bound with the splits past `splits` masked: one compiled variant.
-        for sp in range(0, MAX_SPLITS):
-            valid = (g * 0 + sp) < splits
-            at = (base + sp) * GROUP_P + g
-            m = tl.load(max_ptr + at, mask=valid, other=float("-inf"))
-            top_new = tl.maximum(top, m)
-            safe = tl.where(top_new == float("-inf"), 0.0, top_new)
-            keep = tl.exp(top - safe)
-            add = tl.exp(m - safe)
-            total = total * keep + tl.load(sum_ptr + at, mask=valid, other=0.0) * add
-            part = tl.load(
-                acc_ptr + at[:, None] * HEAD_DIM_P + d[None, :], mask=valid[:, None], other=0.0
-            )
-            o = o * keep[:, None] + part * add[:, None]
-            top = top_new
+        # Compiled, the loop runs `splits` times. Triton's interpreter (the CPU tests) takes
+        # only constant loop bounds, so there it runs MAX_SPLITS times, the rest masked: the
+        # same body twice, as a loop bound cannot be chosen in a variable there.
+        if RUNTIME_BOUND:
+            for sp in range(0, splits):
+                valid = (g * 0 + sp) < splits
+                at = (base + sp) * GROUP_P + g
+                m = tl.load(max_ptr + at, mask=valid, other=float("-inf"))
+                top_new = tl.maximum(top, m)
+                safe = tl.where(top_new == float("-inf"), 0.0, top_new)
+                keep = tl.exp(top - safe)
+                add = tl.exp(m - safe)
+                total = total * keep + tl.load(sum_ptr + at, mask=valid, other=0.0) * add
+                part = tl.load(
+                    acc_ptr + at[:, None] * HEAD_DIM_P + d[None, :],
+                    mask=valid[:, None],
+                    other=0.0,
+                )
+                o = o * keep[:, None] + part * add[:, None]
+                top = top_new
+        else:
+            for sp in range(0, MAX_SPLITS):
+                valid = (g * 0 + sp) < splits
+                at = (base + sp) * GROUP_P + g
+                m = tl.load(max_ptr + at, mask=valid, other=float("-inf"))
+                top_new = tl.maximum(top, m)
+                safe = tl.where(top_new == float("-inf"), 0.0, top_new)
+                keep = tl.exp(top - safe)
+                add = tl.exp(m - safe)
+                total = total * keep + tl.load(sum_ptr + at, mask=valid, other=0.0) * add
+                part = tl.load(
+                    acc_ptr + at[:, None] * HEAD_DIM_P + d[None, :],
+                    mask=valid[:, None],
+                    other=0.0,
+                )
+                o = o * keep[:, None] + part * add[:, None]
+                top = top_new
         o = o / total[:, None]
         heads = kv_head * GROUP + g
         o_mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
