@@ -187,3 +187,28 @@ def test_same_tokens_after_offload_and_restore(models_root: Path) -> None:
     engine.reset_cache()
     assert tokens(run_all(engine, requests)) == first
     assert runner.graphs.stats.captures > captures  # captured again, as steps needed them
+
+
+def test_steps_launched_ahead_replay_the_same_tokens(models_root: Path) -> None:
+    """`async_steps` on the graph path: inputs still in flight are fed on the device and the
+    inputs are copied without a wait; the tokens are those of synchronous steps."""
+    from backends.llm.sampling_params import SamplingParams
+
+    folder = build_model(models_root, "llama")
+    prompts = [p for p, _ in workload()]
+    requests = [
+        (p, SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True))
+        for p, m in zip(prompts, [3, 9, 17, 30, 41, 8, 1, 25, 12], strict=True)
+    ]
+    sync = tokens(run_all(cuda_engine(folder), requests))
+    engine = cuda_engine(folder, async_steps=True)
+    ahead = 0
+    for i, (prompt, params) in enumerate(requests):
+        engine.add_request(str(i), prompt, params)
+    got: dict[str, list[int]] = {}
+    while engine.has_work():
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend(out.token_ids)
+        ahead += engine.in_flight
+    assert [got[str(i)] for i in range(len(requests))] == sync
+    assert ahead > 20 and engine.runner.graphs.stats.replays > 0
