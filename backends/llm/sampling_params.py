@@ -7,6 +7,7 @@ size, context length, configured maxima) are checked by the engine on `add_reque
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -55,6 +56,18 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPSILON
+
+    @functools.cached_property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing to record or change but the argmax: no log-probabilities,
+        bias or penalties (a sequence adds its grammar and min_tokens ban). Cached: the
+        samplers ask it of every row of every step."""
+        return (
+            self.greedy
+            and self.logprobs is None
+            and not self.logit_bias
+            and not self.needs_penalties
+        )
 
     @property
     def needs_penalties(self) -> bool:

@@ -12,7 +12,6 @@ from backends.llm.sampler.noise import SeededNoise
 from backends.llm.sampler.penalties import PenaltyCounts
 from backends.llm.sampler.plan import StepPlan
 from backends.llm.sampler.transfer import download, upload_fields
-from backends.llm.sampling_params import GREEDY_EPSILON
 from backends.llm.sequence import Logprob, Sequence
 from backends.llm.structured.guide import MaskFiller
 
@@ -128,12 +127,7 @@ def _plain_greedy(seq: Sequence) -> bool:
     log-probabilities, bias, penalties or grammar, and no min_tokens ban in force."""
     p = seq.params
     return (
-        p.temperature < GREEDY_EPSILON
-        and p.logprobs is None
-        and not p.logit_bias
-        and p.repetition_penalty == 1.0
-        and p.presence_penalty == 0.0
-        and p.frequency_penalty == 0.0
+        p.plain_greedy
         and seq.guide is None
         and (not p.min_tokens or seq.num_output_tokens >= p.min_tokens)
     )
