@@ -101,7 +101,11 @@ async def exhaust_then_alternate(
     run = Run()
     run.first = [await send(to_a) for _ in range(first)]
     reads_before = reads(b)
-    for _ in range(20):
+    # At least 20 pairs, and on until b has read the fleet's consumption a few times since
+    # the alternation began: b refuses only once it has heard of a's, and how many requests
+    # that takes depends on how the machine's load delays b's sync, not on the limiter.
+    deadline = time.monotonic() + 30
+    while len(run.b_reads) < 20 or (reads(b) - reads_before < 4 and time.monotonic() < deadline):
         run.alternate.append(await send(to_a))
         run.b_reads.append(reads(b) - reads_before)
         run.alternate.append(await send(to_b))
