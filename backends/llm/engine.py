@@ -19,18 +19,18 @@ With `EngineConfig.async_steps`, a step of greedy decodes may be launched before
 one's tokens are on the host:
 
     output = scheduler.schedule()         # each sequence counted a token ahead
-    launched = runner.launch(output, in_flight)   # in-flight inputs fed on the device
+    launched = launcher.launch(output, step, in_flight)   # in-flight inputs fed on the device
     scheduler.advance(output)
-    scheduler.resolve(in_flight.output, runner.collect(in_flight))   # the previous one lands
+    scheduler.resolve(in_flight.output, launcher.collect(in_flight))   # the previous one lands
 
-and `step` returns the landed step's outputs. `_may_launch_ahead` says when (see
-docs/engine.md, "Decode steps on a GPU"); any other step lands the one in flight first.
+(`backends.llm.launch_ahead`), and `step` returns the landed step's outputs.
+`_may_launch_ahead` says when (see docs/engine.md, "Decode steps on a GPU"); any other step
+lands the one in flight first.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import itertools
 import logging
 import time
@@ -43,8 +43,9 @@ from backends.llm.detokenizer import IncrementalDetokenizer
 from backends.llm.engine_work import EngineWork
 from backends.llm.isolation import RequestFailedError, blame_is_attributable, find_culprits
 from backends.llm.kv_cache_manager import KVCacheManager
+from backends.llm.launch_ahead import Inflight, Launcher, unfinished
 from backends.llm.metrics import EngineMetrics
-from backends.llm.model_runner import LaunchedStep, ModelRunner
+from backends.llm.model_runner import ModelRunner
 from backends.llm.outputs import EngineStepError, RequestOutput
 from backends.llm.request_limits import RequestLimits, checked_max_tokens
 from backends.llm.sampling_params import MAX_COUNT, SamplingParams
@@ -56,28 +57,6 @@ from backends.llm.structured.guide import TokenGuide
 from backends.llm.structured.metrics import GrammarMetrics
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class _Inflight:
-    """A step launched without waiting for its tokens (`async_steps`)."""
-
-    output: SchedulerOutput
-    launched: LaunchedStep
-    started: float
-    scheduled_at: float
-    marks: tuple[int, int, int]
-
-
-def _unfinished(output: SchedulerOutput) -> SchedulerOutput:
-    """`output` without the entries of sequences that ended since it was scheduled (a token
-    that landed meanwhile ended them; their blocks are free)."""
-    kept = [item for item in output.scheduled if not item.seq.is_finished]
-    if len(kept) == len(output.scheduled):
-        return output
-    return dataclasses.replace(
-        output, scheduled=kept, num_batched_tokens=sum(item.num_tokens for item in kept)
-    )
 
 
 @dataclass
@@ -154,8 +133,9 @@ class LLMEngine:
         if fused is not None and self.metrics.enabled:
             fused.thread_choice.on_step = self.metrics.observe_fused_step
         # The step launched and not landed yet (`async_steps`), and when the last one landed.
-        self._inflight: _Inflight | None = None
+        self._inflight: Inflight | None = None
         self._landed_at = 0.0
+        self.launcher = Launcher(runner)
         self.reset_cache()
 
     def reset_cache(self) -> None:
@@ -304,14 +284,17 @@ class LLMEngine:
             self.speculator.propose(scheduler.running)
         output = scheduler.schedule()
         scheduled_at = time.monotonic()
-        if self.config.async_steps and self.speculator is None and self.runner.can_launch(output):
+        static = None
+        if self.config.async_steps and self.speculator is None:
+            static = self.launcher.static_step(output)
+        if static is not None:
             previous = None if inflight is None else inflight.launched
             try:
-                launched = self.runner.launch(output, previous)
+                launched = self.launcher.launch(output, static, previous)
             except Exception as e:
                 raise self._async_failed(e) from e
             scheduler.advance(output)
-            self._inflight = _Inflight(output, launched, started, scheduled_at, marks)
+            self._inflight = Inflight(output, launched, started, scheduled_at, marks)
             if inflight is None:
                 return []
             landed = self._land(inflight)
@@ -322,7 +305,7 @@ class LLMEngine:
             self._inflight = None
             landed = self._land(inflight)
             self.work.step_started = step_clock
-            output = _unfinished(output)
+            output = unfinished(output)
             # Blocks whose last token was in flight when they were allocated get their hash
             # only now: register those this step computes.
             for item in output.scheduled:
@@ -355,22 +338,15 @@ class LLMEngine:
         scheduler = self.scheduler
         if scheduler.waiting or self._incoming or self.speculator is not None:
             return False
-        if len(scheduler.running) > self.runner.graphs.buckets[-1]:
-            return False
-        greedy_only = self.runner.sampler.greedy_only
-        return greedy_only(scheduler.running) and all(
-            seq.adapter is None
-            and len(seq.token_ids) + seq.num_inflight - seq.num_computed_tokens == 1
-            for seq in scheduler.running
-        )
+        return self.launcher.may_continue(scheduler.running)
 
-    def _land(self, inflight: _Inflight) -> list[RequestOutput]:
+    def _land(self, inflight: Inflight) -> list[RequestOutput]:
         """Wait for a launched step's tokens and record them (its outputs). Its time is from
         its launch, or from the previous landing where that came later (the steps overlap:
         in steady state a step takes the time between two landings)."""
         output = inflight.output
         try:
-            tokens = self.runner.collect(inflight.launched)
+            tokens = self.launcher.collect(inflight.launched)
         except Exception as e:
             self._inflight = None
             raise self._async_failed(e) from e

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +51,6 @@ from backends.llm.lora.manager import LoRAManager
 from backends.llm.packed_inputs import StepInputs, packed_inputs
 from backends.llm.quantization import WeightQuantizer, float32_reference
 from backends.llm.sampler import Sampler, SamplerOutput
-from backends.llm.sampler.transfer import Download, start_download
 from backends.llm.scheduler import ScheduledSequence, SchedulerOutput
 from backends.llm.speculative.verify import sampling_rows
 from backends.llm.static_path import StaticPath
@@ -73,18 +71,6 @@ def kv_bytes_per_block(config: Any, block_size: int, dtype: torch.dtype) -> int:
     layers, kv_heads, head_dim = kv_shape(config)
     element = torch.empty((), dtype=dtype).element_size()
     return 2 * layers * kv_heads * block_size * head_dim * element
-
-
-@dataclass(frozen=True)
-class LaunchedStep:
-    """A decode step launched without waiting for its tokens (`ModelRunner.launch`)."""
-
-    # The sampled tokens on the device (the next step's inputs where they are in flight).
-    tokens: torch.Tensor
-    # Their copy to the host, queued behind the step.
-    download: Download
-    # Row of each of the step's sequences, by sequence id.
-    rows: dict[int, int]
 
 
 class ModelRunner:
@@ -312,39 +298,6 @@ class ModelRunner:
             self.sampler.prepare(sampling)  # grammar masks fill during the forward
             logits = fused(step, checked=True, before=self.before_forward)
             return self.sampler(logits, sampling)
-
-    # ---- asynchronous steps (the engine's `async_steps`) --------------------------------
-    def can_launch(self, output: SchedulerOutput) -> bool:
-        """Whether `output` can be launched without waiting for its tokens: single-token
-        decodes on the static decode step (`static_path`), every row its logits' argmax
-        and nothing else (so no host state has to follow the token)."""
-        items = output.scheduled
-        if not items or any(item.drafts or not item.sample for item in items):
-            return False
-        if not self.sampler.greedy_only([item.seq for item in items]):
-            return False
-        return self.graphs.for_step(output) is not None
-
-    def launch(self, output: SchedulerOutput, previous: LaunchedStep | None) -> LaunchedStep:
-        """Queue `output`'s forward and argmax on the device and the tokens' copy to the
-        host, without waiting (`can_launch` said it may). Inputs still in flight come from
-        `previous` on the device."""
-        self.sampler.forget(output.finished_seq_ids)
-        static = self.graphs.for_step(output)
-        if static is None:
-            raise RuntimeError("launch: this step cannot take the static decode step")
-        fed = None if previous is None else (previous.tokens, previous.rows)
-        with torch.inference_mode():
-            logits = static.run(output.scheduled, self.before_forward, fed)
-            tokens = logits.argmax(dim=-1)
-            rows = {item.seq.seq_id: i for i, item in enumerate(output.scheduled)}
-            return LaunchedStep(tokens, start_download(tokens), rows)
-
-    @staticmethod
-    def collect(step: LaunchedStep) -> list[int]:
-        """The tokens of a launched step, once they reach the host (the one wait)."""
-        tokens: list[int] = step.download.wait().tolist()
-        return tokens
 
     def _execute_unfused(self, output: SchedulerOutput) -> SamplerOutput:
         """The step through the static decode path or the transformers modules."""

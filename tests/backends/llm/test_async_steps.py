@@ -15,9 +15,9 @@ import pytest
 from backends.llm.engine import LLMEngine
 from backends.llm.sampling_params import SamplingParams
 from backends.llm.sequence import FinishReason
-from tests.backends.llm.support import build_model, kv_bytes, make_engine, random_prompts, run_all
-
-BLOCK_SIZE = 4
+from tests.backends.llm.support import build_model, kv_bytes, random_prompts, run_all
+from tests.backends.llm.test_decode_graphs import BLOCK_SIZE
+from tests.backends.llm.test_decode_graphs import engine as static_engine
 
 
 @pytest.fixture(scope="module")
@@ -26,28 +26,27 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def engine(folder: Path, asynchronous: bool, **config: Any) -> LLMEngine:
+    """The static decode step run eagerly (`test_decode_graphs.engine`), launched ahead or
+    not."""
     settings: dict[str, Any] = {
-        "block_size": BLOCK_SIZE,
         "max_num_seqs": 8,
-        "max_model_len": 96,
-        "fused_step": False,
         "kv_cache_bytes": kv_bytes(folder, 200, BLOCK_SIZE),
         "async_steps": asynchronous,
+        **config,
     }
-    settings.update(config)
-    return make_engine(folder, static_decode=True, **settings)
+    return static_engine(folder, True, **settings)
 
 
 def count_launches(eng: LLMEngine) -> list[int]:
     """A counter (one element) of the steps `eng` launches ahead."""
     launched = [0]
-    original = eng.runner.launch
+    original = eng.launcher.launch
 
     def counting(*args: Any) -> Any:
         launched[0] += 1
         return original(*args)
 
-    eng.runner.launch = counting  # type: ignore[method-assign,assignment]
+    eng.launcher.launch = counting  # type: ignore[method-assign]
     return launched
 
 
@@ -202,18 +201,18 @@ def test_a_device_failure_mid_flight_is_the_servers_not_a_requests(
     for _ in range(5):
         eng.step()
     assert eng.in_flight
-    original = getattr(eng.runner, where)
+    original = getattr(eng.launcher, where)
 
     def device_lost(*args: Any) -> Any:
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    setattr(eng.runner, where, device_lost)
+    setattr(eng.launcher, where, device_lost)
     with pytest.raises(EngineStepError) as failure:
         while eng.has_work():
             eng.step()
     assert failure.value.request_ids == ["0"] and not failure.value.errors
     assert not eng.in_flight and not eng.has_work() and eng.kv_cache.usage == 0.0
-    setattr(eng.runner, where, original)
+    setattr(eng.launcher, where, original)
     results = run_all(eng, [(prompt, greedy(6, ignore_eos=True))])
     assert outcomes(results) == outcomes(
         run_all(engine(folder, False), [(prompt, greedy(6, ignore_eos=True))])
