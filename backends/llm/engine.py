@@ -9,7 +9,8 @@
 `step` applies. A request may name a LoRA adapter loaded on the runner (`runner.lora`); it
 counts as in flight for that adapter from `add_request` until it finishes or is aborted.
 Everything else belongs to the thread that calls `step`. The engine works on token ids;
-with a tokenizer it also produces text deltas and honours stop strings.
+with a tokenizer it also produces text deltas and honours stop strings (the requests and
+their outputs: `backends.llm.engine_requests`).
 
 With speculative decoding configured (`EngineConfig.speculative`), a `Speculator` drafts
 tokens for decoding sequences before each schedule; a step may then give a sequence several
@@ -30,16 +31,15 @@ lands the one in flight first.
 
 from __future__ import annotations
 
-import collections
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from backends.errors import CapacityError, InputError, TransientError
 from backends.llm.config import EngineConfig
 from backends.llm.detokenizer import IncrementalDetokenizer
+from backends.llm.engine_requests import EngineRequest, EngineRequests
 from backends.llm.engine_work import EngineWork
 from backends.llm.isolation import RequestFailedError, blame_is_attributable, find_culprits
 from backends.llm.kv_cache_manager import KVCacheManager
@@ -50,27 +50,13 @@ from backends.llm.outputs import EngineStepError, RequestOutput
 from backends.llm.request_limits import RequestLimits, checked_max_tokens
 from backends.llm.sampling_params import MAX_COUNT, SamplingParams
 from backends.llm.scheduler import Scheduler, SchedulerLimits, SchedulerOutput
-from backends.llm.sequence import ROOT_HASH, FinishReason, Logprob, Sequence
+from backends.llm.sequence import ROOT_HASH, Logprob, Sequence
 from backends.llm.speculative.speculator import Proposer, Speculator
 from backends.llm.structured.compiler import GrammarCompiler
 from backends.llm.structured.guide import TokenGuide
 from backends.llm.structured.metrics import GrammarMetrics
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Request:
-    request_id: str
-    seqs: list[Sequence]
-    arrival_time: float
-    detokenizers: list[IncrementalDetokenizer | None]
-    adapter: str | None = None
-    scheduled_time: float | None = None
-    first_token_time: float | None = None
-    # Sequences whose final output was emitted.
-    num_done: int = 0
-    last_token_times: list[float] = field(default_factory=list)
 
 
 class LLMEngine:
@@ -102,19 +88,14 @@ class LLMEngine:
             default_max_tokens=config.default_max_tokens,
         )
         self._seq_ids = itertools.count()
-        self._incoming: collections.deque[_Request] = collections.deque()
-        self._aborts: collections.deque[str] = collections.deque()
-        self._aborted_early: set[str] = set()
-        self._requests: dict[str, _Request] = {}
-        # Requests not scheduled yet (their queue time is observed when they are).
-        self._unscheduled: set[str] = set()
+        self.requests = EngineRequests(self.metrics, runner.lora)
         # Whether `work` was published after the scheduler last changed.
         self._published = False
         # The measured step cost and the outstanding work: admission by queue time here,
         # and this engine's share of its device's work (the backend counts it there).
         self.work = EngineWork(
             config.max_queue_time_s,
-            self._incoming_sequences,
+            self.requests.incoming_sequences,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
         )
@@ -182,7 +163,7 @@ class LLMEngine:
                 f"priority must be an integer in [-{MAX_COUNT}, {MAX_COUNT}]", param="priority"
             )
         max_tokens = self.check_request(prompt_token_ids, params)
-        if len(self._incoming) + self.scheduler.num_unfinished >= self.config.max_waiting:
+        if len(self.requests.incoming) + self.scheduler.num_unfinished >= self.config.max_waiting:
             self.metrics.observe_shed("queue_full")
             raise CapacityError(
                 f"{self.config.max_waiting} sequences are already queued or running; retry later"
@@ -230,21 +211,16 @@ class LLMEngine:
             else None
             for _ in seqs
         ]
-        request = _Request(request_id, seqs, time.monotonic(), detokenizers, adapter)
+        request = EngineRequest(request_id, seqs, time.monotonic(), detokenizers, adapter)
         if adapter is not None and self.runner.lora.acquire(adapter) != root_hash:
             self.runner.lora.release(adapter)
             # A race with a reload of the adapter, not the caller's mistake: 503, retry.
             raise TransientError(f"adapter {adapter!r} was reloaded meanwhile; retry")
-        self._incoming.append(request)
-
-    def _incoming_sequences(self) -> list[Sequence]:
-        """The sequences of the requests added since the last step (not in the work the
-        engine thread published yet)."""
-        return [seq for r in list(self._incoming) for seq in r.seqs]
+        self.requests.add(request)
 
     def abort_request(self, request_id: str) -> None:
         """Finish the request's sequences at the next step boundary, freeing their blocks."""
-        self._aborts.append(request_id)
+        self.requests.abort(request_id)
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Raise InputError for a request this engine cannot serve; return its max_tokens."""
@@ -258,8 +234,8 @@ class LLMEngine:
 
     def has_work(self) -> bool:
         return bool(
-            self._incoming
-            or self._aborts
+            self.requests.incoming
+            or self.requests.aborts
             or self.scheduler.num_unfinished
             or self._inflight is not None
         )
@@ -268,12 +244,12 @@ class LLMEngine:
         """One engine step; outputs for every sequence that got a token or finished. With
         `async_steps`, a step of greedy decodes is launched and the outputs returned are
         those of the step launched before it (see `_may_launch_ahead`)."""
-        changed = self._apply_aborts() | self._apply_incoming()
+        requests, scheduler = self.requests, self.scheduler
+        changed = requests.apply_aborts(scheduler) | requests.apply_incoming(scheduler)
         inflight = self._inflight
         if inflight is not None and not self._may_launch_ahead():
             self._inflight = None
             return self._land(inflight)
-        scheduler = self.scheduler
         marks = self._marks()
         if changed or not self._published:
             self.work.publish(itertools.chain(scheduler.waiting, scheduler.running))
@@ -323,7 +299,7 @@ class LLMEngine:
             self.metrics.speculation.observe(proposed, accepted, emitted)
         for i, (seq, rows) in enumerate(updated):
             if seq.guide is not None:
-                updated[i] = (seq, self._advance_guide(seq, seq.guide, rows))
+                updated[i] = (seq, requests.advance_guide(scheduler, seq, seq.guide, rows))
         if self.speculator is not None:
             self.speculator.observe(output, updated)
         elapsed = time.monotonic() - started
@@ -336,7 +312,7 @@ class LLMEngine:
         grammar, penalties, logprobs, adapter or drafts), and nothing waiting to start, so
         that the scheduler gives every running sequence exactly its next position."""
         scheduler = self.scheduler
-        if scheduler.waiting or self._incoming or self.speculator is not None:
+        if scheduler.waiting or self.requests.incoming or self.speculator is not None:
             return False
         return self.launcher.may_continue(scheduler.running)
 
@@ -389,13 +365,10 @@ class LLMEngine:
         outputs, work and metrics."""
         scheduler = self.scheduler
         now = time.monotonic()
-        for item in output.scheduled if self._unscheduled else ():
-            request = self._requests.get(item.seq.request_id)
-            if request is not None and request.scheduled_time is None:
-                request.scheduled_time = scheduled_at
-                self._unscheduled.discard(request.request_id)
-                self.metrics.observe_latency("queue", scheduled_at - request.arrival_time)
-        outputs = [self._emit(seq, [logprobs[row] for row in rows], now) for seq, rows in updated]
+        self.requests.mark_scheduled(output, scheduled_at)
+        emit = self.requests.emit
+        outputs = [emit(scheduler, seq, [logprobs[row] for row in rows], now)
+                   for seq, rows in updated]  # fmt: skip
         self.work.observe_step(output.num_batched_tokens, elapsed, sequences=len(output.scheduled))
         self.work.publish(itertools.chain(scheduler.waiting, scheduler.running))
         self._published = True
@@ -416,113 +389,6 @@ class LLMEngine:
             )
         return outputs
 
-    def _apply_incoming(self) -> bool:
-        """Hand the requests added since the last step to the scheduler; whether any was."""
-        if not self._incoming and not self._aborted_early:
-            return False
-        while self._incoming:
-            request = self._incoming.popleft()
-            if request.request_id in self._aborted_early:
-                self._retire(request)
-                continue  # aborted before it ever ran
-            self._requests[request.request_id] = request
-            self._unscheduled.add(request.request_id)
-            request.last_token_times = [request.arrival_time] * len(request.seqs)
-            self.metrics.observe_arrival(request.seqs[0].num_prompt_tokens)
-            for seq in request.seqs:
-                self.scheduler.add(seq)
-        # An add always precedes its abort, so any id left here belonged to a request that
-        # had already finished.
-        self._aborted_early.clear()
-        return True
-
-    def _apply_aborts(self) -> bool:
-        """Finish the sequences of the requests aborted since the last step; whether any
-        abort was asked for."""
-        if not self._aborts:
-            return False
-        while self._aborts:
-            request_id = self._aborts.popleft()
-            request = self._requests.pop(request_id, None)
-            if request is None:
-                # Still incoming (skipped when applied) or already finished. The incoming
-                # queue is never rebuilt here: another thread may be appending to it.
-                self._aborted_early.add(request_id)
-                continue
-            self._retire(request)
-            for seq in request.seqs:
-                self.scheduler.finish(seq, FinishReason.ABORT)
-        return True
-
-    def _advance_guide(self, seq: Sequence, guide: TokenGuide, rows: list[int]) -> list[int]:
-        """Feed the step's tokens (one per row of `rows`) to the sequence's grammar; a
-        complete grammar ends it, and tokens after that are dropped. A token that finished
-        the sequence otherwise (eos, a stop token) is not fed. Returns the rows kept."""
-        start = seq.num_tokens - len(rows)
-        for i in range(len(rows)):
-            if seq.is_finished and start + i == seq.num_tokens - 1:
-                break
-            if not guide.accept(seq.token_ids[start + i]):
-                # Only a bug lets a masked-out token through; end the sequence, not the engine.
-                log.error("request %s left its grammar: %s", seq.request_id, guide.error)
-            elif not guide.is_done:
-                continue
-            self._truncate(seq, start + i + 1, FinishReason.STOP, None)
-            return rows[: i + 1]
-        return rows
-
-    def _truncate(
-        self, seq: Sequence, num_tokens: int, reason: FinishReason, stop: str | None
-    ) -> None:
-        """End `seq` with its first `num_tokens` tokens (drafts accepted past a stop point
-        are dropped)."""
-        self.scheduler.finish(seq, reason, stop)
-        seq.finish(reason, stop)  # where an earlier token than the one that ended it stops
-        del seq.token_ids[num_tokens:]
-
-    def _emit(self, seq: Sequence, logprobs: list[Logprob | None], now: float) -> RequestOutput:
-        """The output of the step's tokens of `seq` (the last `len(logprobs)`), cut at the
-        first stop string."""
-        request = self._requests[seq.request_id]
-        start = seq.num_tokens - len(logprobs)
-        tokens = seq.token_ids[start:]
-        text = ""
-        detokenizer = request.detokenizers[seq.index]
-        if detokenizer is not None:
-            for i, token in enumerate(tokens):
-                piece, stop = detokenizer.push([token])
-                text += piece
-                if stop is not None:
-                    if i + 1 < len(tokens) or not seq.is_finished:
-                        self._truncate(seq, start + i + 1, FinishReason.STOP, stop)
-                        tokens, logprobs = tokens[: i + 1], logprobs[: i + 1]
-                    break
-            if seq.is_finished:
-                text += detokenizer.flush()
-        if seq.num_output_tokens > 1:
-            self.metrics.observe_latency("itl", now - request.last_token_times[seq.index])
-        elif request.first_token_time is None:
-            request.first_token_time = now
-            self.metrics.observe_latency("ttft", now - request.arrival_time)
-        request.last_token_times[seq.index] = now
-        if seq.is_finished:
-            request.num_done += 1
-            if request.num_done == len(request.seqs):
-                self._retire(self._requests.pop(seq.request_id))
-                self.metrics.observe_latency("e2e", now - request.arrival_time)
-        return RequestOutput(
-            request_id=seq.request_id,
-            index=seq.index,
-            token_ids=tokens,
-            text=text,
-            logprobs=[lp for lp in logprobs if lp is not None],
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-            num_prompt_tokens=seq.num_prompt_tokens,
-            num_cached_tokens=seq.num_cached_tokens,
-            num_output_tokens=seq.num_output_tokens,
-        )
-
     def _recover(self, output: SchedulerOutput, error: Exception) -> EngineStepError:
         """After a failed step: end the requests to blame alone when there are such (see
         backends.llm.isolation), else every request. The step's other sequences go back to
@@ -534,12 +400,10 @@ class LLMEngine:
             return EngineStepError(self._fail_all(), error)
         errors: dict[str, BaseException] = {}
         for request_id, cause in culprits.items():
-            request = self._requests.pop(request_id, None)
+            request = self.requests.running.pop(request_id, None)
             if request is None:
                 continue
-            self._retire(request)
-            for seq in request.seqs:
-                self.scheduler.finish(seq, FinishReason.ABORT)
+            self.requests.end(request, self.scheduler)
             errors[request_id] = RequestFailedError(request_id, cause)
         for item in output.scheduled:
             if not item.seq.is_finished:
@@ -547,22 +411,10 @@ class LLMEngine:
         self.kv_cache.reset_prefix_cache()
         return EngineStepError(list(errors), error, errors)
 
-    def _retire(self, request: _Request) -> None:
-        """The request left the engine (finished, aborted, failed): its adapter may unload."""
-        self._unscheduled.discard(request.request_id)
-        if request.adapter is not None:
-            self.runner.lora.release(request.adapter)
-
     def _fail_all(self) -> list[str]:
         """After a failed step: end every request and forget cached blocks (their contents
         are undefined), so the engine can serve new requests. Returns the ended ids."""
-        log.exception("LLM engine step failed; aborting %d requests", len(self._requests))
-        for request in self._requests.values():
-            for seq in request.seqs:
-                self.scheduler.finish(seq, FinishReason.ABORT)
-        failed = list(self._requests)
-        for request in self._requests.values():
-            self._retire(request)
-        self._requests.clear()
+        log.exception("LLM engine step failed; aborting %d requests", len(self.requests.running))
+        failed = self.requests.end_all(self.scheduler)
         self.kv_cache.reset_prefix_cache()
         return failed
