@@ -7,14 +7,20 @@
  *   weight rows, each weight row's dot product in turn (four chains of 8-wide multiply-adds
  *   along `k`), so the tile's weights, adjacent rows, are read as one stream in address
  *   order. One stream reads memory faster than eight side by side (the hardware
- *   prefetchers follow it), with or without software prefetches: on two cores 10-14% in a
- *   microbenchmark of 88 MB, and a quarter less time per decode step of the 26M benchmark
- *   Llama.
+ *   prefetchers follow it): on two cores 10-14% in a microbenchmark of 88 MB, and a quarter
+ *   less time per decode step of the 26M benchmark Llama.
  * - Multi-row tiles, for two to five rows (a verify step of speculative decoding, a few
  *   streams): the same stream of weights, each 8 weights loaded once for every row of a
  *   group whose inputs fit L1. Row tiles per input row were bound by the load ports (two
  *   loads a multiply-add); four weight rows side by side against the rows ran at half the
  *   memory bandwidth.
+ *
+ * Both read the next tile's weights ahead (a software prefetch a cache line, the same
+ * column of the tile 8 weight rows on, which the same thread computes next), so that the
+ * memory stream goes on while the multiply-adds of a few rows run: without it a tile's
+ * compute and its reads took turns, and each row past the first added its own compute to
+ * the stream's time. On two cores, the trained target's projections (18M weights) at one
+ * and five rows took 1.17 and 1.53 ms before, 1.10-1.14 and 1.18-1.20 ms with it.
  * - Panel tiles, from six rows on (compute-bound): the input rows are first packed
  *   transposed, 16 rows to a panel ((k, 16) floats), and a tile is 16 rows by 6 weight rows
  *   with the rows along the vector lanes: per step of k, two panel loads and six broadcast
@@ -31,11 +37,13 @@
 #define ROW_COLUMNS 8
 
 /* x . w over k, four chains of 8-wide multiply-adds along k: the row's bytes in address
- * order (also each weight row of a product that no whole tile covers). */
-static inline float row_dot(const float *x, const float *w, int64_t k) {
+ * order; `ahead` (or NULL) is read ahead as far as w is read. */
+static inline float row_dot_ahead(const float *x, const float *w, int64_t k,
+                                  const float *ahead) {
     v8 b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
     int64_t i = 0;
     for (; i + 32 <= k; i += 32) {
+        if (ahead) __builtin_prefetch(ahead + i), __builtin_prefetch(ahead + i + 16);
         b0 += load8(x + i) * load8(w + i);
         b1 += load8(x + i + 8) * load8(w + i + 8);
         b2 += load8(x + i + 16) * load8(w + i + 16);
@@ -47,21 +55,30 @@ static inline float row_dot(const float *x, const float *w, int64_t k) {
     return s;
 }
 
+/* x . w over k (also each weight row of a product that no whole tile covers). */
+static inline float row_dot(const float *x, const float *w, int64_t k) {
+    return row_dot_ahead(x, w, k, NULL);
+}
+
 /* out[c] = x . w_c over k for the ROW_COLUMNS weight rows w_c = w + c * k, one row after
  * the other: the tile's weights are one stream in address order (its rows are adjacent),
  * which the hardware prefetchers follow at more of memory's bandwidth than eight streams
- * side by side; x stays in L1 across the rows. */
+ * side by side; x stays in L1 across the rows. The next tile's rows are read ahead. */
 __attribute__((noinline)) static void row_tile(const float *x, const float *w, int64_t k,
                                                float *out) {
-    for (int c = 0; c < ROW_COLUMNS; c++) out[c] = row_dot(x, w + c * k, k);
+    for (int c = 0; c < ROW_COLUMNS; c++)
+        out[c] = row_dot_ahead(x, w + c * k, k, w + (ROW_COLUMNS + c) * k);
 }
 
 /* Input rows a multi-row tile takes at once: the most a projection below PANEL_MIN_ROWS has
  * (ten accumulators and two weight vectors, of AVX2's 16 vector registers). */
 #define MULTI_ROWS 5
 /* Bytes of input rows a group may hold: they stay in L1 (32 KiB a core) while the weights
- * stream past them (three rows of 1,408 floats took a third again the time of two and one). */
-#define MULTI_X_BYTES 12288
+ * stream past them. With the weights read ahead, the five rows of the trained target's
+ * down projection (5 x 1,408 floats) as one group beat groups of two, two and one (a
+ * verify step of five rows 1.61-1.64 against 1.83-1.84 ms); without reading ahead it had
+ * been the other way round (three rows took a third again the time of two and one). */
+#define MULTI_X_BYTES 28672
 
 /* out[r * ldo + c] = x_r . w_c over k for R input rows x_r = x + r * ldx and the
  * ROW_COLUMNS weight rows w_c = w + c * k, one weight row after the other (the weights one
@@ -80,10 +97,11 @@ __attribute__((noinline)) static void row_tile(const float *x, const float *w, i
         const int64_t body = k - k % 16;                                                        \
         const float *x0 = x, *x1 = x + ldx, *x2 = x1 + ldx, *x3 = x2 + ldx, *x4 = x3 + ldx;    \
         for (int c = 0; c < ROW_COLUMNS; c++) {                                                 \
-            const float *wc = w + c * k;                                                        \
+            const float *wc = w + c * k, *ahead = wc + ROW_COLUMNS * k;                         \
             v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0};                                \
             v8 b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0}, b4 = {0};                                \
             for (int64_t i = 0; i < body; i += 16) {                                            \
+                __builtin_prefetch(ahead + i);                                                  \
                 const v8 w0 = load8(wc + i), w1 = load8(wc + i + 8);                            \
                 a0 += load8(x0 + i) * w0, b0 += load8(x0 + i + 8) * w1;                        \
                 a1 += load8(x1 + i) * w0, b1 += load8(x1 + i + 8) * w1;                        \

@@ -252,6 +252,32 @@ def test_the_thread_count_does_not_change_the_logits(llama: Path) -> None:
     assert torch.equal(one, two)
 
 
+@pytest.mark.parametrize("intermediate", [1408, 3000])
+@pytest.mark.parametrize("rows", [2, 3, 5])
+def test_a_few_rows_of_a_wide_projection_equal_transformers(
+    root: Path, rows: int, intermediate: int
+) -> None:
+    """A step of 2-5 rows (a verify step of speculative decoding) takes the multi-row tiles;
+    the down projection's inputs (`intermediate` floats a row) are one group of rows in L1
+    or, wider, several: every row's logits equal transformers' at its position."""
+    from transformers import AutoModelForCausalLM
+
+    from backends.tiny import build_tiny_llm
+
+    folder = root / f"wide-{intermediate}"
+    if not (folder / "config.json").is_file():
+        build_tiny_llm(folder, "llama", config_overrides={"intermediate_size": intermediate})
+    decoder = make_engine(folder).runner.fused.decoder
+    assert decoder is not None
+    tokens = [(37 * i + 11) % 500 for i in range(rows)]
+    every = list(range(rows))
+    step = FusedStep(tokens, every, every, [0], [0] * rows, [i + 1 for i in every], every)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.inference_mode():
+        expected = model(input_ids=torch.tensor([tokens])).logits[0]
+    torch.testing.assert_close(decoder(step), expected, rtol=1e-4, atol=1e-4)
+
+
 # Two sequences in block 0: one decoding its first token, one its second (sampled).
 GOOD_STEP: dict[str, list[int]] = {
     "tokens": [10, 11],
