@@ -230,9 +230,9 @@ def next_pow2(n: int) -> int:
 @functools.cache
 def _build() -> Any:
     """The jitted kernels (`triton_decode_kernels`), or None without Triton."""
-    try:
-        from backends.llm import triton_decode_kernels as kernels
-    except Exception:  # Triton not installed, or an install that cannot load here
+    from backends.llm import triton_decode_kernels as kernels
+
+    if not kernels.AVAILABLE:
         return None
     return types.SimpleNamespace(
         one_pass=kernels.paged_decode_kernel,
