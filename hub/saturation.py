@@ -17,6 +17,7 @@ changes where the name goes). Touched only on the event loop.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,13 +49,19 @@ class Saturation:
         self._snapshot = snapshot
         self._clock = clock
         self._entries: dict[str, Saturated] = {}
+        # The earliest `until` of the entries: none has run out before then, so the check
+        # of every request prunes nothing until it comes.
+        self._soonest = math.inf
 
     def __bool__(self) -> bool:
         """Whether any name may be refused now (cheap: checked for every request)."""
         if not self._entries:
             return False
         now = self._clock()
+        if now < self._soonest:
+            return True
         self._entries = {name: e for name, e in self._entries.items() if e.until > now}
+        self._soonest = min((e.until for e in self._entries.values()), default=math.inf)
         return bool(self._entries)
 
     def mark(self, name: str, version: int, kind: str, error: CapacityError) -> None:
@@ -62,7 +69,7 @@ class Saturation:
         split or a reference) are refused for `error.saturated_s` seconds from now."""
         if error.saturated_s <= 0:
             return
-        self._entries[name] = Saturated(
+        entry = self._entries[name] = Saturated(
             model=name,
             version=version,
             kind=kind,
@@ -71,6 +78,7 @@ class Saturation:
             message=str(error),
             snapshot=self._snapshot(),
         )
+        self._soonest = min(self._soonest, entry.until)
 
     def refusal(self, name: str) -> Saturated | None:
         """The remembered refusal a request naming `name` gets now, if any."""

@@ -109,6 +109,10 @@ class Edge:
         # By (model, version, endpoint label): the series a queue-time refusal counts in,
         # looked up once (a label lookup takes a lock and a dict walk on every request).
         self._counted: dict[tuple[str, int, str], tuple[ShedMetrics, Any, Any]] = {}
+        # By model name: the refusal a remembered saturation answers with, rendered once (the
+        # `Saturated` it was rendered for, its headers, its body), while that entry lasts: a
+        # burst's refusals of one model all carry the same message.
+        self._answers: dict[str, tuple[Saturated, tuple[tuple[bytes, bytes], ...], bytes]] = {}
         self._metrics: Any = None  # the HubMetrics the series above belong to
 
     async def refused(self, hub: Any, send: Send) -> bool:
@@ -166,17 +170,26 @@ class Edge:
         # An answered request like any other, in the model's series.
         answered.inc()
         seconds.observe(0.0)
-        message = (
-            f"{saturated.message} (refused at the HTTP edge: a request a moment ago found "
-            "the same queue, still estimated over its bound)"
-        )
-        await _refuse(send, message, saturated.retry_after, version=str(saturated.version))
+        answer = self._answers.get(saturated.model)
+        if answer is None or answer[0] is not saturated:
+            message = (
+                f"{saturated.message} (refused at the HTTP edge: a request a moment ago found "
+                "the same queue, still estimated over its bound)"
+            )
+            error = Unavailable(message, retry_after=saturated.retry_after, code="overloaded")
+            error.headers[VERSION_HEADER] = str(saturated.version)
+            answer = (saturated, *_rendered(error))
+            self._answers[saturated.model] = answer
+        _, headers, body = answer
+        await send({"type": "http.response.start", "status": 503, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
 
     def _counting_in(self, hub: Any) -> None:
         """Count in `hub`'s metrics from now on: a new hub (an app whose lifespan ran again,
         as test clients do) has a registry of its own."""
         if self._metrics is not hub.metrics:
             self._metrics, self._shed, self._model_shed, self._counted = hub.metrics, None, {}, {}
+            self._answers = {}
 
     def _count_saturated(
         self, hub: Any, saturated: Saturated, endpoint: str
@@ -198,10 +211,8 @@ class Edge:
         return counted
 
 
-async def _refuse(send: Send, message: str, retry_after: float, *, version: str = "") -> None:
+async def _refuse(send: Send, message: str, retry_after: float) -> None:
     error = Unavailable(message, retry_after=retry_after, code="overloaded")
-    if version:
-        error.headers[VERSION_HEADER] = version
     # The unread body (at most max_request_body_bytes) is discarded by the server, so the
     # connection stays usable: closing it would make a retrying client pay a new handshake.
     await answer_error(send, error)
@@ -210,8 +221,15 @@ async def _refuse(send: Send, message: str, retry_after: float, *, version: str 
 async def answer_error(send: Send, error: HubError) -> None:
     """Answer `error` in OpenAI's error shape, with its status and headers, from the ingress
     (before any route and FastAPI's own error handlers)."""
+    headers, body = _rendered(error)
+    await send({"type": "http.response.start", "status": error.status_code, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _rendered(error: HubError) -> tuple[tuple[tuple[bytes, bytes], ...], bytes]:
+    """`error`'s answer headers and JSON body (a tuple of headers: the layers that add one
+    copy them, so one rendering may answer many requests)."""
     body = json.dumps(error_body(error.message, error.error_type, error.param, error.code)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.lower().encode(), v.encode()) for k, v in error.headers.items()]
-    await send({"type": "http.response.start", "status": error.status_code, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+    return tuple(headers), body

@@ -49,3 +49,16 @@ def test_a_new_registry_snapshot_forgets_the_refusal() -> None:
     assert saturation.refusal("emb") is not None
     snapshot[0] = object()
     assert saturation.refusal("emb") is None
+
+
+def test_the_board_empties_when_its_last_refusal_runs_out() -> None:
+    """Also where a model's refusal was renewed with a shorter drain time than before."""
+    saturation, now, _ = board()
+    saturation.mark("emb", 1, "embedder", CapacityError("busy", saturated_s=10))
+    saturation.mark("rr", 1, "reranker", CapacityError("busy", saturated_s=0.5))
+    now[0] += 0.6
+    assert saturation and saturation.refusal("rr") is None
+    saturation.mark("emb", 1, "embedder", CapacityError("less busy", saturated_s=0.1))
+    assert saturation
+    now[0] += 0.2
+    assert not saturation and saturation.refusal("emb") is None
