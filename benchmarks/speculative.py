@@ -22,7 +22,8 @@ rotated each round; medians are reported, with
 each speculative arm's tokens/s over the plain target's taken per round, and how many
 greedy answers were the same text as the plain target's (speculation must not change them).
 With llama.cpp's `llama-server` at hand (see `llm_peers.py`), `one_stream` also runs on it,
-with and without `--model-draft` (the pair converted to GGUF F32). Results go to
+without and with the draft (`--model-draft`, `--spec-type draft-simple`, the pair converted
+to GGUF F32; its drafted and accepted tokens read from its log). Results go to
 `benchmarks/results/speculative.json` and `.png`; `--quick` is a smoke run on the quick pair.
 
     python benchmarks/speculative.py [--quick] [--rounds N] [--num-tokens K]
@@ -38,6 +39,7 @@ import json
 import os
 import platform
 import random
+import re
 import statistics
 import sys
 import tempfile
@@ -50,6 +52,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as `python benchmarks/<name>.py` from anywhere
     sys.path.insert(0, str(REPO))
 
+from backends.runtime_config import SpeculativeConfig  # noqa: E402
 from benchmarks import peer_servers  # noqa: E402
 from benchmarks.launch.process import hub_config, hub_process  # noqa: E402
 from benchmarks.llm_peers import CACHE, Request, run_interleaved, run_phase  # noqa: E402
@@ -247,15 +250,25 @@ def measure_llama_cpp(args: argparse.Namespace, pair: Any, work: dict[str, Any],
         tqdm.write(f"llama.cpp skipped: {e}")
         return None
     # The draft flags of llama.cpp builds from 2026 on (`--draft-max` / `--draft-min` left).
-    draft_args = ["--model-draft", str(draft), "--spec-draft-n-max", str(args.num_tokens),
-                  "--spec-draft-n-min", "0", "-td", str(args.threads)]  # fmt: skip
-    out: dict[str, Any] = {"version": peer_servers.llama_version(binary)}
+    # Their `--model-draft` alone only loads the draft: a plain draft model drafts with
+    # `--spec-type draft-simple` (else the type is read from the draft's GGUF metadata, which
+    # a converted Hugging Face model lacks, and nothing is drafted). Drafting stops below the
+    # same probability as the hub's drafts do (`min_draft_probability`, llama.cpp's p_min).
+    p_min = SpeculativeConfig(draft="draft@1").min_draft_probability
+    draft_args = ["--model-draft", str(draft), "--spec-type", "draft-simple",
+                  "--spec-draft-n-max", str(args.num_tokens), "--spec-draft-n-min", "0",
+                  "--spec-draft-p-min", str(p_min), "-td", str(args.threads)]  # fmt: skip
+    out: dict[str, Any] = {"version": peer_servers.llama_version(binary), "draft_p_min": p_min}
     for rnd in range(args.rounds):
         for arm, extra in (("llama.cpp", []), ("llama.cpp-draft", draft_args)):
             try:
                 with peer_servers.llama_server(binary, target, root, args.threads, extra) as ep:
                     asyncio.run(run_phase(ep, [work["one_stream"][0]], 1))
                     phase = asyncio.run(run_phase(ep, work["one_stream"], 1))
+                if extra:
+                    phase["speculation"] = llama_drafts(root / "llama-server.log")
+                    if not phase["speculation"]["proposed"]:
+                        raise RuntimeError("llama-server drafted nothing: speculation was off")
             except (RuntimeError, TimeoutError) as e:  # the hub's figures are kept
                 tqdm.write(f"llama.cpp arm {arm} failed: {str(e)[-400:]}")
                 out.setdefault("failed", {})[arm] = str(e)[-400:]
@@ -263,6 +276,20 @@ def measure_llama_cpp(args: argparse.Namespace, pair: Any, work: dict[str, Any],
             out.setdefault(arm, []).append(phase)
             tqdm.write(f"round {rnd + 1} one_stream {arm}: {phase['tokens_per_s']:.0f} tok/s")
     return out
+
+
+def llama_drafts(log: Path) -> dict[str, Any]:
+    """Drafted and accepted tokens of a llama-server run, from the line its log prints as each
+    request ends ("draft acceptance = r ( a accepted / g generated)"), the warm-up request's
+    (the first) left out."""
+    counts = [
+        (int(m.group(1)), int(m.group(2)))
+        for m in re.finditer(r"draft acceptance = [\d.]+ \(\s*(\d+) accepted /\s*(\d+) generated",
+                             log.read_text(errors="replace"))
+    ][1:]  # fmt: skip
+    accepted, proposed = sum(a for a, _ in counts), sum(g for _, g in counts)
+    rate = round(accepted / proposed, 4) if proposed else None
+    return {"proposed": proposed, "accepted": accepted, "acceptance_rate": rate}
 
 
 def summarize(rounds: list[dict[str, Any]], llama: dict[str, Any] | None) -> dict[str, Any]:
@@ -297,6 +324,10 @@ def summarize(rounds: list[dict[str, Any]], llama: dict[str, Any] | None) -> dic
                 out["one_stream"][arm] = {
                     k: statistics.median(run[k] for run in llama[arm]) for k in keys
                 }
+                if "speculation" in llama[arm][-1]:
+                    speculation = llama[arm][-1]["speculation"]
+                    out["one_stream"][arm]["acceptance_rate"] = speculation["acceptance_rate"]
+                    out["one_stream"][arm]["speculation"] = speculation
         hub = out["one_stream"].get("target-draft")
         if hub and "llama.cpp-draft" in out["one_stream"]:
             hub["over_llama_cpp_draft"] = (
