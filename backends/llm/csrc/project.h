@@ -52,8 +52,10 @@ struct hub_weight {
 static inline int64_t panel_min_rows(const struct hub_weight *w) {
     return w->i8 ? INT8_PANEL_MIN_ROWS : PANEL_MIN_ROWS;
 }
-/* Weight rows of a column block, either way. */
-#define BLOCK_COLUMNS 8
+/* Weight rows of a column block, either way: at most this many (PANEL_COLUMNS, ROW_COLUMNS). */
+#define BLOCK_COLUMNS 16
+_Static_assert(PANEL_COLUMNS <= BLOCK_COLUMNS && ROW_COLUMNS <= BLOCK_COLUMNS,
+               "a column block fits the scratch sized by BLOCK_COLUMNS");
 
 /* The input of a projection: m rows of k floats, ldx apart; the same rows packed into panels
  * when there are enough of them (else NULL), shared by the team; this thread's scratch for
@@ -215,7 +217,8 @@ static void gated(const struct operand *a, const struct hub_weight *gate,
                 gr[c] = g[r * columns + c] + (gate->bias ? gate->bias[n + c] : 0.0f);
                 ur[c] = u[r * columns + c] + (up->bias ? up->bias[n + c] : 0.0f);
             }
-            store8(gr, silu_times(load8(gr), load8(ur)));
+            for (int64_t c = 0; c < columns; c += 8)
+                store8(gr + c, silu_times(load8(gr + c), load8(ur + c)));
             memcpy(act + r * ld + n, gr, sizeof(float) * (size_t)columns);
         }
     }

@@ -33,7 +33,7 @@ LINEAR_TYPES = (torch.nn.Linear, Int8Linear)
 # The kernel's tiles its scratch is sized by: rows of a packed panel (csrc/tiles.h `PANEL`),
 # weight rows of a widened int8 block (csrc/project.h `BLOCK_COLUMNS`), tokens whose attention
 # logits are held at once (csrc/attend.h `ATTEND_CHUNK`).
-_PANEL, _BLOCK_COLUMNS, _ATTEND_CHUNK = 16, 8, 512
+_PANEL, _BLOCK_COLUMNS, _ATTEND_CHUNK = 16, 16, 512
 # Sample rows whose logits a decoder keeps a buffer for (a decode batch of up to this many
 # sequences takes its greedy tokens without allocating anything).
 LOGITS_ROWS = 32

@@ -278,6 +278,35 @@ def test_a_few_rows_of_a_wide_projection_equal_transformers(
     torch.testing.assert_close(decoder(step), expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("intermediate", [1408, 3000])
+@pytest.mark.parametrize("rows", [6, 24, 29, 40])
+def test_a_prompt_chunk_s_panels_equal_transformers(
+    root: Path, rows: int, intermediate: int
+) -> None:
+    """A chunk of six rows or more takes the panel tiles: a narrow panel alone (6), a full
+    panel and a narrow one (24, 40), full panels the last padded (29), against weight rows in
+    whole tiles and a part tile (1,408 and 3,000 are not both multiples of a tile's width):
+    every row's logits equal transformers' at its position."""
+    from transformers import AutoModelForCausalLM
+
+    from backends.tiny import build_tiny_llm
+
+    folder = root / f"wide-{intermediate}"
+    if not (folder / "config.json").is_file():
+        build_tiny_llm(folder, "llama", config_overrides={"intermediate_size": intermediate})
+    runner = make_engine(folder).runner
+    decoder = runner.fused.decoder
+    assert decoder is not None
+    tokens = [(37 * i + 11) % 500 for i in range(rows)]
+    every = list(range(rows))
+    blocks = list(range(-(-rows // runner.block_size)))
+    step = FusedStep(tokens, every, every, blocks, [0] * rows, [i + 1 for i in every], every)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.inference_mode():
+        expected = model(input_ids=torch.tensor([tokens])).logits[0]
+    torch.testing.assert_close(decoder(step), expected, rtol=1e-4, atol=1e-4)
+
+
 # Two sequences in block 0: one decoding its first token, one its second (sampled).
 GOOD_STEP: dict[str, list[int]] = {
     "tokens": [10, 11],
