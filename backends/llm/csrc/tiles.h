@@ -233,9 +233,9 @@ static inline void halves16(v16 a, v8 out[2]) {
  * w_c = w + c * k, c < columns (at most PANEL_COLUMNS; a part tile repeats its last row
  * rather than read past the weights, and its extra columns are left to be ignored). The
  * panel's 16 rows are one 16-wide vector here: per step of k one load and twelve broadcast
- * weights feed twelve multiply-adds. Against the 8-wide tile of six weight rows, 1.68x the
- * multiply-adds a second on one core of the AVX-512 machine this was measured on (222
- * against 133 GFLOP/s, a 128-row prefill's panels against 2,808 weight rows of 512). */
+ * weights feed twelve multiply-adds. Against the 8-wide tile of six weight rows, 1.5x the
+ * multiply-adds a second on one core of the AVX-512 machine this was measured on (200
+ * against 131 GFLOP/s, a 128-row prefill's panels against 2,808 weight rows of 512). */
 __attribute__((noinline)) static void panel_tile(const float *panel, const float *w, int64_t k,
                                                  int64_t columns, v8 acc[][2]) {
     v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0};
