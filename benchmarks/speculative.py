@@ -279,14 +279,19 @@ def measure_llama_cpp(args: argparse.Namespace, pair: Any, work: dict[str, Any],
 
 
 def llama_drafts(log: Path) -> dict[str, Any]:
-    """Drafted and accepted tokens of a llama-server run, from the line its log prints as each
-    request ends ("draft acceptance = r ( a accepted / g generated)"), the warm-up request's
-    (the first) left out."""
+    """Drafted and accepted tokens of a llama-server run, from the line its log prints as a
+    request that drafted ends ("task T | draft acceptance = r ( a accepted / g generated)"),
+    the warm-up request's left out: the task of the first timing line (every request prints
+    its prompt's timing)."""
+    text = log.read_text(errors="replace")
+    first = re.search(r"task (\d+) \| prompt eval time", text)
+    warm_up = first.group(1) if first else None
+    pattern = r"task (\d+) \| draft acceptance = [\d.]+ \(\s*(\d+) accepted /\s*(\d+) generated"
     counts = [
-        (int(m.group(1)), int(m.group(2)))
-        for m in re.finditer(r"draft acceptance = [\d.]+ \(\s*(\d+) accepted /\s*(\d+) generated",
-                             log.read_text(errors="replace"))
-    ][1:]  # fmt: skip
+        (int(m.group(2)), int(m.group(3)))
+        for m in re.finditer(pattern, text)
+        if m.group(1) != warm_up
+    ]
     accepted, proposed = sum(a for a, _ in counts), sum(g for _, g in counts)
     rate = round(accepted / proposed, 4) if proposed else None
     return {"proposed": proposed, "accepted": accepted, "acceptance_rate": rate}

@@ -181,8 +181,7 @@ class Edge:
             answer = (saturated, *_rendered(error))
             self._answers[saturated.model] = answer
         _, headers, body = answer
-        await send({"type": "http.response.start", "status": 503, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+        await _send_rendered(send, 503, headers, body)
 
     def _counting_in(self, hub: Any) -> None:
         """Count in `hub`'s metrics from now on: a new hub (an app whose lifespan ran again,
@@ -221,8 +220,13 @@ async def _refuse(send: Send, message: str, retry_after: float) -> None:
 async def answer_error(send: Send, error: HubError) -> None:
     """Answer `error` in OpenAI's error shape, with its status and headers, from the ingress
     (before any route and FastAPI's own error handlers)."""
-    headers, body = _rendered(error)
-    await send({"type": "http.response.start", "status": error.status_code, "headers": headers})
+    await _send_rendered(send, error.status_code, *_rendered(error))
+
+
+async def _send_rendered(
+    send: Send, status: int, headers: tuple[tuple[bytes, bytes], ...], body: bytes
+) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
 
