@@ -113,7 +113,7 @@ def main() -> None:
     model_runner.fused_rows = timed("inputs", model_runner.fused_rows)
     scheduler.schedule = timed("schedule", scheduler.schedule)  # type: ignore[method-assign]
     scheduler.update = timed("update", scheduler.update)  # type: ignore[method-assign]
-    engine._emit = timed("outputs", engine._emit)  # type: ignore[method-assign]
+    engine.requests.emit = timed("outputs", engine.requests.emit)  # type: ignore[method-assign]
     step = timed("step", engine.step)
     cpu = time.process_time()
     for _ in range(args.steps):
