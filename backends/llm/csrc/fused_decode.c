@@ -52,6 +52,7 @@ struct hub_model {
     const float *embed, *final_norm;
     struct hub_weight lm_head;
     const struct hub_layer *layer;
+    int64_t stream_weights; /* read the weights ahead non-temporally (tiles.h) */
 };
 
 struct hub_step {
@@ -257,9 +258,10 @@ static void layer_step(const struct hub_model *m, const struct hub_layer *l,
         .window = l->window,
         .softcap = 0.0f,
     };
+    const int stream = (int)m->stream_weights;
     struct operand a;
     norm_rows(b->x, b->h, rows, hidden, l->input_norm, m->eps);
-    a = operand(b->h, hidden, rows, hidden, &l->q, b->panels, b->weights, b->blocks);
+    a = operand(b->h, hidden, rows, hidden, &l->q, b->panels, b->weights, b->blocks, stream);
 #ifdef _OPENMP
 #pragma omp for schedule(dynamic, 1)
 #endif
@@ -279,10 +281,10 @@ static void layer_step(const struct hub_model *m, const struct hub_layer *l,
         attend_heads(&lay, b->q + at, s->tables + s->table_starts[r], s->lens[r], kv0, kv1,
                      b->scores, b->att + at);
     }
-    a = operand(b->att, qd, rows, qd, &l->o, b->panels, b->weights, b->blocks);
+    a = operand(b->att, qd, rows, qd, &l->o, b->panels, b->weights, b->blocks, stream);
     project_stage(&a, &l->o, hidden, b->x, 1);
     norm_rows(b->x, b->h, rows, hidden, l->post_norm, m->eps);
-    a = operand(b->h, hidden, rows, hidden, &l->gate, b->panels, b->weights, b->blocks);
+    a = operand(b->h, hidden, rows, hidden, &l->gate, b->panels, b->weights, b->blocks, stream);
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
@@ -291,7 +293,8 @@ static void layer_step(const struct hub_model *m, const struct hub_layer *l,
         task_span(&a, t, m->inter, &n0, &n1);
         gated(&a, &l->gate, &l->up, n0, n1, b->act, m->inter);
     }
-    a = operand(b->act, m->inter, rows, m->inter, &l->down, b->panels, b->weights, b->blocks);
+    a = operand(b->act, m->inter, rows, m->inter, &l->down, b->panels, b->weights, b->blocks,
+                stream);
     project_stage(&a, &l->down, hidden, b->x, 1);
 }
 
@@ -358,7 +361,8 @@ int hub_fused_step(const struct hub_model *m, const struct hub_step *s) {
             rms_norm(b.x + s->sample_rows[i] * hidden, b.h + i * hidden, hidden, m->final_norm,
                      m->eps);
         const struct operand a =
-            operand(b.h, hidden, s->samples, hidden, &m->lm_head, b.panels, b.weights, b.blocks);
+            operand(b.h, hidden, s->samples, hidden, &m->lm_head, b.panels, b.weights, b.blocks,
+                    (int)m->stream_weights);
         project_stage(&a, &m->lm_head, m->vocab, s->logits, 0);
     }
     return HUB_OK;

@@ -65,6 +65,7 @@ struct operand {
     const float *x, *panels;
     float *weights, *blocks;
     int64_t ldx, m, k;
+    int stream; /* the weights' read-ahead is non-temporal (prefetch_weights) */
 };
 
 /* The operand for rows x against weights like w; packs them into `panels` when that pays.
@@ -72,9 +73,9 @@ struct operand {
  * orphaned `omp for`), each packed once, all of them before any thread goes on. */
 static struct operand operand(const float *x, int64_t ldx, int64_t m, int64_t k,
                               const struct hub_weight *w, float *panels, float *weights,
-                              float *blocks) {
+                              float *blocks, int stream) {
     const int pack = m >= panel_min_rows(w);
-    const struct operand a = {x, pack ? panels : NULL, weights, blocks, ldx, m, k};
+    const struct operand a = {x, pack ? panels : NULL, weights, blocks, ldx, m, k, stream};
     if (pack) {
         const struct panels p = panel_layout(m);
 #ifdef _OPENMP
@@ -113,12 +114,14 @@ static const float *weight_rows(const struct hub_weight *w, int64_t n, int64_t c
  * row tile of int8 weights, widened in registers (a few rows read them once, so widening
  * them into scratch first would cost more than the products). */
 __attribute__((noinline)) static void row_tile_i8(const float *x, const int8_t *q,
-                                                  const float *scale, int64_t k, float *out) {
+                                                  const float *scale, int64_t k, float *out,
+                                                  int stream) {
     v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0}, a6 = {0}, a7 = {0};
     const int64_t body = k - k % 8;
     for (int64_t i = 0; i < body; i += 8) {
         if (i % 64 == 0)
-            for (int c = 0; c < ROW_COLUMNS; c++) __builtin_prefetch(q + (ROW_COLUMNS + c) * k + i);
+            for (int c = 0; c < ROW_COLUMNS; c++)
+                prefetch_weights((const float *)(q + (ROW_COLUMNS + c) * k + i), stream);
         const v8 xv = load8(x + i);
         a0 += xv * widen8(q + i);
         a1 += xv * widen8(q + k + i);
@@ -155,13 +158,13 @@ static void column_block(const struct operand *a, const float *wt, int64_t colum
         return;
     }
     if (m > 1 && columns == ROW_COLUMNS) {
-        multi_rows(a->x, a->ldx, m, wt, k, out);
+        multi_rows(a->x, a->ldx, m, wt, k, out, a->stream);
         return;
     }
     for (int64_t r = 0; r < m; r++) {
         const float *xr = a->x + r * a->ldx;
         if (columns == ROW_COLUMNS) {
-            row_tile(xr, wt, k, out + r * columns);
+            row_tile(xr, wt, k, out + r * columns, a->stream);
         } else {
             for (int64_t c = 0; c < columns; c++) out[r * columns + c] = row_dot(xr, wt + c * k, k);
         }
@@ -175,7 +178,8 @@ static void block(const struct operand *a, const struct hub_weight *w, int64_t n
     const int64_t k = a->k;
     if (w->i8 && !a->panels && columns == ROW_COLUMNS) {
         for (int64_t r = 0; r < a->m; r++)
-            row_tile_i8(a->x + r * a->ldx, w->i8 + n * k, w->scale + n, k, out + r * columns);
+            row_tile_i8(a->x + r * a->ldx, w->i8 + n * k, w->scale + n, k, out + r * columns,
+                        a->stream);
         return;
     }
     column_block(a, weight_rows(w, n, columns, k, scratch), columns, out);

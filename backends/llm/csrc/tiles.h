@@ -38,14 +38,29 @@
 /* Weight rows of a row tile. */
 #define ROW_COLUMNS 8
 
+/* Read the weights at p ahead. `stream`: the model's weights are larger than the last-level
+ * cache, so a step reads every byte from memory and none is still there at the next step;
+ * the read-ahead is then non-temporal, which keeps the weights from evicting what the
+ * caches do hold from step to step: the engine's Python between two steps, the event loop
+ * streaming the tokens, a client on the same cores, a draft model's weights. Run cold after
+ * a step that had swept the caches, that code took 1.2-1.6x its time. A model that fits keeps
+ * its weights cached between steps. (The panel tiles, which reuse a block of weight rows
+ * across panels, read ahead as usual.) */
+static inline void prefetch_weights(const float *p, int stream) {
+    if (stream)
+        __builtin_prefetch(p, 0, 0);
+    else
+        __builtin_prefetch(p, 0, 3);
+}
+
 /* x . w over k, four chains of 8-wide multiply-adds along k: the row's bytes in address
  * order; `ahead` (or NULL) is read ahead as far as w is read. */
 static inline float row_dot_ahead(const float *x, const float *w, int64_t k,
-                                  const float *ahead) {
+                                  const float *ahead, int stream) {
     v8 b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
     int64_t i = 0;
     for (; i + 32 <= k; i += 32) {
-        if (ahead) __builtin_prefetch(ahead + i), __builtin_prefetch(ahead + i + 16);
+        if (ahead) prefetch_weights(ahead + i, stream), prefetch_weights(ahead + i + 16, stream);
         b0 += load8(x + i) * load8(w + i);
         b1 += load8(x + i + 8) * load8(w + i + 8);
         b2 += load8(x + i + 16) * load8(w + i + 16);
@@ -59,7 +74,7 @@ static inline float row_dot_ahead(const float *x, const float *w, int64_t k,
 
 /* x . w over k (also each weight row of a product that no whole tile covers). */
 static inline float row_dot(const float *x, const float *w, int64_t k) {
-    return row_dot_ahead(x, w, k, NULL);
+    return row_dot_ahead(x, w, k, NULL, 0);
 }
 
 /* out[c] = x . w_c over k for the ROW_COLUMNS weight rows w_c = w + c * k, one row after
@@ -67,9 +82,9 @@ static inline float row_dot(const float *x, const float *w, int64_t k) {
  * which the hardware prefetchers follow at more of memory's bandwidth than eight streams
  * side by side; x stays in L1 across the rows. The next tile's rows are read ahead. */
 __attribute__((noinline)) static void row_tile(const float *x, const float *w, int64_t k,
-                                               float *out) {
+                                               float *out, int stream) {
     for (int c = 0; c < ROW_COLUMNS; c++)
-        out[c] = row_dot_ahead(x, w + c * k, k, w + (ROW_COLUMNS + c) * k);
+        out[c] = row_dot_ahead(x, w + c * k, k, w + (ROW_COLUMNS + c) * k, stream);
 }
 
 /* Input rows a multi-row tile takes at once: the most a projection below PANEL_MIN_ROWS has
@@ -95,7 +110,7 @@ __attribute__((noinline)) static void row_tile(const float *x, const float *w, i
 #define MULTI_TILE(R)                                                                           \
     __attribute__((noinline)) static void multi_tile_##R(const float *x, int64_t ldx,          \
                                                          const float *w, int64_t k, float *out, \
-                                                         int64_t ldo) {                         \
+                                                         int64_t ldo, int stream) {             \
         const int64_t body = k - k % 16;                                                        \
         const float *x0 = x, *x1 = x + ldx, *x2 = x1 + ldx, *x3 = x2 + ldx, *x4 = x3 + ldx;    \
         for (int c = 0; c < ROW_COLUMNS; c++) {                                                 \
@@ -103,7 +118,7 @@ __attribute__((noinline)) static void row_tile(const float *x, const float *w, i
             v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0};                                \
             v8 b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0}, b4 = {0};                                \
             for (int64_t i = 0; i < body; i += 16) {                                            \
-                __builtin_prefetch(ahead + i);                                                  \
+                prefetch_weights(ahead + i, stream);                                            \
                 const v8 w0 = load8(wc + i), w1 = load8(wc + i + 8);                            \
                 a0 += load8(x0 + i) * w0, b0 += load8(x0 + i + 8) * w1;                        \
                 a1 += load8(x1 + i) * w0, b1 += load8(x1 + i + 8) * w1;                        \
@@ -129,7 +144,7 @@ MULTI_TILE(5)
  * the ROW_COLUMNS weight rows of a block, up to MULTI_ROWS input rows at a time (a block's
  * weights stay in cache while later groups take their turn). */
 static inline void multi_rows(const float *x, int64_t ldx, int64_t m, const float *w, int64_t k,
-                              float *out) {
+                              float *out, int stream) {
     int64_t most = MULTI_X_BYTES / (4 * k);
     most = most < 2 ? 2 : most > MULTI_ROWS ? MULTI_ROWS : most;
     for (int64_t r = 0; r < m;) {
@@ -137,11 +152,11 @@ static inline void multi_rows(const float *x, int64_t ldx, int64_t m, const floa
         const float *xr = x + r * ldx;
         float *o = out + r * ROW_COLUMNS;
         switch (rows) {
-        case 1: row_tile(xr, w, k, o); break;
-        case 2: multi_tile_2(xr, ldx, w, k, o, ROW_COLUMNS); break;
-        case 3: multi_tile_3(xr, ldx, w, k, o, ROW_COLUMNS); break;
-        case 4: multi_tile_4(xr, ldx, w, k, o, ROW_COLUMNS); break;
-        default: multi_tile_5(xr, ldx, w, k, o, ROW_COLUMNS); break;
+        case 1: row_tile(xr, w, k, o, stream); break;
+        case 2: multi_tile_2(xr, ldx, w, k, o, ROW_COLUMNS, stream); break;
+        case 3: multi_tile_3(xr, ldx, w, k, o, ROW_COLUMNS, stream); break;
+        case 4: multi_tile_4(xr, ldx, w, k, o, ROW_COLUMNS, stream); break;
+        default: multi_tile_5(xr, ldx, w, k, o, ROW_COLUMNS, stream); break;
         }
         r += rows;
     }

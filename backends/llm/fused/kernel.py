@@ -67,6 +67,7 @@ class CModel(ctypes.Structure):
         ("final_norm", _p),
         ("lm_head", CWeight),
         ("layer", ctypes.POINTER(CLayer)),
+        ("stream_weights", _i64),
     ]
 
 

@@ -252,6 +252,32 @@ def test_the_thread_count_does_not_change_the_logits(llama: Path) -> None:
     assert torch.equal(one, two)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 5])
+def test_weights_larger_than_the_cache_are_read_ahead_without_changing_a_logit(
+    llama: Path, rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model whose weights outgrow the last-level cache reads them ahead non-temporally
+    (they would not be cached at the next step anyway); a model that fits keeps the ordinary
+    read-ahead. Only where the weights' bytes stay differs, not a logit."""
+    import backends.llm.fused.decoder as fused_decoder
+
+    fits = make_engine(llama).runner.fused.decoder
+    assert fits is not None and fits.weight_bytes > 0
+    cache = fused_decoder.last_level_cache_bytes()
+    assert fits._model.stream_weights == (cache is not None and fits.weight_bytes > cache)
+    monkeypatch.setattr(fused_decoder, "last_level_cache_bytes", lambda: fits.weight_bytes - 1)
+    streams = make_engine(llama).runner.fused.decoder
+    assert streams is not None and streams._model.stream_weights == 1
+    monkeypatch.setattr(fused_decoder, "last_level_cache_bytes", lambda: fits.weight_bytes)
+    cached = make_engine(llama).runner.fused.decoder
+    assert cached is not None and cached._model.stream_weights == 0
+
+    tokens = [(37 * i + 11) % 500 for i in range(rows)]
+    every = list(range(rows))
+    step = FusedStep(tokens, every, every, [0], [0] * rows, [i + 1 for i in every], every)
+    assert torch.equal(streams(step), cached(step))
+
+
 @pytest.mark.parametrize("intermediate", [1408, 3000])
 @pytest.mark.parametrize("rows", [2, 3, 5])
 def test_a_few_rows_of_a_wide_projection_equal_transformers(
