@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from typing import Any
 
 from hub.manager import ModelKey, ModelManager, ModelState
 
@@ -32,11 +33,7 @@ async def budget_watch(manager: ModelManager) -> AsyncIterator[list[int]]:
     async def watch() -> None:
         while True:
             within_budget(manager)
-            if any(
-                t is not None and not t.done()
-                for e in manager._entries.values()
-                for t in (e.load_task, e.evict_task)
-            ):
+            if _under_way(manager):
                 checks[0] += 1
             await asyncio.sleep(0.001)  # ~every step, without starving worker threads
 
@@ -50,15 +47,20 @@ async def budget_watch(manager: ModelManager) -> AsyncIterator[list[int]]:
         within_budget(manager)
 
 
+def _under_way(manager: ModelManager) -> list[asyncio.Task[Any]]:
+    """The loads and evictions not finished yet."""
+    return [
+        t
+        for e in manager._entries.values()
+        for t in (e.load_task, e.evict_task)
+        if t is not None and not t.done()
+    ]
+
+
 async def settled(manager: ModelManager) -> None:
     """Wait until no eviction or load is in progress."""
     for _ in range(10_000):
-        busy = [
-            t
-            for e in manager._entries.values()
-            for t in (e.load_task, e.evict_task)
-            if t is not None and not t.done()
-        ]
+        busy = _under_way(manager)
         if not busy:
             return
         await asyncio.gather(*busy, return_exceptions=True)

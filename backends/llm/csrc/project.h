@@ -121,7 +121,7 @@ __attribute__((noinline)) static void row_tile_i8(const float *x, const int8_t *
     for (int64_t i = 0; i < body; i += 8) {
         if (i % 64 == 0)
             for (int c = 0; c < ROW_COLUMNS; c++)
-                prefetch_weights((const float *)(q + (ROW_COLUMNS + c) * k + i), stream);
+                prefetch_weights(q + (ROW_COLUMNS + c) * k + i, stream);
         const v8 xv = load8(x + i);
         a0 += xv * widen8(q + i);
         a1 += xv * widen8(q + k + i);

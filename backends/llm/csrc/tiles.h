@@ -46,7 +46,7 @@
  * a step that had swept the caches, that code took 1.2-1.6x its time. A model that fits keeps
  * its weights cached between steps. (The panel tiles, which reuse a block of weight rows
  * across panels, read ahead as usual.) */
-static inline void prefetch_weights(const float *p, int stream) {
+static inline void prefetch_weights(const void *p, int stream) {
     if (stream)
         __builtin_prefetch(p, 0, 0);
     else

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import ctypes
-import functools
-import os
 import time
 from array import array
 from collections.abc import Callable, Mapping
@@ -14,6 +12,7 @@ import torch
 
 from backends.llm.attention import AttentionParams
 from backends.llm.cpu_kernels import PagedDecodeKernel
+from backends.llm.fused.caches import last_level_cache_bytes, streams_weights
 from backends.llm.fused.kernel import CLayer, CModel, CStep, CWeight, FusedKernel, bptr, fptr
 from backends.llm.fused.step import FusedStep
 from backends.llm.fused.threads import ThreadChoice
@@ -39,41 +38,6 @@ _PANEL, _BLOCK_COLUMNS, _ATTEND_CHUNK = 16, 16, 512
 # Sample rows whose logits a decoder keeps a buffer for (a decode batch of up to this many
 # sequences takes its greedy tokens without allocating anything).
 LOGITS_ROWS = 32
-_CPU_CACHES = "/sys/devices/system/cpu/cpu0/cache"
-
-
-@functools.cache
-def last_level_cache_bytes() -> int | None:
-    """The size of the CPU's largest cache (L3 on a server; what sysfs reports for CPU 0, else
-    glibc's `sysconf`), None where neither says."""
-    sizes = []
-    try:
-        for index in os.listdir(_CPU_CACHES):
-            if index.startswith("index"):
-                with open(os.path.join(_CPU_CACHES, index, "size")) as f:
-                    text = f.read().strip().upper()
-                scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
-                sizes.append(int(text.rstrip("KMG")) * scale)
-    except (OSError, ValueError):
-        sizes = []
-    if not sizes:
-        for name in ("SC_LEVEL3_CACHE_SIZE", "SC_LEVEL2_CACHE_SIZE"):
-            try:
-                size = os.sysconf(name)
-            except (OSError, ValueError):
-                continue
-            if size > 0:
-                sizes.append(size)
-    return max(sizes) if sizes else None
-
-
-def streams_weights(weight_bytes: int, cache_bytes: int | None) -> bool:
-    """Whether a step reads its weights ahead non-temporally (`prefetch_weights` in
-    csrc/tiles.h): where they outgrow the last-level cache, every step reads all of them
-    from memory anyway, and keeping them out of the caches leaves those to what does come
-    back each step (the Python around the step, the event loop, a draft model's weights).
-    A model that fits keeps its weights cached; an unknown cache size changes nothing."""
-    return cache_bytes is not None and weight_bytes > cache_bytes
 
 
 def scratch_floats(
@@ -240,7 +204,9 @@ class FusedDecoder:
         _, num_blocks, block_size, _, _ = kv_caches[0].shape
         self._kernel = kernel
         self._keep: list[torch.Tensor] = []  # every tensor the structs point into
-        self._weight_bytes = 0  # of the linear layers pointed at so far (`_weight`)
+        # The bytes a one-row step reads: every linear layer's weights (int8 ones with their
+        # scales), the LM head's included; `_weight` adds each layer's.
+        self.weight_bytes = 0
         self.kv_caches = kv_caches
         self.max_rows = max_rows
         self.threads = threads
@@ -275,9 +241,6 @@ class FusedDecoder:
         m.final_norm = self._ptr(inner.norm.weight)
         m.lm_head = self._weight(model.lm_head, slice(None))
         m.layer = self._layers
-        # The bytes a one-row step reads: every linear layer's weights (int8 ones with their
-        # scales), the LM head's included.
-        self.weight_bytes = self._weight_bytes
         m.stream_weights = int(streams_weights(self.weight_bytes, last_level_cache_bytes()))
         self._work = torch.empty(kernel.work_floats(m, max_rows), dtype=torch.float32)
         self._work_address = self._work.data_ptr()
@@ -435,10 +398,11 @@ class FusedDecoder:
             w.i8 = bptr(weight)
             scale = linear.scale[rows].float().contiguous()
             w.scale = self._ptr(scale)
-            self._weight_bytes += weight.nbytes + scale.nbytes
+            self.weight_bytes += weight.nbytes + scale.nbytes
         else:
-            w.f32 = self._ptr(linear.weight[rows])
-            self._weight_bytes += linear.weight[rows].nbytes
+            weight = linear.weight[rows]
+            w.f32 = self._ptr(weight)
+            self.weight_bytes += weight.nbytes
         w.bias = self._ptr(None if linear.bias is None else linear.bias[rows])
         return w
 
